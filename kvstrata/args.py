@@ -1,0 +1,267 @@
+"""ServerArgs: every setting of kvstrata in one frozen dataclass; the CLI is generated from it.
+
+Flag names follow SGLang (`--model-path`, `--page-size`, `--hicache-ratio`, ...) so that existing launch
+scripts work unchanged. `resolve()` returns a copy with derived values filled in (device, dtype, seed);
+nothing mutates a ServerArgs after start-up.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import random
+import types
+import typing
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+
+class ConfigError(ValueError):
+    """An invalid setting or combination of settings, raised at start-up."""
+
+
+def _opt(help: str, choices: Optional[list] = None, cli: bool = True) -> dict:
+    return {"help": help, "choices": choices, "cli": cli}
+
+
+SCHEDULE_POLICIES = ["fcfs", "lpm"]
+EVICTION_POLICIES = ["lru", "lfu", "fifo", "priority"]
+WRITE_POLICIES = ["write_through", "write_through_selective", "write_back"]
+MEM_LAYOUTS = ["layer_first", "page_first"]
+STORAGE_BACKENDS = ["file", "mooncake"]
+PREFETCH_POLICIES = ["best_effort", "wait_complete", "timeout"]
+DTYPES = ["auto", "bfloat16", "float32", "float16"]
+
+
+@dataclass(frozen=True)
+class ServerArgs:
+    """All configuration. Field names are SGLang's where SGLang has the setting."""
+
+    # --- model ---
+    model_path: str = field(default="tiny", metadata=_opt(
+        "Local Hugging Face checkpoint folder, or a built-in model: 'tiny' (default) or 'bench'."))
+    tokenizer_path: Optional[str] = field(default=None, metadata=_opt("Tokenizer folder (default: model path)."))
+    served_model_name: Optional[str] = field(default=None, metadata=_opt(
+        "Model name reported by the API (default: model path)."))
+    dtype: str = field(default="auto", metadata=_opt(
+        "Weight and KV dtype. 'auto': bfloat16 on CUDA and on CPUs with AVX-512 BF16/AMX, else float32.", DTYPES))
+    context_length: Optional[int] = field(default=None, metadata=_opt(
+        "Maximum context length (default: the model's max_position_embeddings)."))
+    device: str = field(default="auto", metadata=_opt("Device: 'auto', 'cpu' or 'cuda'.", ["auto", "cpu", "cuda"]))
+    random_seed: Optional[int] = field(default=None, metadata=_opt("Seed for unseeded sampling (default: random)."))
+    num_threads: Optional[int] = field(default=None, metadata=_opt(
+        "torch intra-op threads on CPU (default: torch's choice)."))
+
+    # --- HTTP server ---
+    host: str = field(default="127.0.0.1", metadata=_opt("HTTP host to bind."))
+    port: int = field(default=30000, metadata=_opt("HTTP port."))
+    api_key: Optional[str] = field(default=None, metadata=_opt("Require this API key (Bearer token)."))
+    log_level: str = field(default="info", metadata=_opt(
+        "Logging level.", ["debug", "info", "warning", "error", "critical"]))
+
+    # --- device KV pool (L1) and scheduling ---
+    page_size: int = field(default=1, metadata=_opt("Tokens per KV page."))
+    max_total_tokens: Optional[int] = field(default=None, metadata=_opt(
+        "Size of the device KV pool in tokens (default: from --mem-fraction-static)."))
+    mem_fraction_static: Optional[float] = field(default=None, metadata=_opt(
+        "Fraction of device memory for weights + KV pool (CUDA: 0.85 of free memory; CPU: 0.25 of RAM)."))
+    max_running_requests: Optional[int] = field(default=None, metadata=_opt(
+        "Maximum number of requests decoding at once (default: 256)."))
+    chunked_prefill_size: Optional[int] = field(default=None, metadata=_opt(
+        "Maximum prefill tokens per forward step; longer prompts are chunked (default 2048 on CPU, 8192 on "
+        "CUDA; -1 disables chunking)."))
+    max_prefill_tokens: int = field(default=16384, metadata=_opt(
+        "Maximum prompt tokens admitted into one prefill step when chunking is disabled."))
+    schedule_policy: str = field(default="fcfs", metadata=_opt(
+        "Order of the waiting queue: fcfs, or lpm (longest cached prefix first).", SCHEDULE_POLICIES))
+
+    # --- L1 radix cache ---
+    disable_radix_cache: bool = field(default=False, metadata=_opt("Disable prefix sharing (RadixAttention)."))
+    radix_eviction_policy: str = field(default="lru", metadata=_opt(
+        "Eviction policy of the radix tree.", EVICTION_POLICIES))
+
+    # --- L2 host tier (HiCache) ---
+    enable_hierarchical_cache: bool = field(default=False, metadata=_opt(
+        "Add the host-memory tier (L2) under the radix cache."))
+    hicache_ratio: float = field(default=2.0, metadata=_opt("Host pool size as a multiple of the device pool."))
+    hicache_size: int = field(default=0, metadata=_opt("Host pool size in GB (overrides --hicache-ratio)."))
+    hicache_write_policy: str = field(default="write_through", metadata=_opt(
+        "When device pages are copied to host.", WRITE_POLICIES))
+    hicache_mem_layout: str = field(default="layer_first", metadata=_opt("Host pool layout.", MEM_LAYOUTS))
+
+    # --- L3 storage tier ---
+    hicache_storage_backend: Optional[str] = field(default=None, metadata=_opt(
+        "Storage tier (L3) backend.", STORAGE_BACKENDS))
+    hicache_storage_prefetch_policy: str = field(default="best_effort", metadata=_opt(
+        "How long a request waits for its L3 prefetch.", PREFETCH_POLICIES))
+    hicache_storage_backend_extra_config: Optional[str] = field(default=None, metadata=_opt(
+        "JSON object (or @path to a JSON file) with backend settings."))
+    hicache_storage_dir: Optional[str] = field(default=None, metadata=_opt(
+        "Directory of the file backend (default: $KVSTRATA_STORAGE_DIR or ~/.cache/kvstrata/kv)."))
+
+    # --- structured output ---
+    grammar_backend: str = field(default="xgrammar", metadata=_opt(
+        "Constrained decoding backend.", ["xgrammar", "none"]))
+
+    # ------------------------------------------------------------------ CLI
+    @staticmethod
+    def add_cli_args(parser: argparse.ArgumentParser) -> None:
+        """Add one `--flag-name` per field to `parser`."""
+        for f in dataclasses.fields(ServerArgs):
+            if not f.metadata.get("cli", True):
+                continue
+            flag = "--" + f.name.replace("_", "-")
+            kind = _base_type(f.type)
+            kwargs: dict[str, Any] = {"dest": f.name, "help": f.metadata.get("help"), "default": f.default}
+            if kind is bool:
+                parser.add_argument(flag, action=argparse.BooleanOptionalAction, **kwargs)
+                continue
+            if f.metadata.get("choices"):
+                kwargs["choices"] = f.metadata["choices"]
+            parser.add_argument(flag, type=kind, **kwargs)
+
+    @staticmethod
+    def from_cli_args(ns: argparse.Namespace) -> ServerArgs:
+        """Build ServerArgs from parsed CLI arguments (unknown attributes are ignored)."""
+        names = {f.name for f in dataclasses.fields(ServerArgs)}
+        return ServerArgs(**{k: v for k, v in vars(ns).items() if k in names})
+
+    @staticmethod
+    def from_kwargs(**kwargs: Any) -> ServerArgs:
+        """Build ServerArgs from keyword arguments, naming any unknown one."""
+        names = {f.name for f in dataclasses.fields(ServerArgs)}
+        unknown = sorted(set(kwargs) - names)
+        if unknown:
+            raise ConfigError(f"unknown server argument(s): {', '.join(unknown)}")
+        return ServerArgs(**kwargs)
+
+    # ------------------------------------------------------------------ checks
+    def __post_init__(self) -> None:
+        self._check()
+
+    def _check(self) -> None:
+        for f in dataclasses.fields(self):
+            choices = f.metadata.get("choices")
+            value = getattr(self, f.name)
+            if choices and value is not None and value not in choices:
+                raise ConfigError(f"--{_flag(f.name)} must be one of {choices}, got {value!r}")
+        _positive(self, "page_size", "max_total_tokens", "max_running_requests", "context_length",
+                  "max_prefill_tokens", "num_threads")
+        if self.port <= 0 or self.port > 65535:
+            raise ConfigError(f"--port must be in 1..65535, got {self.port}")
+        if self.chunked_prefill_size is not None and self.chunked_prefill_size != -1:
+            if self.chunked_prefill_size <= 0:
+                raise ConfigError("--chunked-prefill-size must be positive or -1 (disabled)")
+            if self.chunked_prefill_size % self.page_size:
+                raise ConfigError(
+                    f"--chunked-prefill-size ({self.chunked_prefill_size}) must be a multiple of "
+                    f"--page-size ({self.page_size})")
+        if self.mem_fraction_static is not None and not 0 < self.mem_fraction_static < 1:
+            raise ConfigError("--mem-fraction-static must be in (0, 1)")
+        if self.max_total_tokens is not None and self.max_total_tokens < self.page_size:
+            raise ConfigError("--max-total-tokens must hold at least one page")
+        if self.enable_hierarchical_cache and self.disable_radix_cache:
+            raise ConfigError("--enable-hierarchical-cache needs the radix cache; drop --disable-radix-cache")
+        if self.hicache_ratio <= 1 and not self.hicache_size:
+            raise ConfigError(f"--hicache-ratio must be > 1 (the host pool must be larger than the device "
+                              f"pool), got {self.hicache_ratio}")
+        if self.hicache_size < 0:
+            raise ConfigError("--hicache-size must be >= 0")
+        if self.hicache_storage_backend and not self.enable_hierarchical_cache:
+            raise ConfigError("--hicache-storage-backend needs --enable-hierarchical-cache")
+        if self.hicache_storage_backend_extra_config:
+            self.storage_extra_config()  # raises on bad JSON
+
+    # ------------------------------------------------------------------ derived values
+    def resolve(self) -> ServerArgs:
+        """Return a copy with every 'auto'/None that has a derived value filled in."""
+        import torch
+
+        device = self.device
+        if device == "auto":
+            device = "cuda" if torch.cuda.is_available() else "cpu"
+        if device == "cuda" and not torch.cuda.is_available():
+            raise ConfigError("--device cuda requested but CUDA is not available")
+        dtype = self.dtype
+        if dtype == "auto":
+            dtype = "bfloat16" if device == "cuda" or cpu_has_fast_bf16() else "float32"
+        chunk = self.chunked_prefill_size
+        if chunk is None:
+            chunk = 8192 if device == "cuda" else 2048
+            chunk -= chunk % self.page_size
+        return dataclasses.replace(
+            self,
+            device=device,
+            dtype=dtype,
+            tokenizer_path=self.tokenizer_path or self.model_path,
+            served_model_name=self.served_model_name or self.model_path,
+            random_seed=self.random_seed if self.random_seed is not None else random.randrange(1 << 30),
+            max_running_requests=self.max_running_requests or 256,
+            chunked_prefill_size=chunk,
+        )
+
+    def storage_extra_config(self) -> dict:
+        """The parsed `--hicache-storage-backend-extra-config` (inline JSON or @file)."""
+        raw = self.hicache_storage_backend_extra_config
+        if not raw:
+            return {}
+        try:
+            if raw.startswith("@"):
+                with open(raw[1:]) as fh:
+                    raw = fh.read()
+            value = json.loads(raw)
+        except (OSError, json.JSONDecodeError) as e:
+            raise ConfigError(f"--hicache-storage-backend-extra-config is not valid JSON: {e}") from e
+        if not isinstance(value, dict):
+            raise ConfigError("--hicache-storage-backend-extra-config must be a JSON object")
+        return value
+
+    def to_dict(self) -> dict:
+        """Plain dict of all settings, with the API key hidden."""
+        d = dataclasses.asdict(self)
+        if d.get("api_key"):
+            d["api_key"] = "***"
+        return d
+
+    @property
+    def url(self) -> str:
+        """Base URL of the HTTP server."""
+        return f"http://{self.host}:{self.port}"
+
+
+def cpu_has_fast_bf16() -> bool:
+    """True when the CPU has native bf16 matmul (AVX-512 BF16 or AMX)."""
+    try:
+        with open("/proc/cpuinfo") as fh:
+            flags = fh.read()
+    except OSError:
+        return False
+    return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
+def env_flag(name: str, default: str = "") -> str:
+    """Read a KVSTRATA_* environment variable (the one place env vars are read)."""
+    return os.environ.get(name, default)
+
+
+def _flag(name: str) -> str:
+    return name.replace("_", "-")
+
+
+def _positive(args: ServerArgs, *names: str) -> None:
+    for name in names:
+        value = getattr(args, name)
+        if value is not None and value <= 0:
+            raise ConfigError(f"--{_flag(name)} must be positive, got {value}")
+
+
+def _base_type(tp: Any) -> type:
+    """int for 'Optional[int]' etc.; annotations are strings under `from __future__ import annotations`."""
+    if isinstance(tp, str):
+        tp = eval(tp, {"Optional": Optional, **vars(typing)})  # our own annotations only
+    if typing.get_origin(tp) in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(tp) if a is not type(None)]
+        tp = args[0]
+    return tp

@@ -1,0 +1,17 @@
+"""Benchmarks: `kvstrata bench <name>` dispatches to bench/<name>.py's main(argv)."""
+
+from __future__ import annotations
+
+import importlib
+import sys
+
+BENCHMARKS = {"engine": "kvstrata.bench.engine_bench"}
+
+
+def main(argv: list[str]) -> int:
+    """Run the benchmark named by argv[0]."""
+    if not argv or argv[0] not in BENCHMARKS:
+        print(f"usage: kvstrata bench {{{','.join(BENCHMARKS)}}} [flags]", file=sys.stderr)
+        return 2
+    module = importlib.import_module(BENCHMARKS[argv[0]])
+    return module.main(argv[1:]) or 0

@@ -1,0 +1,103 @@
+"""`kvstrata bench engine`: prefill TTFT and decode speed of the offline engine next to transformers.
+
+Measures, on one model and thread count, in one run (ratios are what to compare on a noisy machine):
+TTFT of an N-token prompt, single-stream decode tokens/s at context N, aggregate decode tokens/s with
+S concurrent streams, and transformers' forward / generate on the same weights.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import time
+
+import torch
+
+
+def _timeit(fn, repeat: int) -> float:
+    fn()  # warm-up
+    times = []
+    for _ in range(repeat):
+        t = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t)
+    return statistics.median(times)
+
+
+def bench_kvstrata(args) -> dict:
+    """TTFT and decode rates through kvstrata.Engine."""
+    import kvstrata
+
+    eng = kvstrata.Engine(model_path=args.model_path, dtype=args.dtype, disable_radix_cache=True,
+                          max_total_tokens=args.streams * (args.context + args.decode_tokens) + 1024,
+                          num_threads=args.threads, random_seed=0, chunked_prefill_size=args.context)
+    vocab = eng.scheduler.runner.vocab_size
+    rng = random.Random(0)
+
+    def prompt(n: int) -> list[int]:
+        return [rng.randrange(100, vocab - 1) for _ in range(n)]
+
+    greedy1 = {"temperature": 0, "max_new_tokens": 1, "ignore_eos": True}
+    ttft = _timeit(lambda: eng.generate(input_ids=prompt(args.context), sampling_params=greedy1), args.repeat)
+    n = args.decode_tokens
+    decode = {"temperature": 0, "max_new_tokens": n + 1, "ignore_eos": True}
+    t = time.perf_counter()
+    eng.generate(input_ids=prompt(args.context), sampling_params=decode)
+    single = n / (time.perf_counter() - t - ttft)
+    prompts = [prompt(args.context) for _ in range(args.streams)]
+    t = time.perf_counter()
+    eng.generate(input_ids=prompts, sampling_params=decode)
+    total = time.perf_counter() - t
+    multi = args.streams * n / max(1e-9, total - args.streams * ttft)
+    eng.shutdown()
+    return {"ttft_s": ttft, "decode_tok_s_1": single, "decode_tok_s_multi": multi}
+
+
+def bench_transformers(args) -> dict:
+    """Forward time and decode rate of transformers on the same checkpoint."""
+    from transformers import AutoModelForCausalLM
+
+    from kvstrata.model.builtin import resolve_model_path
+
+    dtype = {"bfloat16": torch.bfloat16, "float32": torch.float32}[args.dtype]
+    model = AutoModelForCausalLM.from_pretrained(resolve_model_path(args.model_path), dtype=dtype).eval()
+    ids = torch.randint(100, model.config.vocab_size - 1, (1, args.context))
+    with torch.inference_mode():
+        fwd = _timeit(lambda: model(ids, logits_to_keep=1), args.repeat)
+        n = args.decode_tokens
+        t = time.perf_counter()
+        model.generate(ids, max_new_tokens=n + 1, min_new_tokens=n + 1, do_sample=False)
+        single = n / (time.perf_counter() - t - fwd)
+    return {"forward_s": fwd, "decode_tok_s_1": single}
+
+
+def main(argv: list[str] | None = None) -> int:
+    """CLI entry point."""
+    p = argparse.ArgumentParser(prog="kvstrata bench engine", description=__doc__)
+    p.add_argument("--model-path", default="bench")
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--context", type=int, default=2048)
+    p.add_argument("--decode-tokens", type=int, default=64)
+    p.add_argument("--streams", type=int, default=16)
+    p.add_argument("--repeat", type=int, default=3)
+    p.add_argument("--skip-transformers", action="store_true")
+    args = p.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    ours = bench_kvstrata(args)
+    result = {"config": vars(args), "kvstrata": ours}
+    if not args.skip_transformers:
+        hf = bench_transformers(args)
+        result["transformers"] = hf
+        result["ttft_vs_transformers_forward"] = ours["ttft_s"] / hf["forward_s"]
+    result["multi_over_single_decode"] = ours["decode_tok_s_multi"] / ours["decode_tok_s_1"]
+    print(json.dumps(result, indent=2))
+    print(f"\nkvstrata: TTFT({args.context}) {ours['ttft_s'] * 1000:.0f} ms | decode 1 stream "
+          f"{ours['decode_tok_s_1']:.1f} tok/s | {args.streams} streams {ours['decode_tok_s_multi']:.1f} tok/s")
+    if "transformers" in result:
+        hf = result["transformers"]
+        print(f"transformers: forward({args.context}) {hf['forward_s'] * 1000:.0f} ms | decode 1 stream "
+              f"{hf['decode_tok_s_1']:.1f} tok/s | TTFT ratio {result['ttft_vs_transformers_forward']:.2f}")
+    return 0

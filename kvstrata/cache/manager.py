@@ -1,0 +1,196 @@
+"""KVCacheManager: the one cache facade the scheduler sees.
+
+It owns the L1 page allocator, the request-to-slot table and (unless disabled) the radix tree, and
+keeps the page ownership rule: every allocatable device page belongs to exactly one of
+{free list, radix tree, one running request}. A request's pages split at `req.tree_len`:
+
+    tokens [0, tree_len)        pages owned by the tree, locked through req.last_node
+    tokens [tree_len, slot_len) the request's private pages (freed or handed to the tree on commit)
+
+Verbs: `match` (look up and lock the cached prefix), `reserve` (slots for new tokens, evicting if needed),
+`commit` (hand computed full pages to the tree), `release` (request done: commit, unlock, free),
+`check_integrity`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Optional
+
+import torch
+
+from kvstrata.memory.allocator import PageAllocator, pages_needed, pages_of_slots, slots_for_extend
+from kvstrata.memory.req_slots import ReqSlotTable
+from kvstrata.runtime.req import Req
+
+
+class KVCacheManager:
+    """Allocation, prefix reuse and accounting of the device KV pool."""
+
+    def __init__(self, allocator: PageAllocator, slot_table: ReqSlotTable, tree=None):
+        self.allocator = allocator
+        self.slot_table = slot_table
+        self.tree = tree
+        self.page_size = allocator.page_size
+
+    # ------------------------------------------------------------------ capacity
+    def available_pages(self) -> int:
+        """Pages obtainable now: free plus evictable from the tree."""
+        evictable = self.tree.evictable_size() // self.page_size if self.tree is not None else 0
+        return self.allocator.free_pages + evictable
+
+    def pages_for(self, req: Req, num_new: int) -> int:
+        """New pages `req` needs to get slots for `num_new` more tokens."""
+        return pages_needed(req.slot_len, req.slot_len + num_new, self.page_size)
+
+    # ------------------------------------------------------------------ admission
+    def admit(self, req: Req) -> bool:
+        """Give `req` a slot-table row and match its cached prefix. False when no row is free."""
+        row = self.slot_table.alloc()
+        if row is None:
+            return False
+        req.row = row
+        req.kv_len = req.slot_len = req.tree_len = 0
+        self.match(req)
+        return True
+
+    def match(self, req: Req) -> int:
+        """Look up the longest cached prefix of req's tokens, lock it, use its slots. Returns its length."""
+        if self.tree is None:
+            return 0
+        limit = req.fill_len - 1          # at least one token is computed, to get logits
+        if req.wants_prompt_logprobs:
+            limit = min(limit, req.logprob_start_len)   # logits of those positions are needed
+        if limit <= 0:
+            return 0
+        result = self.tree.match_prefix(req.fill_ids[:limit], namespace=req.namespace)
+        n = result.length
+        self.tree.inc_lock_ref(result.last_node)
+        req.last_node = result.last_node
+        if n:
+            self.slot_table.write(req.row, 0, result.slots)
+        req.kv_len = req.slot_len = req.tree_len = n
+        return n
+
+    def reserve(self, req: Req, num_new: int) -> bool:
+        """Assign slots to req's next `num_new` tokens, evicting from the tree if needed. All or nothing."""
+        need = self.pages_for(req, num_new)
+        if need and not self.ensure_free_pages(need):
+            return False
+        pages = self.allocator.alloc(need) if need else []
+        last_slot = int(self.slot_table.table[req.row, req.slot_len - 1]) if req.slot_len else None
+        slots = slots_for_extend(last_slot, req.slot_len, num_new, pages, self.page_size)
+        self.slot_table.write(req.row, req.slot_len, slots.to(self.slot_table.table.device))
+        req.slot_len += num_new
+        return True
+
+    def ensure_free_pages(self, num_pages: int) -> bool:
+        """Evict from the tree until `num_pages` are free. False if impossible."""
+        short = num_pages - self.allocator.free_pages
+        if short > 0 and self.tree is not None:
+            self.tree.evict(short * self.page_size)
+        return self.allocator.free_pages >= num_pages
+
+    # ------------------------------------------------------------------ commit / release
+    def commit(self, req: Req) -> None:
+        """Hand req's computed full pages to the tree, so that other requests can share them now."""
+        if self.tree is None:
+            return
+        upto = req.kv_len - req.kv_len % self.page_size
+        if upto <= req.tree_len:
+            return
+        tokens = req.fill_ids[:upto]
+        slots = self.slot_table.read(req.row, upto)
+        already = self.tree.insert(tokens, slots.clone(), namespace=req.namespace)
+        if already > req.tree_len:
+            # Another request cached [tree_len, already) first: our copies of those pages are duplicates.
+            self.allocator.free(pages_of_slots(slots[req.tree_len:already], self.page_size))
+        result = self.tree.match_prefix(tokens, namespace=req.namespace)
+        assert result.length == upto, f"commit: matched {result.length} of {upto} inserted tokens"
+        self.slot_table.write(req.row, 0, result.slots)
+        self.tree.inc_lock_ref(result.last_node)
+        if req.last_node is not None:
+            self.tree.dec_lock_ref(req.last_node)
+        req.last_node = result.last_node
+        req.tree_len = upto
+
+    def release(self, req: Req, cache: bool = True) -> None:
+        """Request done (finished, aborted or retracted): optionally commit, then free everything it holds."""
+        if req.row is None:
+            return
+        if cache:
+            self.commit(req)
+        self.allocator.free(self.private_pages(req))
+        if self.tree is not None and req.last_node is not None:
+            self.tree.dec_lock_ref(req.last_node)
+        self.slot_table.free(req.row)
+        req.row = req.last_node = None
+        req.kv_len = req.slot_len = req.tree_len = 0
+
+    def private_pages(self, req: Req) -> list[int]:
+        """Pages of req that are neither free nor the tree's."""
+        if req.row is None or req.slot_len <= req.tree_len:
+            return []
+        slots = self.slot_table.read(req.row, req.slot_len)[req.tree_len:]
+        return pages_of_slots(slots, self.page_size).tolist()
+
+    def slots_of(self, req: Req, start: int, end: int) -> torch.Tensor:
+        """Slots of req's tokens [start, end)."""
+        return self.slot_table.table[req.row, start:end]
+
+    # ------------------------------------------------------------------ maintenance
+    def flush(self) -> None:
+        """Empty the tree (the caller makes sure no request is running)."""
+        if self.tree is not None:
+            self.tree.reset()
+
+    def check_integrity(self, running: Iterable[Req]) -> None:
+        """Assert that every device page has exactly one owner and every row one request."""
+        running = list(running)
+        owned: dict[int, str] = {}
+
+        def claim(page: int, owner: str) -> None:
+            if page in owned:
+                raise AssertionError(f"page {page} owned by both {owned[page]} and {owner}")
+            owned[page] = owner
+
+        for page in self.allocator.free_page_ids():
+            claim(page, "free list")
+        if self.tree is not None:
+            self.tree.check_integrity()
+            for page in self.tree.owned_pages():
+                claim(page, "radix tree")
+        for req in running:
+            for page in self.private_pages(req):
+                claim(page, f"request {req.rid}")
+        expected = set(range(self.allocator.reserved_pages, self.allocator.num_pages))
+        missing = expected - set(owned)
+        if missing:
+            raise AssertionError(f"{len(missing)} leaked device pages (no owner): {sorted(missing)[:16]}")
+        rows_in_use = self.slot_table.max_requests - self.slot_table.free_rows
+        if rows_in_use != len(running):
+            raise AssertionError(f"{rows_in_use} slot-table rows in use for {len(running)} running requests")
+
+    def stats(self) -> dict:
+        """Pool occupancy numbers for /server_info."""
+        out = {
+            "free_pages": self.allocator.free_pages,
+            "capacity_pages": self.allocator.capacity_pages,
+            "page_size": self.page_size,
+        }
+        if self.tree is not None:
+            out["cache_pages"] = self.tree.total_size() // self.page_size
+            out["evictable_tokens"] = self.tree.evictable_size()
+            out["protected_tokens"] = self.tree.protected_size()
+        else:
+            out["cache_pages"] = 0
+        return out
+
+
+def optional_tree(disable: bool, allocator: PageAllocator, eviction_policy: str) -> Optional[object]:
+    """The radix tree, or None when prefix caching is disabled."""
+    if disable:
+        return None
+    from kvstrata.cache.radix_cache import RadixCache
+
+    return RadixCache(allocator, allocator.page_size, eviction_policy=eviction_policy)

@@ -1,0 +1,35 @@
+"""The `kvstrata` command: `kvstrata serve [server flags]`, `kvstrata bench <name> [flags]`."""
+
+from __future__ import annotations
+
+import sys
+
+USAGE = """usage: kvstrata <command> [flags]
+
+commands:
+  serve         start the HTTP server (same flags as python -m kvstrata.launch_server; --help lists them)
+  bench NAME    run a benchmark: engine (offline engine vs transformers)
+"""
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Dispatch to a subcommand."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help"):
+        print(USAGE)
+        return 0
+    command, rest = argv[0], argv[1:]
+    if command == "serve":
+        from kvstrata.server.launch import main as serve_main
+
+        return serve_main(rest) or 0
+    if command == "bench":
+        from kvstrata.bench import main as bench_main
+
+        return bench_main(rest) or 0
+    print(f"kvstrata: unknown command {command!r}\n\n{USAGE}", file=sys.stderr)
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1 @@
+"""Models: config and safetensors loading, tokenizers, Llama-family architectures, paged attention, built-ins."""

@@ -1,0 +1,67 @@
+"""SchedulerLoop: drives a Scheduler from an inbox of messages, in a thread (Engine) or a process (server).
+
+Transport-agnostic: `recv(block)` returns a list of incoming messages, `send(obj)` delivers outputs.
+The model loop never waits on the frontend: it only blocks for input when it has nothing to compute.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+
+from kvstrata.runtime.messages import (
+    AbortReq,
+    BatchOutput,
+    ControlOut,
+    FlushCacheReq,
+    GetStateReq,
+    TokenizedGenerateReq,
+)
+from kvstrata.runtime.scheduler import Scheduler
+
+logger = logging.getLogger(__name__)
+
+
+class SchedulerLoop:
+    """recv → handle → step → send, until `stop()` is called."""
+
+    def __init__(self, scheduler: Scheduler, recv: Callable[[bool], list], send: Callable[[object], None]):
+        self.scheduler = scheduler
+        self.recv = recv
+        self.send = send
+        self.running = True
+
+    def stop(self) -> None:
+        """Ask the loop to exit after the current step."""
+        self.running = False
+
+    def run(self) -> None:
+        """Run until stopped."""
+        while self.running:
+            self.run_once()
+
+    def run_once(self) -> None:
+        """Handle pending messages, then one scheduler step."""
+        s = self.scheduler
+        messages = self.recv(not s.has_work())
+        outputs = []
+        for msg in messages:
+            if isinstance(msg, TokenizedGenerateReq):
+                err = s.add_request(msg)
+                if err is not None:
+                    outputs.append(err)
+            elif isinstance(msg, AbortReq):
+                outputs.extend(s.abort(msg.rid))
+            elif isinstance(msg, FlushCacheReq):
+                self.send(s.flush_cache())
+            elif isinstance(msg, GetStateReq):
+                self.send(ControlOut("state", True, "", s.get_state()))
+            elif msg is None:
+                self.running = False
+                return
+            else:
+                logger.error("scheduler got an unknown message %r", type(msg).__name__)
+        if s.has_work():
+            outputs.extend(s.step())
+        if outputs:
+            self.send(BatchOutput(outputs))

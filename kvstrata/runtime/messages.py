@@ -1,0 +1,91 @@
+"""Typed messages between the HTTP/tokenizer side and the scheduler (over ZMQ, or a queue in-process).
+
+Every message carries the request id (`rid`) it concerns. Direction is in the class docstring.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+from kvstrata.runtime.sampling_params import SamplingParams
+
+
+@dataclass
+class TokenizedGenerateReq:
+    """frontend → scheduler: one generation (n is already expanded by the frontend: n == 1 here)."""
+
+    rid: str
+    input_ids: list[int]
+    sampling_params: SamplingParams
+    return_logprob: bool = False
+    logprob_start_len: int = -1        # first prompt position whose logprob is returned; -1: none
+    top_logprobs_num: int = 0
+    stream: bool = False
+    cache_namespace: Optional[str] = None  # requests in different namespaces never share KV
+
+
+@dataclass
+class AbortReq:
+    """frontend → scheduler: stop a request (client gone or /abort_request) and free its KV."""
+
+    rid: str
+
+
+@dataclass
+class FlushCacheReq:
+    """frontend → scheduler: empty the prefix cache (refused while requests run)."""
+
+
+@dataclass
+class GetStateReq:
+    """frontend → scheduler: ask for internal state and metrics (for /server_info)."""
+
+
+@dataclass
+class ControlOut:
+    """scheduler → frontend: answer to FlushCacheReq / GetStateReq."""
+
+    kind: str                          # "flush_cache" | "state"
+    success: bool = True
+    message: str = ""
+    state: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class ReqOutput:
+    """scheduler → frontend: what one request produced since its previous ReqOutput (deltas)."""
+
+    rid: str
+    new_token_ids: list[int]
+    finished: bool
+    finish_reason: Optional[dict]      # {"type": "stop", "matched": ...} | {"type": "length", "length": n} | abort
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int
+    output_token_logprobs: list[tuple[float, int]] = field(default_factory=list)
+    output_top_logprobs: list[list[tuple[float, int]]] = field(default_factory=list)
+    # Sent once, with the first output of a request that asked for logprobs.
+    input_token_logprobs: Optional[list[tuple[Optional[float], int]]] = None
+    input_top_logprobs: Optional[list[Optional[list[tuple[float, int]]]]] = None
+    error: Optional[str] = None        # set when the scheduler rejected or failed the request
+    error_status: int = 400            # HTTP status the frontend should answer `error` with
+
+
+@dataclass
+class SchedulerReady:
+    """scheduler → frontend (once, over the start-up pipe): the model is loaded and the loop is running."""
+
+    max_total_tokens: int
+    context_length: int
+    vocab_size: int
+    eos_token_ids: list[int]
+    max_running_requests: int
+    page_size: int
+
+
+@dataclass
+class BatchOutput:
+    """scheduler → frontend: all ReqOutputs of one scheduler step."""
+
+    outputs: list[ReqOutput]

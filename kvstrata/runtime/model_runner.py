@@ -1,0 +1,136 @@
+"""ModelRunner: loads the model and the device KV pool, turns a ScheduledBatch into one forward + sampling.
+
+It knows pools and slots, not the radix tree: the scheduler has already placed every token in a slot.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Optional
+
+import torch
+
+from kvstrata.args import ServerArgs
+from kvstrata.memory.device_pool import DeviceKVPool
+from kvstrata.memory.req_slots import ReqSlotTable
+from kvstrata.model.builtin import resolve_model_path
+from kvstrata.model.config import ModelConfig
+from kvstrata.model.forward_meta import ForwardMetadata
+from kvstrata.model.loader import load_model
+from kvstrata.runtime.batch import ScheduledBatch, StepResult
+from kvstrata.runtime.sampler import Sampler
+
+logger = logging.getLogger(__name__)
+
+DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
+CPU_DEFAULT_MAX_TOKENS = 131072     # CPU pools are plain RAM: keep the default modest
+CPU_MEM_FRACTION = 0.25
+CUDA_MEM_FRACTION = 0.85
+
+
+class ModelRunner:
+    """Owns the model weights and the L1 pool; runs forwards."""
+
+    def __init__(self, args: ServerArgs):
+        self.args = args
+        self.device = torch.device(args.device)
+        self.dtype = DTYPES[args.dtype]
+        if args.num_threads and self.device.type == "cpu":
+            torch.set_num_threads(args.num_threads)
+        self.model_path = resolve_model_path(args.model_path)
+        self.config = ModelConfig.from_path(self.model_path)
+        self.model = load_model(self.model_path, self.config, self.dtype, self.device)
+        self.context_len = args.context_length or self.config.max_position_embeddings
+        self.vocab_size = self.config.vocab_size
+        num_pages = self._pool_pages()
+        self.pool = DeviceKVPool(num_pages, args.page_size, self.config.num_layers, self.config.num_kv_heads,
+                                 self.config.head_dim, self.dtype, self.device)
+        self.sampler = Sampler(self.vocab_size, args.random_seed or 0, self.device)
+        self.grammar_backend = None   # set by the scheduler when structured output is enabled
+        logger.info("KV pool: %d tokens (%d pages of %d), %.1f MB", self.max_total_tokens, num_pages - 1,
+                    args.page_size, self.pool.bytes_per_token * self.pool.num_slots / 2**20)
+
+    @property
+    def max_total_tokens(self) -> int:
+        """Usable tokens of the device pool (page 0 is reserved)."""
+        return (self.pool.num_pages - 1) * self.pool.page_size
+
+    def _pool_pages(self) -> int:
+        a, c = self.args, self.config
+        per_token = DeviceKVPool.bytes_per_token_for(c.num_layers, c.num_kv_heads, c.head_dim, self.dtype)
+        if a.max_total_tokens:
+            tokens = a.max_total_tokens
+        elif self.device.type == "cuda":
+            free, _total = torch.cuda.mem_get_info(self.device)
+            fraction = a.mem_fraction_static or CUDA_MEM_FRACTION
+            weights = sum(p.numel() * p.element_size() for p in self.model.parameters())
+            tokens = int((free * fraction - 0.1 * free) // per_token) if free * fraction > weights else 0
+        else:
+            import psutil
+
+            budget = psutil.virtual_memory().available * (a.mem_fraction_static or CPU_MEM_FRACTION)
+            tokens = min(int(budget // per_token), CPU_DEFAULT_MAX_TOKENS)
+        if tokens < a.page_size:
+            raise RuntimeError(f"not enough memory for a KV pool ({tokens} tokens); lower the load or set "
+                               "--max-total-tokens")
+        return -(-tokens // a.page_size) + 1
+
+    @torch.inference_mode()
+    def forward(self, batch: ScheduledBatch, slot_table: ReqSlotTable) -> StepResult:
+        """Run one forward over the batch and sample the sequences whose fill completes."""
+        ids: list[int] = []
+        kv_slots, out_slots, extend_lens, prefix_lens = [], [], [], []
+        logit_rows: list[int] = []
+        prompt_spans: list[tuple[int, int, int]] = []   # (entry index, first logits row, count)
+        sample_entries: list[int] = []
+        offset = 0
+        table = slot_table.table
+        for i, e in enumerate(batch.entries):
+            req = e.req
+            ids.extend(_tokens(req, e.start, e.end))
+            kv_slots.append(table[req.row, : e.end])
+            out_slots.append(table[req.row, e.start: e.end])
+            extend_lens.append(e.extend_len)
+            prefix_lens.append(e.start)
+            if e.logprob_hi > e.logprob_lo:
+                prompt_spans.append((i, len(logit_rows), e.logprob_hi - e.logprob_lo))
+                logit_rows.extend(range(offset + e.logprob_lo - e.start, offset + e.logprob_hi - e.start))
+            if e.sample:
+                sample_entries.append(i)
+                logit_rows.append(offset + e.extend_len - 1)
+            offset += e.extend_len
+        dev = self.device
+        positions = torch.cat([torch.arange(p, p + n) for p, n in zip(prefix_lens, extend_lens)])
+        meta = ForwardMetadata(
+            extend_lens=extend_lens, prefix_lens=prefix_lens, kv_slots=kv_slots,
+            out_slots=torch.cat(out_slots), logits_indices=torch.tensor(logit_rows, dtype=torch.long, device=dev),
+            layer_wait=batch.layer_wait)
+        logits = self.model(torch.tensor(ids, dtype=torch.long, device=dev), positions.to(dev), meta, self.pool)
+        logits = logits.float()
+        prompt_rows = {i: torch.log_softmax(logits[r0:r0 + n], dim=-1).cpu() for i, r0, n in prompt_spans}
+        if not sample_entries:
+            return StepResult([], None, None, prompt_rows)
+        first = len(logit_rows) - len(sample_entries)
+        reqs = [batch.entries[i].req for i in sample_entries]
+        masks, mask_rows = self._grammar_masks(reqs)
+        out = self.sampler.sample(logits[first:], reqs, masks, mask_rows)
+        return StepResult(out.token_ids, out.logprobs, out.top_logprobs, prompt_rows)
+
+    def _grammar_masks(self, reqs) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
+        rows = [k for k, r in enumerate(reqs) if r.grammar is not None]
+        if not rows or self.grammar_backend is None:
+            return None, None
+        mask = self.grammar_backend.allocate_bitmask(len(reqs))
+        for k in rows:
+            reqs[k].grammar.fill_bitmask(mask, k)
+        return mask, torch.tensor(rows, dtype=torch.long)
+
+
+def _tokens(req, start: int, end: int) -> list[int]:
+    """Tokens [start, end) of prompt + output, without building the whole list for a decode step."""
+    n_prompt = len(req.prompt_ids)
+    if start >= n_prompt:
+        return req.output_ids[start - n_prompt: end - n_prompt]
+    if end <= n_prompt:
+        return req.prompt_ids[start:end]
+    return req.prompt_ids[start:] + req.output_ids[: end - n_prompt]

@@ -1,0 +1,138 @@
+"""Sampler: turns one logits row per sequence into the next token, honoring each request's params.
+
+Order per row: penalties -> grammar mask -> (greedy argmax | temperature, top_k, top_p, min_p, draw).
+Logprobs returned to clients are those of the model's raw distribution (log_softmax of the logits).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from kvstrata.runtime.req import Req
+
+
+@dataclass
+class SampleOutput:
+    """Next tokens plus optional logprob data, one entry per row."""
+
+    token_ids: list[int]
+    logprobs: Optional[list[float]]
+    top_logprobs: Optional[list[list[tuple[float, int]]]]
+
+
+class Sampler:
+    """Stateless apart from the default generator used by unseeded requests."""
+
+    def __init__(self, vocab_size: int, seed: int, device: torch.device):
+        self.vocab_size = vocab_size
+        self.device = device
+        self.default_generator = torch.Generator(device="cpu").manual_seed(seed)
+
+    def sample(self, logits: torch.Tensor, reqs: list[Req], masks: Optional[torch.Tensor] = None,
+               mask_rows: Optional[torch.Tensor] = None) -> SampleOutput:
+        """Pick one token per row of `logits` ([B, V] float32) for `reqs`."""
+        want_logprobs = any(r.return_logprob for r in reqs)
+        raw_logprobs = torch.log_softmax(logits, dim=-1) if want_logprobs else None
+        logits = self._apply_penalties(logits, reqs)
+        if masks is not None:
+            from kvstrata.constrained.base import GrammarBackend
+
+            GrammarBackend.apply_bitmask(logits, masks, mask_rows)
+        tokens = self._choose(logits, reqs)
+        lp, top = None, None
+        if raw_logprobs is not None:
+            lp, top = logprob_info(raw_logprobs, tokens, [r.top_logprobs_num if r.return_logprob else 0
+                                                          for r in reqs])
+        return SampleOutput(tokens.tolist(), lp, top)
+
+    def _apply_penalties(self, logits: torch.Tensor, reqs: list[Req]) -> torch.Tensor:
+        rows = [i for i, r in enumerate(reqs) if _has_penalty(r) and r.output_ids]
+        if not rows:
+            return logits
+        logits = logits.clone()
+        for i in rows:
+            r, s = reqs[i], reqs[i].sampling
+            counts = output_counts(r, self.vocab_size)
+            row = logits[i, : counts.numel()]
+            if s.repetition_penalty != 1.0:
+                seen = counts > 0
+                seen_prompt = torch.zeros_like(seen)
+                seen_prompt[torch.tensor(r.prompt_ids, dtype=torch.long).clamp(max=seen.numel() - 1)] = True
+                seen |= seen_prompt
+                row[seen] = torch.where(row[seen] > 0, row[seen] / s.repetition_penalty,
+                                        row[seen] * s.repetition_penalty)
+            if s.frequency_penalty:
+                row -= s.frequency_penalty * counts.to(row.dtype)
+            if s.presence_penalty:
+                row -= s.presence_penalty * (counts > 0).to(row.dtype)
+        return logits
+
+    def _choose(self, logits: torch.Tensor, reqs: list[Req]) -> torch.Tensor:
+        tokens = torch.argmax(logits, dim=-1).cpu()
+        sampled = [i for i, r in enumerate(reqs) if not r.sampling.is_greedy]
+        if not sampled:
+            return tokens
+        idx = torch.tensor(sampled, dtype=torch.long, device=logits.device)
+        probs = self._filtered_probs(logits.index_select(0, idx).float(), [reqs[i] for i in sampled])
+        probs = probs.cpu()
+        for k, i in enumerate(sampled):
+            gen = reqs[i].generator or self.default_generator
+            tokens[i] = torch.multinomial(probs[k], 1, generator=gen).item()
+        return tokens
+
+    @staticmethod
+    def _filtered_probs(logits: torch.Tensor, reqs: list[Req]) -> torch.Tensor:
+        """Temperature, then top_k / top_p / min_p on the sorted distribution, renormalized."""
+        dev = logits.device
+        temp = torch.tensor([r.sampling.temperature for r in reqs], device=dev).unsqueeze(1)
+        probs = torch.softmax(logits / temp, dim=-1)
+        sorted_p, order = probs.sort(dim=-1, descending=True)
+        vocab = probs.shape[-1]
+        top_k = torch.tensor([r.sampling.top_k if r.sampling.top_k > 0 else vocab for r in reqs], device=dev)
+        top_p = torch.tensor([r.sampling.top_p for r in reqs], device=dev).unsqueeze(1)
+        min_p = torch.tensor([r.sampling.min_p for r in reqs], device=dev).unsqueeze(1)
+        ranks = torch.arange(vocab, device=dev).unsqueeze(0)
+        drop = ranks >= top_k.unsqueeze(1)
+        drop |= (sorted_p.cumsum(dim=-1) - sorted_p) > top_p          # keep the smallest set reaching top_p
+        drop |= sorted_p < min_p * sorted_p[:, :1]
+        drop[:, 0] = False                                            # the most likely token always survives
+        sorted_p = sorted_p.masked_fill(drop, 0.0)
+        out = torch.zeros_like(probs).scatter_(1, order, sorted_p)
+        return out / out.sum(dim=-1, keepdim=True)
+
+
+def logprob_info(logprobs: torch.Tensor, tokens: torch.Tensor, top_nums: list[int]
+                 ) -> tuple[list[float], list[list[tuple[float, int]]]]:
+    """Chosen-token logprobs and top-k (logprob, token) lists from log_softmax rows."""
+    chosen = logprobs.gather(1, tokens.to(logprobs.device).unsqueeze(1)).squeeze(1).tolist()
+    k = max(top_nums) if top_nums else 0
+    tops: list[list[tuple[float, int]]] = [[] for _ in top_nums]
+    if k > 0:
+        vals, ids = logprobs.topk(k, dim=-1)
+        vals, ids = vals.tolist(), ids.tolist()
+        for i, n in enumerate(top_nums):
+            tops[i] = list(zip(vals[i][:n], ids[i][:n]))
+    return chosen, tops
+
+
+def output_counts(req: Req, vocab_size: int) -> torch.Tensor:
+    """Histogram of req's output tokens, updated incrementally."""
+    counts = req.token_counts
+    if counts is None:
+        counts = torch.zeros(vocab_size, dtype=torch.int32)
+        counted = 0
+    else:
+        counted = int(counts.sum())
+    new = req.output_ids[counted:]
+    if new:
+        counts.index_add_(0, torch.tensor(new, dtype=torch.long), torch.ones(len(new), dtype=torch.int32))
+    req.token_counts = counts
+    return counts
+
+
+def _has_penalty(req: Req) -> bool:
+    s = req.sampling
+    return s.repetition_penalty != 1.0 or s.frequency_penalty != 0.0 or s.presence_penalty != 0.0

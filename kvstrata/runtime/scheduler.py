@@ -1,0 +1,377 @@
+"""Scheduler: continuous batching over the device KV pool.
+
+Every step builds one mixed batch — one decode token for each running request, plus prefill chunks of
+waiting (or partly prefilled) requests up to the chunked-prefill budget — runs it, and turns the sampled
+tokens into ReqOutputs. When the pool runs short, the newest running requests are retracted (their
+computed KV goes to the radix tree) and recomputed later, instead of failing.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Optional
+
+import torch
+
+from kvstrata.args import ServerArgs
+from kvstrata.cache.manager import KVCacheManager, optional_tree
+from kvstrata.memory.allocator import PageAllocator
+from kvstrata.memory.req_slots import ReqSlotTable
+from kvstrata.runtime.batch import BatchEntry, ScheduledBatch, StepResult
+from kvstrata.runtime.messages import ControlOut, ReqOutput, TokenizedGenerateReq
+from kvstrata.runtime.model_runner import ModelRunner
+from kvstrata.runtime.req import Req, ReqState, finish_abort
+from kvstrata.runtime.sampling_params import InvalidRequest
+from kvstrata.runtime.stop import StopChecker
+
+logger = logging.getLogger(__name__)
+
+LPM_MAX_QUEUE = 128          # beyond this many waiting requests, matching them all costs more than it saves
+SHARED_PREFIX_TOKENS = 32    # defer a request whose uncached prefix is being computed in this batch
+INIT_NEW_TOKEN_RATIO, MIN_NEW_TOKEN_RATIO, NEW_TOKEN_RATIO_DECAY = 0.7, 0.1, 0.001
+
+
+class Scheduler:
+    """Owns requests, the cache facade and the runner; `step()` advances everything by one forward."""
+
+    def __init__(self, args: ServerArgs, runner: Optional[ModelRunner] = None):
+        self.args = args
+        self.runner = runner or ModelRunner(args)
+        self.page_size = args.page_size
+        self.context_len = self.runner.context_len
+        pool = self.runner.pool
+        allocator = PageAllocator(pool.num_pages, args.page_size)
+        slot_table = ReqSlotTable(args.max_running_requests + 1, self.context_len + args.page_size,
+                                  device=self.runner.device)
+        tree = optional_tree(args.disable_radix_cache, allocator, args.radix_eviction_policy)
+        self.cache = KVCacheManager(allocator, slot_table, tree)
+        self.stop = StopChecker(self.runner.model_path if args.tokenizer_path == args.model_path
+                                else args.tokenizer_path, self.runner.config.eos_token_ids)
+        self.waiting: list[Req] = []
+        self.running: list[Req] = []
+        self.new_token_ratio = INIT_NEW_TOKEN_RATIO
+        self.step_count = 0
+        self.metrics = {"prompt_tokens": 0, "cached_tokens": 0, "generated_tokens": 0, "retractions": 0,
+                        "finished_requests": 0, "aborted_requests": 0}
+        self._grammar = None
+
+    # ------------------------------------------------------------------ inputs
+    def add_request(self, msg: TokenizedGenerateReq) -> Optional[ReqOutput]:
+        """Queue a request; returns an error ReqOutput (and queues nothing) if it is invalid."""
+        try:
+            self._validate(msg)
+        except InvalidRequest as e:
+            return _error_output(msg.rid, len(msg.input_ids), str(e))
+        s = msg.sampling_params
+        req = Req(rid=msg.rid, prompt_ids=list(msg.input_ids), sampling=s, return_logprob=msg.return_logprob,
+                  logprob_start_len=msg.logprob_start_len, top_logprobs_num=msg.top_logprobs_num,
+                  stream=msg.stream, namespace=msg.cache_namespace)
+        if s.sampling_seed is not None:
+            req.generator = torch.Generator().manual_seed(s.sampling_seed)
+        if s.constraint is not None:
+            backend = self.grammar_backend()
+            if backend is None:
+                return _error_output(msg.rid, len(msg.input_ids), "structured output is disabled "
+                                     "(--grammar-backend none)")
+            req.grammar_future = backend.compile_async(*s.constraint)
+        self.waiting.append(req)
+        return None
+
+    def _validate(self, msg: TokenizedGenerateReq) -> None:
+        n = len(msg.input_ids)
+        if n == 0:
+            raise InvalidRequest("the prompt is empty")
+        vocab = self.runner.vocab_size
+        if any((not isinstance(t, int)) or t < 0 or t >= vocab for t in msg.input_ids):
+            raise InvalidRequest(f"input_ids contain token ids outside [0, {vocab})")
+        s = msg.sampling_params
+        s.verify(vocab)
+        if n + s.max_new_tokens > self.context_len:
+            raise InvalidRequest(f"the prompt ({n} tokens) plus max_new_tokens ({s.max_new_tokens}) exceeds "
+                                 f"the context length ({self.context_len} tokens)")
+        if n + s.max_new_tokens > self.runner.max_total_tokens:
+            raise InvalidRequest(f"the request needs up to {n + s.max_new_tokens} tokens of KV cache but the "
+                                 f"pool holds {self.runner.max_total_tokens}")
+        if msg.logprob_start_len >= n:
+            raise InvalidRequest(f"logprob_start_len ({msg.logprob_start_len}) must be < the prompt length ({n})")
+        if msg.top_logprobs_num < 0:
+            raise InvalidRequest("top_logprobs_num must be >= 0")
+
+    def grammar_backend(self):
+        """The grammar backend, created on first use (None when disabled)."""
+        if self._grammar is None and self.args.grammar_backend != "none":
+            from kvstrata.constrained.base import create_grammar_backend
+
+            self._grammar = create_grammar_backend(self.args.grammar_backend, self.stop.tokenizer,
+                                                   self.runner.vocab_size, list(self.runner.config.eos_token_ids))
+            self.runner.grammar_backend = self._grammar
+        return self._grammar
+
+    def abort(self, rid: str) -> list[ReqOutput]:
+        """Abort a waiting or running request (and its n-copies' prefixed rids); frees its KV."""
+        outs = []
+        for queue in (self.waiting, self.running):
+            for req in [r for r in queue if r.rid == rid]:
+                queue.remove(req)
+                if req.row is not None:
+                    self.cache.release(req, cache=True)
+                req.finish_reason = finish_abort("aborted by client")
+                req.state = ReqState.FINISHED
+                self.metrics["aborted_requests"] += 1
+                outs.append(self._output(req))
+        return outs
+
+    def flush_cache(self) -> ControlOut:
+        """Empty the radix tree; refused while requests are queued or running."""
+        if self.waiting or self.running:
+            return ControlOut("flush_cache", False, f"cannot flush the cache while {len(self.running)} requests "
+                              f"run and {len(self.waiting)} wait")
+        self.cache.flush()
+        return ControlOut("flush_cache", True, "cache flushed")
+
+    def has_work(self) -> bool:
+        """Whether step() would do anything."""
+        return bool(self.waiting or self.running)
+
+    # ------------------------------------------------------------------ one step
+    def step(self) -> list[ReqOutput]:
+        """Schedule, run one forward, process results. Returns outputs to send."""
+        outputs = self._poll_grammars()
+        batch = self._schedule()
+        if batch.is_empty():
+            if self.waiting and not self.running and not any(r.grammar_future for r in self.waiting):
+                time.sleep(0.001)
+            return outputs
+        result = self.runner.forward(batch, self.cache.slot_table)
+        outputs.extend(self._process(batch, result))
+        self.step_count += 1
+        return outputs
+
+    def _poll_grammars(self) -> list[ReqOutput]:
+        outs = []
+        for req in list(self.waiting):
+            fut = req.grammar_future
+            if fut is None or not fut.done():
+                continue
+            req.grammar_future = None
+            try:
+                req.grammar = fut.result()
+            except Exception as e:  # GrammarError: the client's constraint does not compile
+                self.waiting.remove(req)
+                outs.append(_error_output(req.rid, len(req.prompt_ids), f"invalid {req.sampling.constraint[0]}: {e}"))
+        return outs
+
+    def _schedule(self) -> ScheduledBatch:
+        entries: list[BatchEntry] = []
+        self._schedule_decodes(entries)
+        budget = self.args.chunked_prefill_size
+        if budget == -1:
+            budget = self.args.max_prefill_tokens
+        budget = self._continue_prefills(entries, budget)
+        self._admit(entries, budget)
+        if not entries and self.running:
+            # Partly prefilled requests hold the pool and none can go on: free the newest, retry next step.
+            self._retract(self.running[-1])
+        return ScheduledBatch(entries)
+
+    def _schedule_decodes(self, entries: list[BatchEntry]) -> None:
+        decoding = [r for r in self.running if r.kv_len == r.fill_len - 1]
+        i = 0
+        while i < len(decoding):
+            req = decoding[i]
+            if self.cache.reserve(req, 1):
+                entries.append(BatchEntry(req, req.kv_len, 1, sample=True))
+                i += 1
+                continue
+            victim = decoding.pop()            # newest decoding request goes back to the queue
+            self._retract(victim)
+        self.new_token_ratio = max(MIN_NEW_TOKEN_RATIO, self.new_token_ratio - NEW_TOKEN_RATIO_DECAY)
+
+    def _retract(self, req: Req) -> None:
+        self.cache.release(req, cache=True)
+        self.running.remove(req)
+        req.state = ReqState.WAITING
+        req.retractions += 1
+        req.input_logprobs, req.input_top_logprobs = [], []
+        self.waiting.insert(0, req)
+        self.metrics["retractions"] += 1
+        self.new_token_ratio = INIT_NEW_TOKEN_RATIO
+        logger.debug("retracted %s (pool full)", req.rid)
+
+    def _continue_prefills(self, entries: list[BatchEntry], budget: int) -> int:
+        for req in self.running:
+            if budget <= 0:
+                break
+            if req.kv_len < req.fill_len - 1 and req.slot_len == req.kv_len:
+                n = min(req.fill_len - req.kv_len, budget)
+                if not self.cache.reserve(req, n):
+                    break
+                entries.append(self._prefill_entry(req, n))
+                budget -= n
+        return budget
+
+    def _admit(self, entries: list[BatchEntry], budget: int) -> None:
+        if not self.waiting:
+            return
+        self._order_waiting()
+        reserved_decode = self._decode_headroom_pages()
+        started: list[list[int]] = []
+        for req in list(self.waiting):
+            if budget <= 0 or len(self.running) >= self.args.max_running_requests:
+                break
+            if req.grammar_future is not None:
+                continue
+            if not self.cache.admit(req):
+                break
+            if self._shares_uncached_prefix(req, started):
+                self.cache.release(req, cache=False)
+                continue
+            n = min(req.fill_len - req.kv_len, budget)
+            need = self.cache.pages_for(req, n) + reserved_decode + self._future_pages(req)
+            if need > self.cache.available_pages() or not self.cache.reserve(req, n):
+                self.cache.release(req, cache=False)
+                break
+            if req.admitted_at_step < 0:
+                req.cached_tokens = req.kv_len
+                self.metrics["prompt_tokens"] += len(req.prompt_ids)
+                self.metrics["cached_tokens"] += req.kv_len
+            req.admitted_at_step = self.step_count
+            self.waiting.remove(req)
+            self.running.append(req)
+            req.state = ReqState.RUNNING
+            entries.append(self._prefill_entry(req, n))
+            reserved_decode += self._future_pages(req)
+            started.append(req.fill_ids[: SHARED_PREFIX_TOKENS])
+            budget -= n
+
+    def _order_waiting(self) -> None:
+        if self.args.schedule_policy != "lpm" or self.cache.tree is None or len(self.waiting) > LPM_MAX_QUEUE:
+            return
+        tree = self.cache.tree
+        hits = {id(r): tree.match_prefix(r.fill_ids, namespace=r.namespace).length for r in self.waiting}
+        self.waiting.sort(key=lambda r: -hits[id(r)])   # stable: fcfs among equals
+
+    def _shares_uncached_prefix(self, req: Req, started: list[list[int]]) -> bool:
+        """True if a request admitted in this step is computing req's (still uncached) prefix."""
+        head = req.fill_ids[:SHARED_PREFIX_TOKENS]
+        if self.cache.tree is None or req.kv_len >= SHARED_PREFIX_TOKENS or len(head) < SHARED_PREFIX_TOKENS:
+            return False
+        return any(h == head for h in started)
+
+    def _decode_headroom_pages(self) -> int:
+        tokens = sum(r.remaining_new_tokens() for r in self.running)
+        return int(tokens * self.new_token_ratio) // self.page_size + len(self.running)
+
+    def _future_pages(self, req: Req) -> int:
+        return int(req.remaining_new_tokens() * self.new_token_ratio) // self.page_size
+
+    def _prefill_entry(self, req: Req, n: int) -> BatchEntry:
+        start, end = req.kv_len, req.kv_len + n
+        done = end == req.fill_len
+        lo = hi = 0
+        if req.wants_prompt_logprobs:
+            lo = max(start, req.logprob_start_len)
+            hi = min(end, len(req.prompt_ids) - 1)   # logits at position p score token p+1
+            lo = min(lo, hi)
+        sample = done and not (req.sampling.max_new_tokens == 0 and not req.output_ids)
+        return BatchEntry(req, start, n, sample=sample, logprob_lo=lo, logprob_hi=hi)
+
+    # ------------------------------------------------------------------ results
+    def _process(self, batch: ScheduledBatch, result: StepResult) -> list[ReqOutput]:
+        outputs: list[ReqOutput] = []
+        k = 0
+        for i, e in enumerate(batch.entries):
+            req = e.req
+            req.kv_len = e.end
+            if i in result.prompt_logprob_rows:
+                self._add_prompt_logprobs(req, e, result.prompt_logprob_rows[i])
+            if e.sample:
+                self._append_token(req, result, k)
+                k += 1
+            elif e.end == req.fill_len:          # max_new_tokens == 0: prefill only
+                req.finish_reason = {"type": "length", "length": 0}
+            if e.extend_len > 1 and not req.finished:
+                self.cache.commit(req)           # share the prompt with other requests right away
+            if req.finished:
+                self._finish(req)
+                outputs.append(self._output(req))
+            elif req.stream and len(req.output_ids) > req.sent_tokens:
+                outputs.append(self._output(req))
+        return outputs
+
+    def _append_token(self, req: Req, result: StepResult, k: int) -> None:
+        token = result.next_token_ids[k]
+        req.output_ids.append(token)
+        self.metrics["generated_tokens"] += 1
+        if req.return_logprob and result.next_logprobs is not None:
+            req.output_logprobs.append((result.next_logprobs[k], token))
+            req.output_top_logprobs.append(result.next_top_logprobs[k])
+        if req.grammar is not None:
+            req.grammar.accept_token(token)
+        req.finish_reason = self.stop.check(req, self.context_len)
+
+    def _add_prompt_logprobs(self, req: Req, e: BatchEntry, rows: torch.Tensor) -> None:
+        if not req.input_logprobs and req.logprob_start_len >= 0:
+            req.input_logprobs.append((None, req.prompt_ids[req.logprob_start_len]))
+            req.input_top_logprobs.append(None)
+        targets = torch.tensor(req.prompt_ids[e.logprob_lo + 1: e.logprob_hi + 1], dtype=torch.long)
+        chosen = rows.gather(1, targets.unsqueeze(1)).squeeze(1).tolist()
+        req.input_logprobs.extend(zip(chosen, targets.tolist()))
+        n = req.top_logprobs_num
+        if n > 0:
+            vals, ids = rows.topk(n, dim=-1)
+            req.input_top_logprobs.extend(list(zip(v, t)) for v, t in zip(vals.tolist(), ids.tolist()))
+        else:
+            req.input_top_logprobs.extend([] for _ in range(len(chosen)))
+
+    def _finish(self, req: Req) -> None:
+        self.cache.release(req, cache=True)
+        self.running.remove(req)
+        req.state = ReqState.FINISHED
+        self.metrics["finished_requests"] += 1
+
+    def _output(self, req: Req) -> ReqOutput:
+        start = req.sent_tokens
+        out = ReqOutput(
+            rid=req.rid, new_token_ids=req.output_ids[start:], finished=req.finished,
+            finish_reason=req.finish_reason, prompt_tokens=len(req.prompt_ids),
+            completion_tokens=len(req.output_ids), cached_tokens=req.cached_tokens)
+        if req.return_logprob:
+            out.output_token_logprobs = req.output_logprobs[start:]
+            out.output_top_logprobs = req.output_top_logprobs[start:]
+            if not req.sent_input_logprobs and (req.output_ids or req.finished):
+                out.input_token_logprobs = req.input_logprobs
+                out.input_top_logprobs = req.input_top_logprobs
+                req.sent_input_logprobs = True
+        req.sent_tokens = len(req.output_ids)
+        return out
+
+    # ------------------------------------------------------------------ introspection
+    def check_integrity(self) -> None:
+        """Assert page and row accounting (callable between steps)."""
+        self.cache.check_integrity(self.running)
+
+    def get_state(self) -> dict:
+        """Internal state and metrics for /server_info."""
+        m = dict(self.metrics)
+        m["cache_hit_rate"] = m["cached_tokens"] / m["prompt_tokens"] if m["prompt_tokens"] else 0.0
+        state = {"running_requests": len(self.running), "waiting_requests": len(self.waiting),
+                 "max_total_tokens": self.runner.max_total_tokens, "context_length": self.context_len,
+                 "step": self.step_count, "new_token_ratio": self.new_token_ratio, **self.cache.stats(), **m}
+        if self.cache.tree is not None:
+            state["radix_cache"] = self.cache.tree.metrics()
+        if not self.running and not self.waiting:
+            try:
+                self.check_integrity()
+                state["integrity_ok"] = True
+            except AssertionError as e:
+                state["integrity_ok"] = False
+                state["integrity_error"] = str(e)
+        return state
+
+
+def _error_output(rid: str, prompt_tokens: int, message: str, status: int = 400) -> ReqOutput:
+    return ReqOutput(rid=rid, new_token_ids=[], finished=True, finish_reason=finish_abort(message),
+                     prompt_tokens=prompt_tokens, completion_tokens=0, cached_tokens=0, error=message,
+                     error_status=status)

@@ -1,0 +1,72 @@
+"""The scheduler/model process of the HTTP server: a SchedulerLoop over ZMQ sockets.
+
+The frontend PUSHes messages (runtime/messages.py) to `recv_addr` and PULLs outputs from `send_addr`;
+this process binds both. Start-up result goes through `ready_conn`: a SchedulerReady, or an error string
+(and a non-zero exit).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import sys
+import traceback
+
+import zmq
+
+from kvstrata.args import ServerArgs
+from kvstrata.runtime.loop import SchedulerLoop
+from kvstrata.runtime.messages import SchedulerReady
+
+logger = logging.getLogger(__name__)
+
+
+def run_scheduler_process(server_args: ServerArgs, recv_addr: str, send_addr: str, ready_conn) -> None:
+    """Process entry point: load the model, report readiness, serve until the frontend goes away."""
+    logging.basicConfig(level=server_args.log_level.upper(),
+                        format="[%(asctime)s scheduler] %(levelname)s %(name)s: %(message)s")
+    signal.signal(signal.SIGINT, signal.SIG_IGN)   # the frontend decides when we stop (SIGTERM)
+    ctx = zmq.Context()
+    try:
+        from kvstrata.runtime.scheduler import Scheduler
+
+        scheduler = Scheduler(server_args)
+        pull = ctx.socket(zmq.PULL)
+        pull.bind(recv_addr)
+        push = ctx.socket(zmq.PUSH)
+        push.bind(send_addr)
+    except Exception as e:
+        logger.error("scheduler failed to start: %s", traceback.format_exc())
+        ready_conn.send(f"scheduler failed to start: {e}")
+        ready_conn.close()
+        sys.exit(1)
+
+    runner = scheduler.runner
+    ready_conn.send(SchedulerReady(
+        max_total_tokens=runner.max_total_tokens, context_length=runner.context_len,
+        vocab_size=runner.vocab_size, eos_token_ids=list(runner.config.eos_token_ids),
+        max_running_requests=server_args.max_running_requests, page_size=server_args.page_size))
+    ready_conn.close()
+    parent = os.getppid()
+
+    def recv(block: bool) -> list:
+        msgs = []
+        if block and not pull.poll(timeout=100):
+            if os.getppid() != parent:      # frontend died without telling us
+                loop.stop()
+            return msgs
+        while True:
+            try:
+                msgs.append(pull.recv_pyobj(flags=zmq.NOBLOCK))
+            except zmq.Again:
+                return msgs
+
+    loop = SchedulerLoop(scheduler, recv, push.send_pyobj)
+    signal.signal(signal.SIGTERM, lambda *_: loop.stop())
+    try:
+        loop.run()
+    finally:
+        pull.close(linger=0)
+        push.close(linger=0)
+        ctx.term()

@@ -1,0 +1,10 @@
+#!/usr/bin/env bash
+# One command: install everything, then run the whole test suite (what CI runs).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bash scripts/install.sh
+# shellcheck disable=SC1091
+. .venv/bin/activate
+export KVSTRATA_CACHE_DIR=${KVSTRATA_CACHE_DIR:-$PWD/.cache/kvstrata}
+ruff check kvstrata tests
+python -m pytest -q -p no:cacheprovider --durations=15 "$@"

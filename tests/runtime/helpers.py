@@ -1,0 +1,33 @@
+"""Helpers for runtime tests: engines on the tiny model and invariant checks."""
+
+from __future__ import annotations
+
+import kvstrata
+
+GREEDY = {"temperature": 0, "max_new_tokens": 12}
+
+PROMPTS = [
+    "The quick brown fox",
+    "Once upon a time, in a land far away, there lived",
+    "1 2 3 4 5 6 7 8",
+    "Hello",
+    "A longer prompt that talks about caches, pages, slots and prefixes, again and again, to be long.",
+    "kv",
+    "What is the capital of France? The capital of France is",
+    "Streams of tokens flow",
+]
+
+
+def make_engine(**kwargs) -> kvstrata.Engine:
+    """A tiny-model engine with a deterministic seed and a small pool unless told otherwise."""
+    opts = {"model_path": "tiny", "max_total_tokens": 4096, "random_seed": 0, "dtype": "float32"}
+    opts.update(kwargs)
+    return kvstrata.Engine(**opts)
+
+
+def assert_idle_integrity(engine: kvstrata.Engine) -> dict:
+    """Every page back with exactly one owner once the engine is idle; returns the state."""
+    state = engine.get_server_info()["internal_states"][0]
+    assert state["running_requests"] == 0 and state["waiting_requests"] == 0, state
+    assert state.get("integrity_ok"), state.get("integrity_error")
+    return state
