@@ -104,6 +104,8 @@ class ServerArgs:
     # --- structured output ---
     grammar_backend: str = field(default="xgrammar", metadata=_opt(
         "Constrained decoding backend.", ["xgrammar", "none"]))
+    constrained_json_disable_any_whitespace: bool = field(default=False, metadata=_opt(
+        "In JSON-schema decoding allow only compact whitespace (models that know nothing finish sooner)."))
 
     # ------------------------------------------------------------------ CLI
     @staticmethod

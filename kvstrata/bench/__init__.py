@@ -5,7 +5,8 @@ from __future__ import annotations
 import importlib
 import sys
 
-BENCHMARKS = {"engine": "kvstrata.bench.engine_bench"}
+BENCHMARKS = {"engine": "kvstrata.bench.engine_bench", "multiturn": "kvstrata.bench.multiturn",
+              "compare": "kvstrata.bench.compare"}
 
 
 def main(argv: list[str]) -> int:

@@ -23,6 +23,8 @@ from kvstrata.memory.allocator import PageAllocator, pages_needed, pages_of_slot
 from kvstrata.memory.req_slots import ReqSlotTable
 from kvstrata.runtime.req import Req
 
+LOAD_BACK_MIN_TOKENS = 16   # a shorter host hit is cheaper to recompute than to copy back
+
 
 class KVCacheManager:
     """Allocation, prefix reuse and accounting of the device KV pool."""
@@ -32,6 +34,29 @@ class KVCacheManager:
         self.slot_table = slot_table
         self.tree = tree
         self.page_size = allocator.page_size
+        self.hierarchical = hasattr(tree, "apply_acks")
+        self._loads: list = []          # load-backs submitted for the coming forward
+        self.metrics = {"device_hit_tokens": 0, "host_hit_tokens": 0}
+
+    # ------------------------------------------------------------------ per step
+    def begin_step(self) -> None:
+        """Apply finished host copies to the tree (once per step, before the tree is used)."""
+        if self.hierarchical:
+            self.tree.apply_acks()
+
+    def take_layer_wait(self):
+        """The per-layer wait hook for the coming forward (None when nothing is loading)."""
+        if not self._loads:
+            return None
+        from kvstrata.cache.cache_controller import layer_wait_for
+
+        handles, self._loads = self._loads, []
+        return layer_wait_for(handles)
+
+    def close(self) -> None:
+        """Stop background copy workers."""
+        if self.hierarchical:
+            self.tree.controller.shutdown()
 
     # ------------------------------------------------------------------ capacity
     def available_pages(self) -> int:
@@ -64,7 +89,16 @@ class KVCacheManager:
         if limit <= 0:
             return 0
         result = self.tree.match_prefix(req.fill_ids[:limit], namespace=req.namespace)
+        device_hit = result.length
+        host_tokens = getattr(result, "host_tokens", 0)
+        if host_tokens >= LOAD_BACK_MIN_TOKENS:
+            loaded = self.tree.load_back(result)
+            if loaded is not None:
+                result, handle = loaded
+                self._loads.append(handle)
         n = result.length
+        self.metrics["device_hit_tokens"] += device_hit
+        self.metrics["host_hit_tokens"] += n - device_hit
         self.tree.inc_lock_ref(result.last_node)
         req.last_node = result.last_node
         if n:
@@ -105,7 +139,7 @@ class KVCacheManager:
         if already > req.tree_len:
             # Another request cached [tree_len, already) first: our copies of those pages are duplicates.
             self.allocator.free(pages_of_slots(slots[req.tree_len:already], self.page_size))
-        result = self.tree.match_prefix(tokens, namespace=req.namespace)
+        result = self.tree.match_prefix(tokens, namespace=req.namespace, record=False)
         assert result.length == upto, f"commit: matched {result.length} of {upto} inserted tokens"
         self.slot_table.write(req.row, 0, result.slots)
         self.tree.inc_lock_ref(result.last_node)
@@ -184,13 +218,27 @@ class KVCacheManager:
             out["protected_tokens"] = self.tree.protected_size()
         else:
             out["cache_pages"] = 0
+        out.update(self.metrics)
+        if self.hierarchical:
+            out["hicache"] = self.tree.metrics()
+            out["hicache"].update(self.tree.controller.stats())
         return out
 
 
-def optional_tree(disable: bool, allocator: PageAllocator, eviction_policy: str) -> Optional[object]:
-    """The radix tree, or None when prefix caching is disabled."""
-    if disable:
+def build_tree(args, allocator: PageAllocator, device_pool) -> Optional[object]:
+    """The prefix tree the settings ask for: None, a RadixCache, or a HiRadixCache with a host pool."""
+    if args.disable_radix_cache:
         return None
-    from kvstrata.cache.radix_cache import RadixCache
+    if not args.enable_hierarchical_cache:
+        from kvstrata.cache.radix_cache import RadixCache
 
-    return RadixCache(allocator, allocator.page_size, eviction_policy=eviction_policy)
+        return RadixCache(allocator, allocator.page_size, eviction_policy=args.radix_eviction_policy)
+    from kvstrata.cache.cache_controller import CacheController
+    from kvstrata.cache.hiradix_cache import HiRadixCache
+    from kvstrata.memory.host_pool import HostKVPool
+
+    host_pages = HostKVPool.size_pages(device_pool, args.hicache_ratio, args.hicache_size)
+    host_pool = HostKVPool(device_pool, host_pages, layout=args.hicache_mem_layout)
+    controller = CacheController(device_pool, host_pool)
+    return HiRadixCache(allocator, allocator.page_size, host_pool, controller,
+                        write_policy=args.hicache_write_policy, eviction_policy=args.radix_eviction_policy)

@@ -7,8 +7,9 @@ pool. Token rows of `input_ids` / `positions` are the sequences' new tokens conc
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable, Optional
+from typing import Optional
 
 import torch
 

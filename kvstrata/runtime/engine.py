@@ -134,6 +134,7 @@ class Engine:
         """Stop the scheduler thread."""
         self._inbox.put(None)
         self._thread.join(timeout=30)
+        self.scheduler.close()
 
     def __enter__(self) -> Engine:
         return self

@@ -15,7 +15,7 @@ from typing import Optional
 import torch
 
 from kvstrata.args import ServerArgs
-from kvstrata.cache.manager import KVCacheManager, optional_tree
+from kvstrata.cache.manager import KVCacheManager, build_tree
 from kvstrata.memory.allocator import PageAllocator
 from kvstrata.memory.req_slots import ReqSlotTable
 from kvstrata.runtime.batch import BatchEntry, ScheduledBatch, StepResult
@@ -44,7 +44,7 @@ class Scheduler:
         allocator = PageAllocator(pool.num_pages, args.page_size)
         slot_table = ReqSlotTable(args.max_running_requests + 1, self.context_len + args.page_size,
                                   device=self.runner.device)
-        tree = optional_tree(args.disable_radix_cache, allocator, args.radix_eviction_policy)
+        tree = build_tree(args, allocator, pool)
         self.cache = KVCacheManager(allocator, slot_table, tree)
         self.stop = StopChecker(self.runner.model_path if args.tokenizer_path == args.model_path
                                 else args.tokenizer_path, self.runner.config.eos_token_ids)
@@ -101,10 +101,12 @@ class Scheduler:
     def grammar_backend(self):
         """The grammar backend, created on first use (None when disabled)."""
         if self._grammar is None and self.args.grammar_backend != "none":
-            from kvstrata.constrained.base import create_grammar_backend
+            from kvstrata.constrained.registry import create_grammar_backend
 
-            self._grammar = create_grammar_backend(self.args.grammar_backend, self.stop.tokenizer,
-                                                   self.runner.vocab_size, list(self.runner.config.eos_token_ids))
+            self._grammar = create_grammar_backend(
+                self.args.grammar_backend, self.stop.tokenizer, self.runner.vocab_size,
+                sorted(self.stop.eos_token_ids),
+                any_whitespace=not self.args.constrained_json_disable_any_whitespace)
             self.runner.grammar_backend = self._grammar
         return self._grammar
 
@@ -138,7 +140,9 @@ class Scheduler:
     def step(self) -> list[ReqOutput]:
         """Schedule, run one forward, process results. Returns outputs to send."""
         outputs = self._poll_grammars()
+        self.cache.begin_step()
         batch = self._schedule()
+        batch.layer_wait = self.cache.take_layer_wait()
         if batch.is_empty():
             if self.waiting and not self.running and not any(r.grammar_future for r in self.waiting):
                 time.sleep(0.001)
@@ -159,7 +163,7 @@ class Scheduler:
                 req.grammar = fut.result()
             except Exception as e:  # GrammarError: the client's constraint does not compile
                 self.waiting.remove(req)
-                outs.append(_error_output(req.rid, len(req.prompt_ids), f"invalid {req.sampling.constraint[0]}: {e}"))
+                outs.append(_error_output(req.rid, len(req.prompt_ids), str(e)))
         return outs
 
     def _schedule(self) -> ScheduledBatch:
@@ -249,7 +253,8 @@ class Scheduler:
         if self.args.schedule_policy != "lpm" or self.cache.tree is None or len(self.waiting) > LPM_MAX_QUEUE:
             return
         tree = self.cache.tree
-        hits = {id(r): tree.match_prefix(r.fill_ids, namespace=r.namespace).length for r in self.waiting}
+        hits = {id(r): _match_len(tree.match_prefix(r.fill_ids, namespace=r.namespace, record=False))
+                for r in self.waiting}
         self.waiting.sort(key=lambda r: -hits[id(r)])   # stable: fcfs among equals
 
     def _shares_uncached_prefix(self, req: Req, started: list[list[int]]) -> bool:
@@ -347,6 +352,12 @@ class Scheduler:
         req.sent_tokens = len(req.output_ids)
         return out
 
+    def close(self) -> None:
+        """Release background resources (copy workers, grammar compile threads)."""
+        self.cache.close()
+        if self._grammar is not None:
+            self._grammar.close()
+
     # ------------------------------------------------------------------ introspection
     def check_integrity(self) -> None:
         """Assert page and row accounting (callable between steps)."""
@@ -369,6 +380,11 @@ class Scheduler:
                 state["integrity_ok"] = False
                 state["integrity_error"] = str(e)
         return state
+
+
+def _match_len(result) -> int:
+    """Cached tokens of a match, host-tier continuation included."""
+    return result.length + getattr(result, "host_tokens", 0)
 
 
 def _error_output(rid: str, prompt_tokens: int, message: str, status: int = 400) -> ReqOutput:

@@ -67,6 +67,7 @@ def run_scheduler_process(server_args: ServerArgs, recv_addr: str, send_addr: st
     try:
         loop.run()
     finally:
+        scheduler.close()
         pull.close(linger=0)
         push.close(linger=0)
         ctx.term()

@@ -1,0 +1,214 @@
+"""`kvstrata bench compare`: one multi-turn workload against L1 only, L1+L2, L1+L2+L3 — the seed's table.
+
+The server is launched once per configuration, with the same small device pool (well under the workload's
+working set, as in the seed) and the same page size:
+
+    l1        radix cache on the device pool only
+    l2        + host-memory tier (--enable-hierarchical-cache --hicache-ratio R)
+    l3        + file storage tier in a fresh temporary directory
+    mooncake  + Mooncake storage tier on a local cluster started for the run (with --mooncake)
+
+Writes compare.md (table, command, date, machine), compare.png and compare.jsonl to --out-dir. Flags this
+command does not know are passed to every server. Defaults finish in about 10 minutes on 2 CPU cores with
+the `bench` model.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import random
+import shlex
+import sys
+import tempfile
+from typing import Any, Optional
+
+import requests
+
+from kvstrata.bench import multiturn, report
+from kvstrata.bench.launcher import ServerProcess, ServerStartError
+
+CONFIG_NAMES = {"l1": "L1 only (device)", "l2": "L1+L2 (host DRAM)", "l3": "L1+L2+L3 (file)",
+                "mooncake": "L1+L2+L3 (Mooncake)"}
+REPORTED_KEYS = ("max_total_tokens", "page_size", "enable_hierarchical_cache", "hicache_ratio",
+                 "hicache_storage_backend", "hicache_write_policy")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """Workload flags (compare's own defaults) and the tier settings."""
+    p = argparse.ArgumentParser(prog="kvstrata bench compare", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    multiturn.add_workload_args(p)
+    p.set_defaults(model_path="bench", num_clients=24, num_rounds=5, request_length=64, output_length=4,
+                   max_parallel=4, request_rate=16.0, enable_round_barrier=True)
+    p.add_argument("--no-round-barrier", dest="enable_round_barrier", action="store_false")
+    p.add_argument("--device-tokens", type=int, default=2048, help="Device pool (L1) size: --max-total-tokens.")
+    p.add_argument("--page-size", type=int, default=16)
+    p.add_argument("--hicache-ratio", type=float, default=2.0, help="Host pool (L2) size / device pool size.")
+    p.add_argument("--configs", default="l1,l2,l3", help="Comma-separated subset of l1,l2,l3,mooncake.")
+    p.add_argument("--mooncake", action="store_true", help="Add the Mooncake L3 configuration.")
+    p.add_argument("--out-dir", default="bench_results/compare")
+    p.add_argument("--server-start-timeout", type=float, default=600.0)
+    p.add_argument("--no-progress", action="store_true")
+    return p
+
+
+def tier_flags(key: str, args: argparse.Namespace, storage_dir: str) -> list[str]:
+    """Server flags of one configuration."""
+    flags = ["--model-path", args.model_path, "--max-total-tokens", str(args.device_tokens),
+             "--page-size", str(args.page_size)]
+    if key in ("l2", "l3", "mooncake"):
+        flags += ["--enable-hierarchical-cache", "--hicache-ratio", str(args.hicache_ratio)]
+    if key == "l3":
+        flags += ["--hicache-storage-backend", "file", "--hicache-storage-dir", storage_dir]
+    if key == "mooncake":
+        flags += ["--hicache-storage-backend", "mooncake"]
+    return flags
+
+
+def warm_up(url: str) -> None:
+    """One short request, so that first-call costs (allocations, kernels) do not land in round 0."""
+    ids = [random.Random(0).randrange(100, 200) for _ in range(64)]
+    body = {"input_ids": ids, "sampling_params": {"temperature": 0, "max_new_tokens": 2, "ignore_eos": True}}
+    try:
+        requests.post(url + "/generate", json=body, timeout=300)
+    except requests.RequestException:
+        pass                           # the measured run will report what is wrong
+
+
+def run_config(key: str, args: argparse.Namespace, server_flags: list[str], out_dir: str,
+               env: Optional[dict] = None) -> dict:
+    """Launch the server of one configuration, run the workload, stop it; errors become the row's error."""
+    row: dict[str, Any] = {"key": key, "name": CONFIG_NAMES[key]}
+    with tempfile.TemporaryDirectory(prefix="kvstrata-l3-") as storage_dir:
+        flags = tier_flags(key, args, storage_dir) + server_flags
+        row["server_flags"] = flags
+        server = ServerProcess(flags, os.path.join(out_dir, f"server-{key}.log"), env=env)
+        print(f"\n=== {row['name']}: {' '.join(flags)}", flush=True)
+        try:
+            server.start(args.server_start_timeout)
+        except ServerStartError as e:
+            row["error"] = str(e).splitlines()[0]
+            print(f"server did not start: {e}", file=sys.stderr)
+            return row
+        try:
+            warm_up(server.url)
+            info = multiturn.get_json(server.url, "/server_info", None) or {}
+            row["server_reported"] = {k: info.get(k) for k in REPORTED_KEYS if k in info}
+            result = multiturn.run(args, server.url)
+            row.update(summary=result["summary"], rounds=result["rounds"], tiers=result["tiers"],
+                       workload=result["workload"], errors=result["errors"])
+            print(report.format_run(result), flush=True)
+        except (Exception, SystemExit) as e:  # one broken configuration must not lose the others
+            row["error"] = f"{type(e).__name__}: {e}"
+            print(f"run failed: {row['error']}", file=sys.stderr)
+        finally:
+            code = server.stop()
+            row["server_exit_code"] = code
+    return row
+
+
+def machine_description() -> str:
+    """CPU model, core count, OS, and the load average (the machine may be shared)."""
+    model = platform.processor() or "unknown CPU"
+    try:
+        with open("/proc/cpuinfo") as fh:
+            model = next((ln.split(":", 1)[1].strip() for ln in fh if ln.startswith("model name")), model)
+    except OSError:
+        pass
+    load = ", ".join(f"{x:.1f}" for x in os.getloadavg()) if hasattr(os, "getloadavg") else "n/a"
+    return f"{os.cpu_count()} cores, {model}, {platform.system()} {platform.release()}; load average {load}"
+
+
+def targets(rows: list[dict]) -> list[str]:
+    """The issue's targets for the deepest tier configuration that ran, against L1 only."""
+    base = next((r["summary"] for r in rows if r["key"] == "l1" and r.get("summary")), None)
+    top = next((r for r in reversed(rows) if r["key"] in ("l3", "mooncake") and r.get("summary")), None)
+    if base is None or top is None:
+        return ["Targets: not evaluated (needs the L1-only and an L3 configuration to complete)."]
+    s = top["summary"]
+
+    def mark(ok: bool) -> str:
+        return "met" if ok else "NOT met"
+
+    ttft_ratio = s["mean_ttft"] / base["mean_ttft"] if base["mean_ttft"] else float("nan")
+    tput_ratio = s["input_throughput"] / base["input_throughput"] if base["input_throughput"] else float("nan")
+    return [f"Targets ({top['name']} vs L1 only):",
+            f"- hit rate / ideal = {100 * s['hit_rate_vs_ideal']:.1f}% (target >= 95%): "
+            f"{mark(s['hit_rate_vs_ideal'] >= 0.95)}",
+            f"- mean TTFT = {100 * ttft_ratio:.1f}% of L1 only (target <= 40%): {mark(ttft_ratio <= 0.40)}",
+            f"- input throughput = {tput_ratio:.2f}x L1 only (target >= 2x): {mark(tput_ratio >= 2.0)}"]
+
+
+def render_markdown(rows: list[dict], command: str, started: str, machine: str, args: argparse.Namespace) -> str:
+    """The results document: table, workload, command, date, machine, targets, per-tier metrics."""
+    w = next((r["workload"] for r in rows if r.get("workload")), {})
+    ideal = next((r["summary"]["ideal_hit_rate"] for r in rows if r.get("summary")), float("nan"))
+    lines = [report.compare_table(rows), "",
+             f"Ideal hit rate of the workload (infinite cache): {100 * ideal:.1f}%. "
+             f"Changes in parentheses are against L1 only.", "",
+             f"- Date: {started}", f"- Machine: {machine}", f"- Command: `{command}`",
+             f"- Model: `{args.model_path}`; device pool {args.device_tokens} tokens, page size {args.page_size}, "
+             f"host pool {args.hicache_ratio}x the device pool",
+             f"- Workload: {w.get('source', '?')}; {args.num_clients} clients x {args.num_rounds} rounds, "
+             f"request {args.request_length} tokens, sub-question {args.sub_question_input_length or args.request_length}, "
+             f"output {args.output_length}, max parallel {args.max_parallel}, rate {args.request_rate} req/s, "
+             f"round barrier {'on' if args.enable_round_barrier else 'off'}, seed {args.seed}", ""]
+    lines += targets(rows) + ["", "Server cache metrics per configuration (counters: change over the run):"]
+    for r in rows:
+        reported = r.get("server_reported")
+        tiers = r.get("tiers") or {}
+        shown = ", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in sorted(tiers.items()))
+        lines.append(f"- {r['name']}: server args {reported}; {shown or 'no tier metrics reported'}")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    """CLI entry point."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args, server_flags = build_parser().parse_known_args(argv)
+    keys = [k.strip() for k in args.configs.split(",") if k.strip()]
+    if args.mooncake and "mooncake" not in keys:
+        keys.append("mooncake")
+    unknown = [k for k in keys if k not in CONFIG_NAMES]
+    if unknown:
+        raise SystemExit(f"error: unknown configuration(s) {unknown}; choose from {list(CONFIG_NAMES)}")
+    os.makedirs(args.out_dir, exist_ok=True)
+    started = datetime.datetime.now().astimezone().isoformat(timespec="seconds")
+    machine = machine_description()
+    rows = []
+    for key in keys:
+        if key == "mooncake":
+            rows.append(run_mooncake(args, server_flags))
+        else:
+            rows.append(run_config(key, args, server_flags, args.out_dir))
+    command = "kvstrata bench compare " + shlex.join(argv)
+    md = render_markdown(rows, command, started, machine, args)
+    with open(os.path.join(args.out_dir, "compare.md"), "w") as fh:
+        fh.write(md)
+    with open(os.path.join(args.out_dir, "compare.jsonl"), "a") as fh:
+        for r in rows:
+            fh.write(json.dumps({"started": started, **r}, default=str) + "\n")
+    report.plot_compare(rows, os.path.join(args.out_dir, "compare.png"),
+                        title=f"kvstrata multi-turn, {args.model_path}, {machine.split(';')[0]}")
+    print("\n" + md)
+    print(f"written: {args.out_dir}/compare.md, compare.png, compare.jsonl")
+    return 0 if any(r.get("summary") for r in rows) else 1
+
+
+def run_mooncake(args: argparse.Namespace, server_flags: list[str]) -> dict:
+    """The Mooncake configuration on a local cluster started (and stopped) for it, if Mooncake is here."""
+    try:
+        from kvstrata.storage.mooncake_services import MooncakeCluster
+
+        cluster = MooncakeCluster(segment_bytes=1024 * 1024 * 1024).start()
+    except Exception as e:  # package missing, binary missing, ports: report it in the table
+        print(f"Mooncake not available: {e}", file=sys.stderr)
+        return {"key": "mooncake", "name": CONFIG_NAMES["mooncake"], "error": f"Mooncake not available: {e}"}
+    try:
+        return run_config("mooncake", args, server_flags, args.out_dir, env=cluster.env())
+    finally:
+        cluster.stop()

@@ -1,0 +1,172 @@
+"""The xgrammar backend: regex, JSON schema, JSON object and EBNF constraints as token bitmasks."""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+import os
+from typing import Any, Optional
+
+import torch
+import xgrammar as xgr
+
+from kvstrata.constrained import bitmask as bitmask_ops
+from kvstrata.constrained.base import Grammar, GrammarBackend
+
+logger = logging.getLogger(__name__)
+
+# OpenAI json_object mode: any JSON object. strict_mode=False lets it hold any properties.
+_ANY_OBJECT_SCHEMA = '{"type": "object"}'
+
+# xgrammar 0.2.9 writes the characters of a length-bounded JSON string (minLength/maxLength) as this
+# class, which lets raw control characters (tab, NUL...) into the string: JSON forbids them. We
+# rewrite it to exclude all control characters (bounded strings still take no escape sequences).
+_LOOSE_STRING_CHAR = r'[^\"\\\r\n]'
+_JSON_STRING_CHAR = r'[^\0-\x1f\"\\]'
+
+# xgrammar's kernels: C++ on CPU, Triton on CUDA; anywhere else our torch version is the safe choice.
+_HAS_TRITON = importlib.util.find_spec("triton") is not None
+
+
+class XGrammarGrammar(Grammar):
+    """One request's xgrammar matcher.
+
+    eos is allowed only once the text so far is a complete match. xgrammar 0.2.9 also allows (and
+    accepts) a stop token whose *text* (e.g. "<|im_end|>") would complete the grammar, as if it were
+    part of the output: `[^\\n]+` could then end with no output at all. Our requests end at eos and
+    the eos text is not output, so that case must be refused.
+    """
+
+    def __init__(self, compiled: xgr.CompiledGrammar, eos_token_ids: list[int],
+                 keep_mask: Optional[torch.Tensor] = None):
+        self._compiled = compiled
+        self._eos_token_ids = eos_token_ids
+        self._keep_mask = keep_mask
+        self._matcher = xgr.GrammarMatcher(compiled)
+
+    def accept_token(self, token_id: int) -> bool:
+        """Advance by one token; False if the grammar does not allow it (or it already ended)."""
+        if self._matcher.is_terminated():
+            return False
+        if token_id in self._eos_token_ids and not self._matcher.is_completed():
+            return False
+        if self._keep_mask is not None and not _bit_set(self._keep_mask, token_id):
+            return False
+        return self._matcher.accept_token(int(token_id))
+
+    def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
+        """Write the allowed next tokens into `bitmask[row]`; only eos once the grammar has ended."""
+        if self._matcher.is_terminated():
+            # xgrammar refuses to compute a mask after the stop token; a request still in the batch
+            # for one more step may only end.
+            bitmask_ops.allow_only(bitmask, row, self._eos_token_ids)
+            return
+        self._matcher.fill_next_token_bitmask(bitmask, row)
+        if self._keep_mask is not None:
+            bitmask[row] &= self._keep_mask
+        if not self._matcher.is_completed():
+            bitmask_ops.disallow(bitmask, row, self._eos_token_ids)
+
+    def is_terminated(self) -> bool:
+        """True once an eos token was accepted."""
+        return self._matcher.is_terminated()
+
+    def is_completed(self) -> bool:
+        """True when the text so far is a complete match (eos would be accepted now)."""
+        return self._matcher.is_completed()
+
+    def rollback(self, num_tokens: int) -> None:
+        """Undo the last `num_tokens` accepted tokens."""
+        if num_tokens > 0:
+            self._matcher.rollback(num_tokens)
+
+    def copy(self) -> XGrammarGrammar:
+        """A fresh matcher of the same compiled grammar."""
+        return XGrammarGrammar(self._compiled, self._eos_token_ids, self._keep_mask)
+
+
+class XGrammarBackend(GrammarBackend):
+    """Grammar backend on xgrammar's compiler and matcher.
+
+    `any_whitespace` lets JSON output use any whitespace between tokens (as models trained on pretty
+    JSON write it); `max_whitespace_cnt` bounds each run of it (None: unbounded).
+    """
+
+    def __init__(self, tokenizer: Any, vocab_size: int, eos_token_ids: list[int], max_workers: int = 1,
+                 cache_size: int = 256, any_whitespace: bool = True,
+                 max_whitespace_cnt: Optional[int] = None, compile_threads: Optional[int] = None):
+        super().__init__(tokenizer, vocab_size, eos_token_ids, max_workers, cache_size)
+        self._any_whitespace = any_whitespace
+        self._max_whitespace_cnt = max_whitespace_cnt
+        # The model's vocab (lm_head rows) may exceed the tokenizer's: xgrammar masks the extra ids.
+        self.tokenizer_info = xgr.TokenizerInfo.from_huggingface(
+            tokenizer, vocab_size=vocab_size, stop_token_ids=self.eos_token_ids)
+        banned = _special_token_ids(tokenizer, vocab_size, self.eos_token_ids)
+        self._keep_mask = bitmask_ops.keep_mask(vocab_size, banned) if banned else None
+        threads = compile_threads or min(8, os.cpu_count() or 1)
+        # Our CompileCache does the caching: xgrammar's own cache would hold every grammar twice.
+        self._compiler = xgr.GrammarCompiler(self.tokenizer_info, max_threads=threads, cache_enabled=False)
+
+    def _parse(self, kind: str, text: str) -> None:
+        if kind == "regex":
+            xgr.Grammar.from_regex(text)
+        elif kind == "json_schema":
+            self._json_schema_grammar(text)
+        elif kind == "ebnf":
+            xgr.Grammar.from_ebnf(text)
+        # json_object has nothing to check
+
+    def _compile(self, kind: str, text: str) -> xgr.CompiledGrammar:
+        if kind == "regex":
+            return self._compiler.compile_regex(text)
+        if kind == "json_schema":
+            return self._compiler.compile_grammar(self._json_schema_grammar(text))
+        if kind == "json_object":
+            return self._compiler.compile_json_schema(
+                _ANY_OBJECT_SCHEMA, **self._json_options(), strict_mode=False)
+        return self._compiler.compile_grammar(text)
+
+    def _new_grammar(self, compiled: xgr.CompiledGrammar) -> XGrammarGrammar:
+        return XGrammarGrammar(compiled, self.eos_token_ids, self._keep_mask)
+
+    def _json_schema_grammar(self, schema: str) -> xgr.Grammar:
+        grammar = xgr.Grammar.from_json_schema(schema, **self._json_options())
+        ebnf = str(grammar)
+        if _LOOSE_STRING_CHAR not in ebnf:
+            return grammar
+        try:
+            return xgr.Grammar.from_ebnf(ebnf.replace(_LOOSE_STRING_CHAR, _JSON_STRING_CHAR))
+        except RuntimeError:
+            logger.warning("could not tighten the string rules of a JSON schema grammar; using it as is")
+            return grammar
+
+    def _json_options(self) -> dict[str, Any]:
+        return {"any_whitespace": self._any_whitespace, "max_whitespace_cnt": self._max_whitespace_cnt}
+
+    @staticmethod
+    def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor,
+                      rows: Optional[torch.Tensor] = None) -> None:
+        """In place: disallowed tokens -> -inf in `rows` of `logits` (all rows when None); others untouched."""
+        if rows is not None and rows.numel() == 0:
+            return
+        if not (logits.device.type == "cpu" or (logits.device.type == "cuda" and _HAS_TRITON)):
+            bitmask_ops.apply_bitmask_torch(logits, bitmask, rows)
+            return
+        bitmask = bitmask.to(logits.device)
+        indices = None if rows is None else [int(r) for r in rows.tolist()]
+        xgr.apply_token_bitmask_inplace(logits, bitmask, indices=indices)
+
+
+def _special_token_ids(tokenizer: Any, vocab_size: int, eos_token_ids: list[int]) -> list[int]:
+    """Special tokens other than eos: xgrammar would match their text ("<|im_start|>") as output, but
+    detokenization skips them, so the text the client gets would not be the text that matched."""
+    ids = set(getattr(tokenizer, "all_special_ids", []) or [])
+    for token_id, token in (getattr(tokenizer, "added_tokens_decoder", None) or {}).items():
+        if getattr(token, "special", False):
+            ids.add(token_id)
+    return sorted(i for i in ids if 0 <= i < vocab_size and i not in eos_token_ids)
+
+
+def _bit_set(row: torch.Tensor, token_id: int) -> bool:
+    word, bit = divmod(token_id, bitmask_ops.BITS_PER_WORD)
+    return word < row.shape[0] and bool((int(row[word]) >> bit) & 1)

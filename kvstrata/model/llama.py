@@ -1,0 +1,138 @@
+"""Llama-family decoder (Llama, Mistral, Qwen2, Qwen3) over the paged KV pool.
+
+One class covers the family; the differences are config switches: q/k/v bias (Qwen2, or `attention_bias`),
+q/k RMSNorm over head_dim before RoPE (Qwen3), tied embeddings. Projections are fused (q|k|v in
+`qkv_proj`, gate|up in `gate_up_proj`) so a layer runs two matmuls fewer; `checkpoint_targets()` tells the
+loader where each Hugging Face tensor goes.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from kvstrata.model.attention import paged_attention
+from kvstrata.model.config import ModelConfig
+from kvstrata.model.forward_meta import ForwardMetadata
+from kvstrata.model.layers import GatedMLP, Linear, RMSNorm
+from kvstrata.model.rope import RotaryEmbedding, apply_rotary
+
+
+class LlamaAttention(nn.Module):
+    """Self-attention of one layer: fused qkv projection, optional q/k norm, RoPE, paged attention."""
+
+    def __init__(self, config: ModelConfig, layer_id: int):
+        super().__init__()
+        self.layer_id = layer_id
+        self.num_heads = config.num_heads
+        self.num_kv_heads = config.num_kv_heads
+        self.head_dim = config.head_dim
+        self.q_size = config.num_heads * config.head_dim
+        self.kv_size = config.num_kv_heads * config.head_dim
+        self.qkv_proj = Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.attention_bias)
+        self.o_proj = Linear(self.q_size, config.hidden_size, bias=config.o_proj_bias)
+        self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps) if config.qk_norm else None
+        self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps) if config.qk_norm else None
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: ForwardMetadata,
+                kv_pool) -> torch.Tensor:
+        """Attention output `[T, hidden]` for the batch's new tokens `x` `[T, hidden]`."""
+        tokens = x.shape[0]
+        qkv = self.qkv_proj(x)
+        v = qkv[:, self.q_size + self.kv_size:].view(tokens, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q = self.q_norm(qkv[:, :self.q_size].view(tokens, self.num_heads, self.head_dim))
+            k = self.k_norm(qkv[:, self.q_size:self.q_size + self.kv_size].view(tokens, self.num_kv_heads,
+                                                                                 self.head_dim))
+            q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        else:
+            # q and k are adjacent in the fused output: rotate both with one set of elementwise ops.
+            qk = qkv[:, :self.q_size + self.kv_size].view(tokens, self.num_heads + self.num_kv_heads,
+                                                          self.head_dim)
+            q, k = apply_rotary(qk, cos, sin).split([self.num_heads, self.num_kv_heads], dim=1)
+        out = paged_attention(q, k, v, self.layer_id, meta, kv_pool)
+        return self.o_proj(out)
+
+
+class LlamaDecoderLayer(nn.Module):
+    """Pre-norm decoder block; carries the residual stream separately so norms read the summed input."""
+
+    def __init__(self, config: ModelConfig, layer_id: int):
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = LlamaAttention(config, layer_id)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = GatedMLP(config.hidden_size, config.intermediate_size)
+
+    def forward(self, hidden: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor,
+                sin: torch.Tensor, meta: ForwardMetadata, kv_pool) -> tuple[torch.Tensor, torch.Tensor]:
+        """Returns (block output, residual before it); their sum is the next layer's input."""
+        residual = hidden if residual is None else residual + hidden
+        hidden = self.self_attn(self.input_layernorm(residual), cos, sin, meta, kv_pool)
+        residual = residual + hidden
+        return self.mlp(self.post_attention_layernorm(residual)), residual
+
+
+class LlamaModel(nn.Module):
+    """Embedding, decoder layers and final norm (HF's `model.*` tensors)."""
+
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(config, i) for i in range(config.num_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+
+class LlamaForCausalLM(nn.Module):
+    """Llama-family causal LM; `forward` returns float32 logits for the rows the caller asks for."""
+
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.config = config
+        self.model = LlamaModel(config)
+        self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.rotary = RotaryEmbedding(config.head_dim, config.rope_theta, config.rope_scaling,
+                                      config.max_position_embeddings)
+
+    def tie_embeddings(self) -> None:
+        """Make lm_head share the input embedding matrix."""
+        self.lm_head.weight = self.model.embed_tokens.weight
+
+    @torch.inference_mode()
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: ForwardMetadata,
+                kv_pool) -> torch.Tensor:
+        """Logits `[len(meta.logits_indices), vocab]` (float32) of a batch of new tokens `input_ids` `[T]`."""
+        hidden = self.model.embed_tokens(input_ids)
+        max_position = max(meta.seq_lens) - 1
+        cos, sin = self.rotary.cos_sin(positions, max_position, hidden.dtype)
+        residual = None
+        for layer in self.model.layers:
+            hidden, residual = layer(hidden, residual, cos, sin, meta, kv_pool)
+        # Only the requested rows go through the final norm and lm_head (prefill needs the last one).
+        rows = meta.logits_indices
+        hidden = self.model.norm(hidden[rows] + residual[rows])
+        return self.lm_head(hidden).float()
+
+    def checkpoint_targets(self) -> dict[str, tuple[str, int, int]]:
+        """Hugging Face tensor name -> (parameter name, first row, end row) it fills.
+
+        Fused parameters are filled by several checkpoint tensors, each a row range. lm_head is listed
+        even when tied; the loader decides whether to tie.
+        """
+        c = self.config
+        q, kv, inter = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim, c.intermediate_size
+        targets: dict[str, tuple[str, int, int]] = {}
+        for name, param in self.named_parameters(remove_duplicate=False):
+            targets[name] = (name, 0, param.shape[0])
+        for i in range(c.num_layers):
+            attn, mlp = f"model.layers.{i}.self_attn", f"model.layers.{i}.mlp"
+            kinds = ("weight", "bias") if c.attention_bias else ("weight",)
+            for kind in kinds:
+                fused = targets.pop(f"{attn}.qkv_proj.{kind}")[0]
+                targets[f"{attn}.q_proj.{kind}"] = (fused, 0, q)
+                targets[f"{attn}.k_proj.{kind}"] = (fused, q, q + kv)
+                targets[f"{attn}.v_proj.{kind}"] = (fused, q + kv, q + 2 * kv)
+            fused = targets.pop(f"{mlp}.gate_up_proj.weight")[0]
+            targets[f"{mlp}.gate_proj.weight"] = (fused, 0, inter)
+            targets[f"{mlp}.up_proj.weight"] = (fused, inter, 2 * inter)
+        return targets

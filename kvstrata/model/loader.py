@@ -1,0 +1,109 @@
+"""Load a Hugging Face safetensors checkpoint into a LlamaForCausalLM.
+
+The model is built on the meta device, then given uninitialised storage in the target dtype/device, and
+every checkpoint tensor is copied straight into its parameter (or its row range of a fused parameter):
+at most one checkpoint tensor is in flight, never a second copy of the model.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Callable, Iterator
+
+import torch
+from safetensors import safe_open
+
+from kvstrata.model.config import ModelConfig, ModelLoadError
+from kvstrata.model.llama import LlamaForCausalLM
+
+SINGLE_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+LM_HEAD = "lm_head.weight"
+# Buffers some exporters store that carry nothing we need (we recompute RoPE tables).
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq", "rotary_emb.cos_cached", "rotary_emb.sin_cached")
+
+
+def load_model(path: str, config: ModelConfig, dtype: torch.dtype, device: torch.device) -> torch.nn.Module:
+    """Build the model for `config` and fill it from the safetensors files in `path`."""
+    device = torch.device(device)
+    files = checkpoint_files(path)
+    with torch.device("meta"):
+        model = LlamaForCausalLM(config)
+    model = model.to(dtype=dtype).to_empty(device=device)
+    targets = model.checkpoint_targets()
+    params = dict(model.named_parameters(remove_duplicate=False))
+    filled: set[str] = set()
+    for file, name, read in _checkpoint_tensors(path, files):
+        if name == LM_HEAD and config.tie_word_embeddings:
+            continue  # tied: lm_head is the embedding matrix whatever the file says
+        if name.endswith(_IGNORED_SUFFIXES):
+            continue
+        target = targets.get(name)
+        if target is None:
+            raise ModelLoadError(f"{file}: unexpected tensor {name!r} for {config.architecture} "
+                                 f"(is the config consistent with the weights?)")
+        _copy_into(params, name, target, read(), file)
+        filled.add(name)
+    if config.tie_word_embeddings or LM_HEAD not in filled:
+        model.tie_embeddings()
+        filled.add(LM_HEAD)
+    missing = sorted(set(targets) - filled)
+    if missing:
+        shown = ", ".join(missing[:5]) + (f" (+{len(missing) - 5} more)" if len(missing) > 5 else "")
+        raise ModelLoadError(f"{path}: checkpoint is missing tensor(s) {shown}")
+    return model.eval()
+
+
+def checkpoint_files(path: str) -> list[str]:
+    """Safetensors files of a checkpoint: the index's shards, else model.safetensors, else any *.safetensors."""
+    index = os.path.join(path, INDEX_FILE)
+    if os.path.isfile(index):
+        try:
+            with open(index, encoding="utf-8") as f:
+                weight_map = json.load(f)["weight_map"]
+        except (json.JSONDecodeError, KeyError, TypeError) as e:
+            raise ModelLoadError(f"{index} is not a valid safetensors index: {e}") from e
+        files = sorted(set(weight_map.values()))
+        absent = [f for f in files if not os.path.isfile(os.path.join(path, f))]
+        if absent:
+            raise ModelLoadError(f"{index} names shard(s) that do not exist: {', '.join(absent)}")
+        return files
+    if os.path.isfile(os.path.join(path, SINGLE_FILE)):
+        return [SINGLE_FILE]
+    files = sorted(f for f in os.listdir(path) if f.endswith(".safetensors")) if os.path.isdir(path) else []
+    if not files:
+        raise ModelLoadError(f"{path}: no *.safetensors weights found (only safetensors checkpoints load)")
+    return files
+
+
+def _checkpoint_tensors(path: str, files: list[str]) -> Iterator[tuple[str, str, Callable[[], torch.Tensor]]]:
+    """(file, tensor name, reader) for every tensor; a reader returns that tensor on CPU."""
+    for file in files:
+        full = os.path.join(path, file)
+        try:
+            handle = safe_open(full, framework="pt", device="cpu")
+        except Exception as e:  # safetensors raises its own error type for bad headers / short files
+            raise ModelLoadError(f"{full}: corrupt or truncated safetensors file: {e}") from e
+        with handle:
+            for name in handle.keys():
+                yield full, name, _reader(handle, full, name)
+
+
+def _reader(handle, file: str, name: str) -> Callable[[], torch.Tensor]:
+    def read() -> torch.Tensor:
+        try:
+            return handle.get_tensor(name)
+        except Exception as e:
+            raise ModelLoadError(f"{file}: cannot read tensor {name!r}: {e}") from e
+    return read
+
+
+def _copy_into(params: dict[str, torch.nn.Parameter], name: str, target: tuple[str, int, int],
+               tensor: torch.Tensor, file: str) -> None:
+    param_name, start, end = target
+    dest = params[param_name].data[start:end]
+    if tuple(tensor.shape) != tuple(dest.shape):
+        raise ModelLoadError(f"{file}: tensor {name!r} has shape {tuple(tensor.shape)}, "
+                             f"expected {tuple(dest.shape)}")
+    dest.copy_(tensor)

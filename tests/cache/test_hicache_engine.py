@@ -1,0 +1,88 @@
+"""HiCache (L2) end to end through the Engine: same greedy outputs, returning conversations hit the host tier."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.runtime.helpers import assert_idle_integrity, make_engine
+
+GREEDY = {"temperature": 0, "max_new_tokens": 8, "ignore_eos": True}
+QUESTIONS = ["Tell me about caches and pages in a serving engine.",
+             "Why does prefix sharing help multi-turn chat so much?",
+             "And what does the host tier add on top of that?"]
+CONVERSATIONS = ["Agent A speaks first. ", "Bravo answers in turn, a different one. ",
+                 "Charlie speaks here. ", "Delta. "]
+
+
+def run_conversations(engine, rounds: int = 3) -> tuple[list[list[int]], list[dict]]:
+    """Interleave conversations round by round; each turn's prompt is the history plus a new question."""
+    histories = [engine.tokenizer.encode(c, add_special_tokens=False) for c in CONVERSATIONS]
+    outputs, metas = [], []
+    for r in range(rounds):
+        for i, hist in enumerate(histories):
+            prompt = hist + engine.tokenizer.encode(QUESTIONS[r % len(QUESTIONS)], add_special_tokens=False)
+            out = engine.generate(input_ids=prompt, sampling_params=GREEDY)
+            outputs.append(out["output_ids"])
+            metas.append({"round": r, "history": len(hist), **out["meta_info"]})
+            histories[i] = prompt + out["output_ids"]
+    return outputs, metas
+
+
+@pytest.fixture(scope="module")
+def reference():
+    eng = make_engine(disable_radix_cache=True)
+    try:
+        return run_conversations(eng)[0]
+    finally:
+        eng.shutdown()
+
+
+# The last turn of a conversation needs ~100 tokens; four histories (~400) do not fit the 160-token pool.
+SMALL_POOL = {"max_total_tokens": 160, "chunked_prefill_size": 32}
+
+
+@pytest.mark.parametrize("policy", ["write_through", "write_through_selective", "write_back"])
+@pytest.mark.parametrize("layout", ["layer_first", "page_first"])
+def test_greedy_identical_with_hicache(reference, policy, layout):
+    eng = make_engine(enable_hierarchical_cache=True, hicache_write_policy=policy, hicache_mem_layout=layout,
+                      hicache_ratio=6, **SMALL_POOL)
+    try:
+        outputs, _ = run_conversations(eng)
+        assert outputs == reference
+        assert_idle_integrity(eng)
+    finally:
+        eng.shutdown()
+
+
+def returning_hits(metas: list[dict], first_round: int = 1) -> list[float]:
+    """cached_tokens / history for turns from `first_round` on."""
+    return [m["cached_tokens"] / m["history"] for m in metas if m["round"] >= first_round]
+
+
+def test_returning_conversations_hit_l2_not_l1_only(reference):
+    l2 = make_engine(enable_hierarchical_cache=True, hicache_ratio=6, **SMALL_POOL)
+    l1 = make_engine(**SMALL_POOL)
+    try:
+        out2, metas2 = run_conversations(l2)
+        out1, metas1 = run_conversations(l1)
+        assert out2 == reference and out1 == reference
+        assert min(returning_hits(metas2)) >= 0.95, metas2
+        # By the last round every history has been pushed out of the device pool by the others.
+        assert max(returning_hits(metas1, first_round=2)) <= 0.05, metas1
+        state = assert_idle_integrity(l2)
+        assert state["host_hit_tokens"] > 0 and state["hicache"]["load_back_pages"] > 0
+        assert state["hicache"]["load_back_bytes"] > 0
+    finally:
+        l2.shutdown()
+        l1.shutdown()
+
+
+def test_full_host_pool_costs_hits_not_requests(reference):
+    eng = make_engine(enable_hierarchical_cache=True, hicache_ratio=1.05, **SMALL_POOL)
+    try:
+        outputs, _ = run_conversations(eng)
+        assert outputs == reference
+        state = assert_idle_integrity(eng)
+        assert state["hicache"]["host_evicted_pages"] > 0 or state["hicache"]["backup_skipped_host_full"] > 0
+    finally:
+        eng.shutdown()
