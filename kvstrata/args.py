@@ -94,8 +94,10 @@ class ServerArgs:
     # --- L3 storage tier ---
     hicache_storage_backend: Optional[str] = field(default=None, metadata=_opt(
         "Storage tier (L3) backend.", STORAGE_BACKENDS))
-    hicache_storage_prefetch_policy: str = field(default="best_effort", metadata=_opt(
-        "How long a request waits for its L3 prefetch.", PREFETCH_POLICIES))
+    hicache_storage_prefetch_policy: str = field(default="timeout", metadata=_opt(
+        "How long a new request waits for its L3 prefetch: not at all (best_effort), until it is done "
+        "(wait_complete), or up to a timeout that grows with its size (timeout, the default).",
+        PREFETCH_POLICIES))
     hicache_storage_backend_extra_config: Optional[str] = field(default=None, metadata=_opt(
         "JSON object (or @path to a JSON file) with backend settings."))
     hicache_storage_dir: Optional[str] = field(default=None, metadata=_opt(

@@ -215,12 +215,16 @@ class HiRadixCache(RadixCache):
                 node.backup_op = None
                 if op.error is None:
                     node.host_ready = True
+                    self._on_host_ready(node)
                 else:
                     logger.warning("backup to host failed (%s); the pages stay device-only", op.error)
                     self.host_allocator.free(node.host_pages)
                     node.host_pages = None
             if nodes:
                 self.dec_lock_ref(op.node)
+
+    def _on_host_ready(self, node: HiTreeNode) -> None:
+        """Hook: node's host copy just completed (the storage tier backs it up from here)."""
 
     def wait_idle(self) -> None:
         """Wait for every in-flight copy and apply the acks."""
@@ -270,16 +274,17 @@ class HiRadixCache(RadixCache):
             freed += node.host_pages.numel()
             self._free_host(node)
             parent = node.parent
-            if node.device_slots is None:        # host-only: the node goes
+            if node.device_slots is None:        # host-only (so childless): the node goes
                 del parent.children[node.key[:self.page_size]]
-                if self._is_host_evictable(parent):
-                    heapq.heappush(heap, self._heap_entry(parent))
+            if self._is_host_evictable(parent):
+                heapq.heappush(heap, self._heap_entry(parent))
         self.stats["host_evicted_pages"] += freed
         return freed
 
     def _is_host_evictable(self, node: TreeNode) -> bool:
-        return (not node.is_root and not node.children and node.lock_ref == 0 and node.host_ready
-                and node.backup_op is None)
+        """Unlocked, host copy complete, and no child needs it (host copies hang below host copies)."""
+        return (not node.is_root and node.lock_ref == 0 and node.host_ready and node.backup_op is None
+                and all(c.host_pages is None for c in node.children.values()))
 
     def _free_host(self, node: HiTreeNode) -> None:
         if node.host_pages is not None and node.backup_op is None:

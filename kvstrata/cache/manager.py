@@ -14,6 +14,7 @@ Verbs: `match` (look up and lock the cached prefix), `reserve` (slots for new to
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterable
 from typing import Optional
 
@@ -24,19 +25,54 @@ from kvstrata.memory.req_slots import ReqSlotTable
 from kvstrata.runtime.req import Req
 
 LOAD_BACK_MIN_TOKENS = 16   # a shorter host hit is cheaper to recompute than to copy back
+PREFETCH_RETRY_REASONS = ("host_full", "rate_limited")
 
 
 class KVCacheManager:
     """Allocation, prefix reuse and accounting of the device KV pool."""
 
-    def __init__(self, allocator: PageAllocator, slot_table: ReqSlotTable, tree=None):
+    def __init__(self, allocator: PageAllocator, slot_table: ReqSlotTable, tree=None,
+                 prefetch_policy: str = "best_effort"):
         self.allocator = allocator
         self.slot_table = slot_table
         self.tree = tree
         self.page_size = allocator.page_size
         self.hierarchical = hasattr(tree, "apply_acks")
+        self.storage = hasattr(tree, "prefetch")
+        self.prefetch_policy = prefetch_policy
         self._loads: list = []          # load-backs submitted for the coming forward
-        self.metrics = {"device_hit_tokens": 0, "host_hit_tokens": 0}
+        self.metrics = {"device_hit_tokens": 0, "host_hit_tokens": 0, "storage_hit_tokens": 0}
+
+    # ------------------------------------------------------------------ L3 prefetch
+    def start_prefetch(self, req: Req) -> None:
+        """On arrival: start reading from L3 what the local tiers miss of req's prompt."""
+        if not self.storage:
+            return
+        from kvstrata.cache.storage_radix_cache import prefetch_deadline
+
+        self.begin_step()            # completed copies release their locks: more host room
+        op = self.tree.prefetch(req.fill_ids[: req.fill_len - 1], namespace=req.namespace)
+        req.prefetch_op = op
+        first_try = not req.prefetch_retry
+        if op is not None:
+            req.prefetch_retry = False
+            if first_try:
+                req.prefetch_deadline = prefetch_deadline(self.prefetch_policy, len(op.keys))
+        elif self.tree.last_skip_reason in PREFETCH_RETRY_REASONS and self.prefetch_policy != "best_effort":
+            # Host room is often short only while copies are in flight: try again until the deadline.
+            req.prefetch_retry = True
+            if first_try:
+                req.prefetch_deadline = prefetch_deadline(self.prefetch_policy, req.fill_len // self.page_size)
+
+    def prefetch_ready(self, req: Req) -> bool:
+        """Whether req may be scheduled now, per --hicache-storage-prefetch-policy."""
+        expired = time.monotonic() >= req.prefetch_deadline
+        if req.prefetch_retry and not expired:
+            self.start_prefetch(req)
+        op = req.prefetch_op
+        if op is None:
+            return not req.prefetch_retry or expired
+        return op.applied or self.prefetch_policy == "best_effort" or expired
 
     # ------------------------------------------------------------------ per step
     def begin_step(self) -> None:
@@ -55,6 +91,8 @@ class KVCacheManager:
 
     def close(self) -> None:
         """Stop background copy workers."""
+        if self.storage:
+            self.tree.close()
         if self.hierarchical:
             self.tree.controller.shutdown()
 
@@ -92,10 +130,13 @@ class KVCacheManager:
         device_hit = result.length
         host_tokens = getattr(result, "host_tokens", 0)
         if host_tokens >= LOAD_BACK_MIN_TOKENS:
+            host_nodes = result.host_nodes
             loaded = self.tree.load_back(result)
             if loaded is not None:
                 result, handle = loaded
                 self._loads.append(handle)
+                if self.storage:
+                    self.metrics["storage_hit_tokens"] += self.tree.count_storage_hits(host_nodes)
         n = result.length
         self.metrics["device_hit_tokens"] += device_hit
         self.metrics["host_hit_tokens"] += n - device_hit
@@ -225,7 +266,7 @@ class KVCacheManager:
         return out
 
 
-def build_tree(args, allocator: PageAllocator, device_pool) -> Optional[object]:
+def build_tree(args, allocator: PageAllocator, device_pool, model_path: str = "") -> Optional[object]:
     """The prefix tree the settings ask for: None, a RadixCache, or a HiRadixCache with a host pool."""
     if args.disable_radix_cache:
         return None
@@ -240,5 +281,20 @@ def build_tree(args, allocator: PageAllocator, device_pool) -> Optional[object]:
     host_pages = HostKVPool.size_pages(device_pool, args.hicache_ratio, args.hicache_size)
     host_pool = HostKVPool(device_pool, host_pages, layout=args.hicache_mem_layout)
     controller = CacheController(device_pool, host_pool)
-    return HiRadixCache(allocator, allocator.page_size, host_pool, controller,
-                        write_policy=args.hicache_write_policy, eviction_policy=args.radix_eviction_policy)
+    tiers = (allocator, allocator.page_size, host_pool, controller)
+    policies = {"write_policy": args.hicache_write_policy, "eviction_policy": args.radix_eviction_policy}
+    if not args.hicache_storage_backend:
+        return HiRadixCache(*tiers, **policies)
+    from kvstrata.cache.page_hash import storage_namespace
+    from kvstrata.cache.storage_radix_cache import StorageRadixCache
+    from kvstrata.cache.storage_tier import StorageTier, model_identity
+    from kvstrata.storage.base import create_backend
+
+    backend = create_backend(args.hicache_storage_backend, host_pool.page_bytes, args.storage_extra_config(),
+                             storage_dir=args.hicache_storage_dir)
+    # Host pages are stored in one canonical byte order whatever --hicache-mem-layout is, so the layout
+    # is not part of the namespace: servers with different layouts share pages.
+    namespace = storage_namespace(model_identity(model_path), str(device_pool.dtype), "canonical",
+                                  allocator.page_size)
+    return StorageRadixCache(*tiers, **policies, storage=StorageTier(backend, host_pool),
+                             storage_namespace=namespace)

@@ -289,6 +289,8 @@ class RadixCache:
     # ---- internals and extension hooks --------------------------------------------------------------
 
     def _aligned_key(self, token_ids: list[int]) -> Key:
+        if isinstance(token_ids, torch.Tensor):  # tuple() of a tensor gives 0-d tensors, which hash by id
+            token_ids = token_ids.tolist()
         return tuple(token_ids[:len(token_ids) - len(token_ids) % self.page_size])
 
     def _empty_slots(self) -> torch.Tensor:

@@ -66,6 +66,9 @@ class Req:
     sent_tokens: int = 0
     sent_input_logprobs: bool = False
     admitted_at_step: int = -1
+    prefetch_op: Any = None          # in-flight L3 prefetch for this request
+    prefetch_deadline: float = 0.0
+    prefetch_retry: bool = False     # the prefetch was skipped for lack of host room: try again
 
     @property
     def fill_ids(self) -> list[int]:

@@ -44,8 +44,8 @@ class Scheduler:
         allocator = PageAllocator(pool.num_pages, args.page_size)
         slot_table = ReqSlotTable(args.max_running_requests + 1, self.context_len + args.page_size,
                                   device=self.runner.device)
-        tree = build_tree(args, allocator, pool)
-        self.cache = KVCacheManager(allocator, slot_table, tree)
+        tree = build_tree(args, allocator, pool, self.runner.model_path)
+        self.cache = KVCacheManager(allocator, slot_table, tree, args.hicache_storage_prefetch_policy)
         self.stop = StopChecker(self.runner.model_path if args.tokenizer_path == args.model_path
                                 else args.tokenizer_path, self.runner.config.eos_token_ids)
         self.waiting: list[Req] = []
@@ -76,6 +76,7 @@ class Scheduler:
                                      "(--grammar-backend none)")
             req.grammar_future = backend.compile_async(*s.constraint)
         self.waiting.append(req)
+        self.cache.start_prefetch(req)
         return None
 
     def _validate(self, msg: TokenizedGenerateReq) -> None:
@@ -144,8 +145,7 @@ class Scheduler:
         batch = self._schedule()
         batch.layer_wait = self.cache.take_layer_wait()
         if batch.is_empty():
-            if self.waiting and not self.running and not any(r.grammar_future for r in self.waiting):
-                time.sleep(0.001)
+            time.sleep(0.001)   # waiting on a grammar compile, an L3 prefetch or free pages
             return outputs
         result = self.runner.forward(batch, self.cache.slot_table)
         outputs.extend(self._process(batch, result))
@@ -224,7 +224,7 @@ class Scheduler:
         for req in list(self.waiting):
             if budget <= 0 or len(self.running) >= self.args.max_running_requests:
                 break
-            if req.grammar_future is not None:
+            if req.grammar_future is not None or not self.cache.prefetch_ready(req):
                 continue
             if not self.cache.admit(req):
                 break
