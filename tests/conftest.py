@@ -22,3 +22,6 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+pytest_plugins = ["tests.mooncake_fixtures"]

@@ -90,7 +90,9 @@ class KVCacheManager:
         return layer_wait_for(handles)
 
     def close(self) -> None:
-        """Stop background copy workers."""
+        """Finish in-flight copies (so the last pages still reach L2/L3), then stop the workers."""
+        if self.hierarchical:
+            self.tree.wait_idle()       # applying the last host acks queues their L3 backups
         if self.storage:
             self.tree.close()
         if self.hierarchical:

@@ -148,7 +148,7 @@ class StorageRadixCache(HiRadixCache):
 
     def _host_chain_start(self, key: tuple, start: int, namespace: str | None):
         """(node, pos): where key's cached path ends, if at or past `start` and before the end; else None."""
-        node = self._roots.get(namespace)
+        node = self._root(namespace) if start == 0 else self._roots.get(namespace)
         pos = 0
         while node is not None and pos < len(key):
             child = self._descend(node, key, pos)

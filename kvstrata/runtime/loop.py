@@ -63,5 +63,7 @@ class SchedulerLoop:
                 logger.error("scheduler got an unknown message %r", type(msg).__name__)
         if s.has_work():
             outputs.extend(s.step())
+        else:
+            s.cache.begin_step()     # idle: still apply finished copies (frees locks, queues L3 backups)
         if outputs:
             self.send(BatchOutput(outputs))

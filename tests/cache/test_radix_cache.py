@@ -254,3 +254,12 @@ def test_check_slot_accounting_names_leaked_and_double_owned_pages():
     with pytest.raises(AssertionError, match="outside the allocatable range"):
         check_slot_accounting(allocator, cache, private + [0])
     check_slot_accounting(allocator, None, private + tree_slots.tolist())
+
+
+def test_unrecorded_lookup_and_tensor_keys():
+    allocator, cache = make_cache(policy="lru")
+    cache_seq(allocator, cache, list(A))
+    cache_seq(allocator, cache, list(B))
+    m = cache.match_prefix(torch.tensor([1, 1, 7]), record=False)  # scheduling look-up: no side effects
+    assert m.length == 2 and cache.metrics()["tokens_requested"] == 0
+    assert evict_order(cache, [A, B]) == [A, B]  # A's access time was not refreshed

@@ -1,0 +1,292 @@
+"""The file backend: one file per page in a local directory, shared by every process on the machine.
+
+    <root>/<first 2 chars of key>/<key>         a page: exactly page_bytes bytes
+    <root>/<shard>/.<key>.<pid>.<nonce>.tmp     a page being written (renamed into place when complete)
+
+Why this is safe with several processes and no locks:
+- a page appears only by `os.replace` of a complete temp file from the same directory, so a reader sees
+  either no file or a whole page; two writers of one key each rename their own complete file;
+- a file that vanishes between `batch_exists` and `batch_get` (evicted by another process) is a miss;
+- a file of the wrong size (truncated by a crash of the disk, not by us) is a miss and is deleted.
+
+Recency for LRU is the file's mtime, set explicitly with nanosecond time on write and on every read, so
+the eviction order does not depend on the filesystem's timestamp granularity or atime settings. The
+capacity limit is soft: usage is estimated between scans and a scan (evicting down to a low watermark)
+runs only when the estimate crosses the limit or the last scan is old, so its cost is amortized.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import threading
+import time
+from hashlib import sha256
+from pathlib import Path
+
+import torch
+
+from kvstrata.args import env_flag
+from kvstrata.storage.base import StorageBackend, StorageError, byte_view
+
+logger = logging.getLogger(__name__)
+
+GB = 1e9
+_SAFE_KEY = re.compile(r"[A-Za-z0-9_\-]{1,128}")
+# A temp file this old belongs to a writer that died; scans remove it.
+STALE_TEMP_S = 600.0
+FILE_CONFIG_KEYS = {"capacity_gb", "capacity_bytes", "rescan_interval_s", "low_watermark"}
+
+
+def default_storage_dir() -> Path:
+    """$KVSTRATA_STORAGE_DIR, else <user cache dir>/kvstrata/kv."""
+    explicit = env_flag("KVSTRATA_STORAGE_DIR")
+    if explicit:
+        return Path(explicit).expanduser()
+    cache_home = env_flag("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(cache_home) / "kvstrata" / "kv"
+
+
+class FileBackend(StorageBackend):
+    """Pages as files under one directory, with an optional capacity limit and LRU eviction."""
+
+    name = "file"
+
+    def __init__(self, page_bytes: int, root: str | os.PathLike | None = None,
+                 capacity_bytes: int | None = None, rescan_interval_s: float = 30.0,
+                 low_watermark: float = 0.9):
+        super().__init__(page_bytes)
+        self.root = Path(root).expanduser() if root else default_storage_dir()
+        if capacity_bytes is not None and capacity_bytes < page_bytes:
+            raise StorageError(f"file backend capacity {capacity_bytes} bytes is below one page ({page_bytes})")
+        if not 0.0 < low_watermark <= 1.0:
+            raise StorageError(f"low_watermark must be in (0, 1], got {low_watermark}")
+        self.capacity_bytes = capacity_bytes
+        self.rescan_interval_s = rescan_interval_s
+        self.low_watermark = low_watermark
+        try:
+            self.root.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise StorageError(f"cannot create storage directory {self.root}: {e}") from e
+        if not os.access(self.root, os.W_OK):
+            raise StorageError(f"storage directory {self.root} is not writable")
+        self._scan_lock = threading.Lock()
+        self._estimated_bytes = 0
+        self._last_scan = 0.0
+        if capacity_bytes is not None:
+            self._scan_and_evict()  # learn what earlier runs left behind
+
+    @classmethod
+    def from_config(cls, page_bytes: int, extra_config: dict, storage_dir: str | None) -> FileBackend:
+        """Build from `--hicache-storage-dir` and the extra config (`capacity_gb` or `capacity_bytes`)."""
+        unknown = sorted(set(extra_config) - FILE_CONFIG_KEYS)
+        if unknown:
+            logger.warning("file storage backend ignores extra config keys: %s", ", ".join(unknown))
+        capacity = extra_config.get("capacity_bytes")
+        if capacity is None and extra_config.get("capacity_gb") is not None:
+            capacity = float(extra_config["capacity_gb"]) * GB
+        return cls(page_bytes, storage_dir,
+                   capacity_bytes=int(capacity) if capacity is not None else None,
+                   rescan_interval_s=float(extra_config.get("rescan_interval_s", 30.0)),
+                   low_watermark=float(extra_config.get("low_watermark", 0.9)))
+
+    # ------------------------------------------------------------------ paths
+    def page_path(self, key: str) -> Path:
+        """The file that holds page `key` (keys that are not plain file names are hashed)."""
+        name = key if _SAFE_KEY.fullmatch(key) else sha256(key.encode("utf-8")).hexdigest()
+        return self.root / name[:2] / name
+
+    # ------------------------------------------------------------------ interface
+    def batch_exists(self, keys: list[str]) -> int:
+        """How many leading keys have a complete page file."""
+        found = 0
+        for key in keys:
+            if not self._page_ok(self.page_path(key)):
+                break
+            found += 1
+        self._counter.add(exists_queries=len(keys), exists_hits=found)
+        return found
+
+    def batch_get(self, keys: list[str], buffers: list[torch.Tensor]) -> int:
+        """Read leading pages into `buffers`; a missing or corrupt page ends the batch."""
+        self._check_batch(keys, buffers)
+        read = 0
+        for key, buffer in zip(keys, buffers, strict=True):
+            if not self._read_page(self.page_path(key), buffer):
+                break
+            read += 1
+        self._counter.add(gets=len(keys), hits=read, bytes_read=read * self.page_bytes)
+        return read
+
+    def batch_set(self, keys: list[str], buffers: list[torch.Tensor]) -> int:
+        """Write leading pages atomically; a page already on disk is only marked recently used."""
+        self._check_batch(keys, buffers)
+        stored = written = 0
+        for key, buffer in zip(keys, buffers, strict=True):
+            path = self.page_path(key)
+            if self._page_ok(path) and _touch(path):
+                stored += 1
+                continue
+            if not self._write_page(path, buffer):
+                break
+            stored += 1
+            written += 1
+        self._counter.add(sets=len(keys), stored=stored, bytes_written=written * self.page_bytes)
+        if written:
+            self._after_write(written * self.page_bytes)
+        return stored
+
+    # ------------------------------------------------------------------ page files
+    def _page_ok(self, path: Path) -> bool:
+        try:
+            size = path.stat().st_size
+        except FileNotFoundError:
+            return False
+        except OSError as e:
+            self._error("stat", path, e)
+            return False
+        if size != self.page_bytes:
+            self._drop_corrupt(path, size)
+            return False
+        return True
+
+    def _read_page(self, path: Path, buffer: torch.Tensor) -> bool:
+        view = byte_view(buffer)
+        try:
+            with open(path, "rb", buffering=0) as f:
+                size = os.fstat(f.fileno()).st_size
+                if size != self.page_bytes:
+                    self._drop_corrupt(path, size)
+                    return False
+                got = 0
+                while got < self.page_bytes:
+                    n = f.readinto(view[got:])
+                    if not n:
+                        break
+                    got += n
+        except FileNotFoundError:
+            return False  # evicted or never written: a miss
+        except OSError as e:
+            self._error("read", path, e)
+            return False
+        if got != self.page_bytes:
+            self._drop_corrupt(path, got)
+            return False
+        _touch(path)
+        return True
+
+    def _write_page(self, path: Path, buffer: torch.Tensor) -> bool:
+        temp = path.parent / f".{path.name}.{os.getpid()}.{threading.get_ident()}.{time.monotonic_ns()}.tmp"
+        try:
+            try:
+                f = open(temp, "wb", buffering=0)
+            except FileNotFoundError:  # first page of this shard (or the directory was wiped)
+                path.parent.mkdir(parents=True, exist_ok=True)
+                f = open(temp, "wb", buffering=0)
+            with f:
+                view = byte_view(buffer)
+                done = 0
+                while done < self.page_bytes:
+                    done += f.write(view[done:])
+            _touch(temp)
+            os.replace(temp, path)
+            return True
+        except OSError as e:
+            self._error("write", path, e)
+            _unlink_quietly(temp)
+            return False
+
+    def _drop_corrupt(self, path: Path, size: int) -> None:
+        logger.warning("dropping corrupt page file %s (%d bytes, expected %d)", path, size, self.page_bytes)
+        self._counter.add(corrupt=1)
+        try:
+            path.unlink()
+        except OSError:
+            pass  # another process got there first
+
+    def _error(self, op: str, path: Path, e: OSError) -> None:
+        logger.warning("file storage %s failed for %s: %s", op, path, e)
+        self._counter.add(errors=1)
+
+    # ------------------------------------------------------------------ capacity
+    def _after_write(self, new_bytes: int) -> None:
+        if self.capacity_bytes is None:
+            return
+        self._estimated_bytes += new_bytes
+        overdue = time.monotonic() - self._last_scan > self.rescan_interval_s
+        if self._estimated_bytes > self.capacity_bytes or overdue:
+            self._scan_and_evict()
+
+    def _scan_and_evict(self) -> None:
+        """Measure the directory and evict least recently used pages down to the low watermark."""
+        if not self._scan_lock.acquire(blocking=False):
+            return  # another thread of this process is already scanning
+        try:
+            pages, total = self._scan()
+            if total > self.capacity_bytes:
+                target = self.capacity_bytes * self.low_watermark
+                pages.sort()
+                evicted = 0
+                for _mtime, size, path in pages:
+                    if total <= target:
+                        break
+                    try:
+                        os.unlink(path)
+                        evicted += 1
+                    except FileNotFoundError:
+                        pass  # evicted by another process: the space is free all the same
+                    except OSError as e:
+                        logger.warning("cannot evict %s: %s", path, e)
+                        continue
+                    total -= size
+                self._counter.add(evictions=evicted)
+            self._estimated_bytes = total
+            self._last_scan = time.monotonic()
+        finally:
+            self._scan_lock.release()
+
+    def _scan(self) -> tuple[list[tuple[int, int, str]], int]:
+        pages: list[tuple[int, int, str]] = []
+        total = 0
+        now_ns = time.time_ns()
+        for shard in _scandir(self.root):
+            if not shard.is_dir(follow_symlinks=False):
+                continue
+            for entry in _scandir(shard.path):
+                try:
+                    st = entry.stat(follow_symlinks=False)
+                except FileNotFoundError:
+                    continue
+                if entry.name.startswith("."):
+                    if (now_ns - st.st_mtime_ns) / 1e9 > STALE_TEMP_S:
+                        _unlink_quietly(entry.path)
+                    continue
+                pages.append((st.st_mtime_ns, st.st_size, entry.path))
+                total += st.st_size
+        return pages, total
+
+
+def _touch(path: Path) -> bool:
+    """Mark `path` used now (nanosecond mtime, the LRU clock); False if it vanished."""
+    now = time.time_ns()
+    try:
+        os.utime(path, ns=(now, now))
+        return True
+    except OSError:
+        return False
+
+
+def _scandir(path: str | Path) -> list[os.DirEntry]:
+    try:
+        with os.scandir(path) as it:
+            return list(it)
+    except FileNotFoundError:
+        return []
+
+
+def _unlink_quietly(path: str) -> None:
+    try:
+        os.unlink(path)
+    except OSError:
+        pass

@@ -1,0 +1,43 @@
+#!/usr/bin/env bash
+# Install the shared libraries the Mooncake wheel (mooncake-transfer-engine-non-cuda) links against:
+# libibverbs.so.1, librdmacm.so.1, libnuma.so.1 (Debian/Ubuntu: libibverbs1 librdmacm1 libnuma1).
+# Idempotent: does nothing when the libraries are already there. Used by scripts/install.sh and CI.
+set -euo pipefail
+
+PACKAGES=(libibverbs1 librdmacm1 libnuma1)
+LIBS=(libibverbs.so.1 librdmacm.so.1 libnuma.so.1)
+
+have_all_libs() {
+    command -v ldconfig >/dev/null 2>&1 || return 1
+    local cache
+    cache=$(ldconfig -p 2>/dev/null) || return 1
+    for lib in "${LIBS[@]}"; do
+        grep -q "$lib" <<<"$cache" || return 1
+    done
+}
+
+if have_all_libs; then
+    echo "install_system_deps: Mooncake's libraries are present (${LIBS[*]})"
+    exit 0
+fi
+
+if ! command -v apt-get >/dev/null 2>&1; then
+    echo "install_system_deps: no apt-get here; install ${LIBS[*]} with your package manager" >&2
+    exit 1
+fi
+
+SUDO=()
+if [ "$(id -u)" -ne 0 ]; then
+    if command -v sudo >/dev/null 2>&1; then
+        SUDO=(sudo)
+    else
+        echo "install_system_deps: need root (or sudo) to install ${PACKAGES[*]}" >&2
+        exit 1
+    fi
+fi
+
+echo "install_system_deps: installing ${PACKAGES[*]}"
+export DEBIAN_FRONTEND=noninteractive
+"${SUDO[@]}" apt-get update -qq
+"${SUDO[@]}" apt-get install -y -qq --no-install-recommends "${PACKAGES[@]}"
+have_all_libs || { echo "install_system_deps: libraries still missing after install" >&2; exit 1; }
