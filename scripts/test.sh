@@ -6,5 +6,7 @@ bash scripts/install.sh
 # shellcheck disable=SC1091
 . .venv/bin/activate
 export KVSTRATA_CACHE_DIR=${KVSTRATA_CACHE_DIR:-$PWD/.cache/kvstrata}
+# The Mooncake tests must run, not skip, once install.sh has installed its libraries.
+export KVSTRATA_REQUIRE_MOONCAKE=${KVSTRATA_REQUIRE_MOONCAKE:-1}
 ruff check kvstrata tests
 python -m pytest -q -p no:cacheprovider --durations=15 "$@"

@@ -74,10 +74,14 @@ class Engine:
     # ------------------------------------------------------------------ public API
     def generate(self, prompt: Prompt = None, sampling_params: Union[dict, list[dict], None] = None,
                  input_ids: TokenIds = None, return_logprob: bool = False, logprob_start_len: Optional[int] = None,
-                 top_logprobs_num: int = 0, return_text_in_logprobs: bool = False) -> Union[dict, list[dict]]:
-        """Generate for one prompt (returns a dict) or a list of prompts (returns a list, i*n+j order)."""
+                 top_logprobs_num: int = 0, return_text_in_logprobs: bool = False,
+                 cache_salt: Optional[str] = None) -> Union[dict, list[dict]]:
+        """Generate for one prompt (returns a dict) or a list of prompts (returns a list, i*n+j order).
+
+        Requests with different `cache_salt` never share cached KV.
+        """
         rids, batched = self._submit(prompt, sampling_params, input_ids, return_logprob, logprob_start_len,
-                                     top_logprobs_num, stream=False)
+                                     top_logprobs_num, stream=False, cache_salt=cache_salt)
         results = []
         for rid in rids:
             self._wait(rid)
@@ -144,15 +148,13 @@ class Engine:
 
     # ------------------------------------------------------------------ internals
     def _submit(self, prompt, sampling_params, input_ids, return_logprob, logprob_start_len, top_logprobs_num,
-                stream, listener=None) -> tuple[list[str], bool]:
+                stream, listener=None, cache_salt: Optional[str] = None) -> tuple[list[str], bool]:
         self._check_alive()
         prompts, batched = _as_token_lists(self.tokenizer, prompt, input_ids)
         params = sampling_params if isinstance(sampling_params, list) else [sampling_params] * len(prompts)
         if len(params) != len(prompts):
             raise InvalidRequest(f"{len(params)} sampling_params for {len(prompts)} prompts")
         start = -1 if logprob_start_len is None else logprob_start_len
-        if return_logprob and start < 0:
-            start = -1
         rids = []
         msgs = []
         for ids, p in zip(prompts, params):
@@ -168,7 +170,7 @@ class Engine:
                 self._pending[rid] = pend
                 rids.append(rid)
                 msgs.append(TokenizedGenerateReq(rid, ids, copy, return_logprob, start, top_logprobs_num,
-                                                 stream=stream))
+                                                 stream=stream, cache_namespace=cache_salt))
         for m in msgs:
             self._inbox.put(m)
         return rids, batched
