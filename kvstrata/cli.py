@@ -20,9 +20,9 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     command, rest = argv[0], argv[1:]
     if command == "serve":
-        from kvstrata.server.launch import main as serve_main
+        from kvstrata.server.launch import run_and_exit
 
-        return serve_main(rest) or 0
+        run_and_exit(rest)   # exits the process (skipping slow interpreter teardown)
     if command == "bench":
         from kvstrata.bench import main as bench_main
 

@@ -17,7 +17,7 @@ from kvstrata.runtime.messages import (
     GetStateReq,
     TokenizedGenerateReq,
 )
-from kvstrata.runtime.scheduler import Scheduler
+from kvstrata.runtime.scheduler import Scheduler, error_output
 
 logger = logging.getLogger(__name__)
 
@@ -47,7 +47,11 @@ class SchedulerLoop:
         outputs = []
         for msg in messages:
             if isinstance(msg, TokenizedGenerateReq):
-                err = s.add_request(msg)
+                try:
+                    err = s.add_request(msg)
+                except Exception as e:  # a request the checks missed must not take the server down
+                    logger.exception("rejected request %s", msg.rid)
+                    err = error_output(msg.rid, len(msg.input_ids), f"internal error: {e}", status=500)
                 if err is not None:
                     outputs.append(err)
             elif isinstance(msg, AbortReq):

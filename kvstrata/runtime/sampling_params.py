@@ -97,6 +97,8 @@ class SamplingParams:
                 raise InvalidRequest(f"{name} must be in [-2, 2], got {getattr(self, name)}")
         if not 0 < self.repetition_penalty <= 2:
             raise InvalidRequest(f"repetition_penalty must be in (0, 2], got {self.repetition_penalty}")
+        if self.sampling_seed is not None and not 0 <= self.sampling_seed < 2**63:
+            raise InvalidRequest(f"sampling_seed must be in [0, 2**63), got {self.sampling_seed}")
         if self.n < 1 or self.n > 128:
             raise InvalidRequest(f"n must be in [1, 128], got {self.n}")
         if sum(x is not None for x in (self.regex, self.json_schema, self.ebnf)) > 1:
@@ -107,6 +109,8 @@ class SamplingParams:
             except re.error as e:
                 raise InvalidRequest(f"stop_regex {pattern!r} is not a valid regular expression: {e}") from e
         if vocab_size is not None:
+            if self.top_k >= vocab_size:
+                self.top_k = -1             # keeping every token is what top_k >= vocab means
             bad = [t for t in self.stop_token_ids if not 0 <= t < vocab_size]
             if bad:
                 raise InvalidRequest(f"stop_token_ids out of vocabulary range [0, {vocab_size}): {bad[:5]}")

@@ -62,7 +62,7 @@ class Scheduler:
         try:
             self._validate(msg)
         except InvalidRequest as e:
-            return _error_output(msg.rid, len(msg.input_ids), str(e))
+            return error_output(msg.rid, len(msg.input_ids), str(e))
         s = msg.sampling_params
         req = Req(rid=msg.rid, prompt_ids=list(msg.input_ids), sampling=s, return_logprob=msg.return_logprob,
                   logprob_start_len=msg.logprob_start_len, top_logprobs_num=msg.top_logprobs_num,
@@ -72,7 +72,7 @@ class Scheduler:
         if s.constraint is not None:
             backend = self.grammar_backend()
             if backend is None:
-                return _error_output(msg.rid, len(msg.input_ids), "structured output is disabled "
+                return error_output(msg.rid, len(msg.input_ids), "structured output is disabled "
                                      "(--grammar-backend none)")
             req.grammar_future = backend.compile_async(*s.constraint)
         self.waiting.append(req)
@@ -163,7 +163,7 @@ class Scheduler:
                 req.grammar = fut.result()
             except Exception as e:  # GrammarError: the client's constraint does not compile
                 self.waiting.remove(req)
-                outs.append(_error_output(req.rid, len(req.prompt_ids), str(e)))
+                outs.append(error_output(req.rid, len(req.prompt_ids), str(e)))
         return outs
 
     def _schedule(self) -> ScheduledBatch:
@@ -387,7 +387,7 @@ def _match_len(result) -> int:
     return result.length + getattr(result, "host_tokens", 0)
 
 
-def _error_output(rid: str, prompt_tokens: int, message: str, status: int = 400) -> ReqOutput:
+def error_output(rid: str, prompt_tokens: int, message: str, status: int = 400) -> ReqOutput:
     return ReqOutput(rid=rid, new_token_ids=[], finished=True, finish_reason=finish_abort(message),
                      prompt_tokens=prompt_tokens, completion_tokens=0, cached_tokens=0, error=message,
                      error_status=status)

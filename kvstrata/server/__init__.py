@@ -1,0 +1,1 @@
+"""HTTP server: SGLang-native and OpenAI-compatible APIs in front of the scheduler process (see launch.py)."""

@@ -1,0 +1,210 @@
+"""The FastAPI application: routes of the native and OpenAI APIs, API-key check, error shapes."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import logging
+import time
+from collections.abc import AsyncIterator, Callable
+from typing import Optional
+
+from fastapi import FastAPI
+from fastapi.exceptions import RequestValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import Request
+from starlette.responses import JSONResponse, PlainTextResponse, Response
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+import kvstrata
+from kvstrata.runtime.sampling_params import SamplingParams
+from kvstrata.server import native_api, openai_api
+from kvstrata.server.metrics import render_prometheus
+from kvstrata.server.protocol import ApiError, GenerateRequest, PromptSpec, get_bool, new_rid, parse_json_body
+from kvstrata.server.tokenizer_manager import TokenizerManager
+
+logger = logging.getLogger(__name__)
+
+WATCHDOG_INTERVAL_S = 0.25
+HEALTH_GENERATE_TIMEOUT_S = 30.0
+
+
+class ApiKeyMiddleware:
+    """Reject requests without `Authorization: Bearer <api key>` (401); /health* and /metrics stay open."""
+
+    def __init__(self, app: ASGIApp, api_key: str):
+        self.app = app
+        self.expected = f"Bearer {api_key}".encode()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope["method"] != "OPTIONS" and not _is_open_path(scope["path"]):
+            headers = dict(scope["headers"])
+            if not hmac.compare_digest(headers.get(b"authorization", b""), self.expected):
+                err = ApiError("invalid or missing API key (send 'Authorization: Bearer <key>')", 401)
+                await JSONResponse(err.to_dict(), status_code=401)(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+def _is_open_path(path: str) -> bool:
+    return path.startswith("/health") or path == "/metrics"
+
+
+def create_app(tm: TokenizerManager, is_scheduler_alive: Callable[[], bool],
+               on_scheduler_death: Callable[[], None], scheduler_pid: Optional[int] = None) -> FastAPI:
+    """Build the app around a TokenizerManager; the watchdog calls `on_scheduler_death` once."""
+    args = tm.args
+    created = int(time.time())
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        tm.start()
+        watchdog = asyncio.get_running_loop().create_task(_watch_scheduler(tm, is_scheduler_alive,
+                                                                            on_scheduler_death))
+        print(f"kvstrata server ready at {args.url} (model {args.served_model_name}; OpenAI API at "
+              f"{args.url}/v1)", flush=True)
+        try:
+            yield
+        finally:
+            watchdog.cancel()
+            await tm.close()
+
+    app = FastAPI(title="kvstrata", version=kvstrata.__version__, lifespan=lifespan, docs_url=None,
+                  redoc_url=None, openapi_url=None)
+    if args.api_key:
+        app.add_middleware(ApiKeyMiddleware, api_key=args.api_key)
+    _add_error_handlers(app)
+
+    # ------------------------------------------------------------------ health and info
+    @app.get("/health")
+    async def health() -> Response:
+        if tm.dead_reason is not None or not is_scheduler_alive():
+            return _error(ApiError(tm.dead_reason or "the scheduler process is not running", 503))
+        return Response(status_code=200)
+
+    @app.get("/health_generate")
+    async def health_generate() -> Response:
+        await _one_token_generation(tm)
+        return Response(status_code=200)
+
+    @app.get("/get_model_info")
+    @app.get("/model_info")
+    async def model_info() -> dict:
+        return {"model_path": args.model_path, "tokenizer_path": args.tokenizer_path, "is_generation": True,
+                "served_model_name": args.served_model_name, "context_length": tm.context_length,
+                "preferred_sampling_params": None}
+
+    @app.get("/server_info")
+    @app.get("/get_server_info")
+    async def server_info() -> dict:
+        state = await tm.get_state()
+        info = tm.info
+        return {**args.to_dict(), "version": kvstrata.__version__, "scheduler_pid": scheduler_pid,
+                "max_total_tokens": info.max_total_tokens, "context_length": info.context_length,
+                "vocab_size": info.vocab_size, "eos_token_ids": info.eos_token_ids,
+                "frontend_metrics": dict(tm.metrics), "internal_states": [state]}
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        state = await tm.get_state() if tm.dead_reason is None else {}
+        return PlainTextResponse(render_prometheus(tm.metrics, state, args.served_model_name or ""),
+                                 media_type="text/plain; version=0.0.4")
+
+    @app.api_route("/flush_cache", methods=["GET", "POST"])
+    async def flush_cache() -> Response:
+        out = await tm.flush_cache()
+        if not out.success:
+            return _error(ApiError(out.message or "the cache could not be flushed", 400))
+        return PlainTextResponse(out.message or "Cache flushed.", status_code=200)
+
+    # ------------------------------------------------------------------ native generation
+    @app.post("/generate")
+    async def generate(request: Request) -> Response:
+        return await native_api.handle_generate(request, tm)
+
+    @app.post("/abort_request")
+    async def abort_request(request: Request) -> Response:
+        body = parse_json_body(await request.body())
+        rid = body.get("rid")
+        abort_all = get_bool(body, "abort_all")
+        if rid is not None and not isinstance(rid, str):
+            raise ApiError("'rid' must be a string", param="rid")
+        if rid is None and not abort_all:
+            raise ApiError("give 'rid' or 'abort_all': true", param="rid")
+        return JSONResponse({"success": True, "aborted": tm.abort_request(rid, abort_all)})
+
+    @app.post("/concate_and_append_request")
+    async def concate_and_append_request(request: Request) -> Response:
+        # SGLang's frontend calls this when it concatenates a program's requests; nothing to do here.
+        await request.body()
+        return JSONResponse({"success": True})
+
+    # ------------------------------------------------------------------ OpenAI
+    @app.get("/v1/models")
+    async def models() -> dict:
+        return openai_api.list_models(tm, created)
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str) -> dict:
+        return openai_api.retrieve_model(tm, created, model_id)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        return await openai_api.handle_completion(request, tm)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        return await openai_api.handle_chat(request, tm)
+
+    return app
+
+
+def _add_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(ApiError)
+    async def api_error(request: Request, exc: ApiError) -> Response:
+        return _error(exc)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, exc: StarletteHTTPException) -> Response:
+        return _error(ApiError(str(exc.detail), exc.status_code))
+
+    @app.exception_handler(RequestValidationError)
+    async def validation_error(request: Request, exc: RequestValidationError) -> Response:
+        return _error(ApiError(f"invalid request: {exc.errors()}", 400))
+
+    @app.exception_handler(Exception)
+    async def unexpected(request: Request, exc: Exception) -> Response:
+        logger.exception("unexpected error while serving %s %s", request.method, request.url.path)
+        return _error(ApiError(f"internal server error: {type(exc).__name__}: {exc}", 500))
+
+
+def _error(err: ApiError) -> JSONResponse:
+    return JSONResponse(err.to_dict(), status_code=err.status)
+
+
+async def _one_token_generation(tm: TokenizerManager) -> None:
+    """Generate one token end to end; raises ApiError(503) if that fails or takes too long."""
+    prompt = PromptSpec(text=None, input_ids=[0], sampling=SamplingParams(max_new_tokens=1, temperature=0.0),
+                        rid="health-" + new_rid())
+    states = tm.submit(GenerateRequest(prompts=[prompt]))
+
+    async def run() -> None:
+        async with contextlib.aclosing(tm.updates(states)) as updates:
+            async for _ in updates:
+                pass
+
+    try:
+        await asyncio.wait_for(run(), HEALTH_GENERATE_TIMEOUT_S)
+    except asyncio.TimeoutError:
+        raise ApiError(f"no token generated within {HEALTH_GENERATE_TIMEOUT_S:.0f} s", 503) from None
+    if states[0].error is not None:
+        raise ApiError(f"generation failed: {states[0].error}", 503)
+
+
+async def _watch_scheduler(tm: TokenizerManager, is_alive: Callable[[], bool], on_death: Callable[[], None]) -> None:
+    while is_alive():
+        await asyncio.sleep(WATCHDOG_INTERVAL_S)
+    logger.error("the scheduler process died; failing pending requests")
+    tm.mark_dead("the scheduler process is not running")
+    on_death()

@@ -1,0 +1,204 @@
+"""Start and stop the server: the scheduler/model process, then FastAPI on uvicorn in this process.
+
+Shutdown on SIGINT/SIGTERM: uvicorn stops serving, then the scheduler process is terminated and joined.
+The scheduler also dies with this process if it is killed outright (PR_SET_PDEATHSIG on Linux).
+If the scheduler dies, /health answers 503 and this process exits non-zero after a short grace period.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import ctypes
+import logging
+import multiprocessing
+import os
+import shutil
+import signal
+import socket
+import sys
+import tempfile
+from typing import Any, Optional
+
+from kvstrata.args import ConfigError, ServerArgs
+
+logger = logging.getLogger(__name__)
+
+EXIT_GRACE_S = 2.0          # time /health answers 503 before the process exits after a scheduler death
+STOP_TIMEOUT_S = 10.0
+SCHEDULER_DIED_EXIT_CODE = 3
+
+
+class _Shutdown(SystemExit):
+    """Raised by our SIGTERM handler once uvicorn has finished its graceful shutdown."""
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    """`python -m kvstrata.launch_server` / `kvstrata serve`: run the server until stopped; returns the exit code."""
+    parser = argparse.ArgumentParser(prog="kvstrata serve", description="Run the kvstrata HTTP server.")
+    ServerArgs.add_cli_args(parser)
+    ns = parser.parse_args(argv)
+    try:
+        args = ServerArgs.from_cli_args(ns).resolve()
+    except ConfigError as e:
+        parser.error(str(e))
+    logging.basicConfig(level=args.log_level.upper(), format="[%(asctime)s] %(levelname)s %(name)s: %(message)s")
+    signal.signal(signal.SIGTERM, _raise_shutdown)
+    try:
+        return serve(args)
+    except _Shutdown:
+        return 0
+    except KeyboardInterrupt:
+        return 0
+
+
+def run_and_exit(argv: Optional[list[str]] = None) -> None:
+    """main(argv), then exit the process with its code (fast: everything is stopped by then)."""
+    exit_now(main(argv))
+
+
+def serve(args: ServerArgs) -> int:
+    """Run the server with resolved `args`; returns the exit code."""
+    import uvicorn
+
+    from kvstrata.model.builtin import resolve_model_path
+    from kvstrata.model.tokenizer import TokenizerLoadError, load_tokenizer
+    from kvstrata.server.app import create_app
+    from kvstrata.server.tokenizer_manager import TokenizerManager
+
+    sock = _bind(args.host, args.port)
+    ipc_dir = tempfile.mkdtemp(prefix="kvstrata-ipc-")
+    recv_addr, send_addr = f"ipc://{ipc_dir}/to-scheduler", f"ipc://{ipc_dir}/from-scheduler"
+    proc = None
+    try:
+        # Build a built-in model here first, so that two processes never race to create it.
+        tokenizer_dir = resolve_model_path(args.tokenizer_path or args.model_path)
+        resolve_model_path(args.model_path)
+        proc, ready_conn = spawn_scheduler(args, recv_addr, send_addr)
+        tokenizer = load_tokenizer(tokenizer_dir)        # while the scheduler loads the model
+        info = wait_scheduler_ready(proc, ready_conn)
+        tm = TokenizerManager(args, tokenizer, info, recv_addr, send_addr)
+        exit_code = {"value": 0}
+        server: Any = None
+
+        def on_scheduler_death() -> None:
+            exit_code["value"] = SCHEDULER_DIED_EXIT_CODE
+            asyncio.get_running_loop().call_later(EXIT_GRACE_S, lambda: setattr(server, "should_exit", True))
+
+        app = create_app(tm, proc.is_alive, on_scheduler_death, scheduler_pid=proc.pid)
+        config = uvicorn.Config(app, log_level=args.log_level, timeout_graceful_shutdown=5, access_log=False,
+                                timeout_keep_alive=30)
+        server = uvicorn.Server(config)
+        server.run(sockets=[sock])
+        return exit_code["value"]
+    except (SchedulerStartError, TokenizerLoadError) as e:
+        logger.error("%s", e)
+        return 1
+    finally:
+        sock.close()
+        if proc is not None:
+            stop_scheduler(proc)
+        shutil.rmtree(ipc_dir, ignore_errors=True)
+
+
+class SchedulerStartError(RuntimeError):
+    """The scheduler process exited or reported an error before it was ready."""
+
+
+def spawn_scheduler(args: ServerArgs, recv_addr: str, send_addr: str) -> tuple[Any, Any]:
+    """Start the scheduler process; returns it and the pipe end its start-up result arrives on."""
+    ctx = multiprocessing.get_context("spawn")
+    reader, writer = ctx.Pipe(duplex=False)
+    proc = ctx.Process(target=_scheduler_main, args=(args, recv_addr, send_addr, writer, os.getpid()),
+                       name="kvstrata-scheduler", daemon=True)
+    proc.start()
+    writer.close()
+    return proc, reader
+
+
+def wait_scheduler_ready(proc: Any, reader: Any) -> Any:
+    """Wait for the scheduler's SchedulerReady; raises SchedulerStartError if it fails or exits first."""
+    from kvstrata.runtime.messages import SchedulerReady
+
+    try:
+        while not reader.poll(0.2):
+            if not proc.is_alive():
+                raise SchedulerStartError(f"the scheduler process exited with code {proc.exitcode} before it "
+                                          f"was ready")
+        msg = reader.recv()
+    except (EOFError, OSError):
+        proc.join(5)
+        raise SchedulerStartError(f"the scheduler process exited with code {proc.exitcode} before it was "
+                                  f"ready") from None
+    finally:
+        reader.close()
+    if not isinstance(msg, SchedulerReady):
+        raise SchedulerStartError(str(msg))
+    logger.info("scheduler ready (pid %d): %s", proc.pid, msg)
+    return msg
+
+
+def stop_scheduler(proc: Any) -> None:
+    """Terminate the scheduler process and wait for it; kill it if it does not stop in time."""
+    logger.info("stopping the scheduler process (pid %d)", proc.pid)
+    if proc.is_alive():
+        proc.terminate()
+        proc.join(STOP_TIMEOUT_S)
+    if proc.is_alive():
+        logger.warning("scheduler process %d did not stop; killing it", proc.pid)
+        proc.kill()
+        proc.join(STOP_TIMEOUT_S)
+    else:
+        proc.join(0)
+    logger.info("scheduler process stopped (exit code %s)", proc.exitcode)
+
+
+def _scheduler_main(args: ServerArgs, recv_addr: str, send_addr: str, ready_conn: Any, parent_pid: int) -> None:
+    """Entry point of the spawned process: die with the parent, then run the scheduler."""
+    _die_with_parent(parent_pid)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)   # Ctrl-C reaches the whole group; the parent decides
+    from kvstrata.runtime.scheduler_process import run_scheduler_process
+
+    run_scheduler_process(args, recv_addr, send_addr, ready_conn)
+    exit_now(0)
+
+
+def exit_now(code: int) -> None:
+    """Exit without interpreter teardown, which takes seconds once torch and transformers are loaded.
+
+    Only for processes whose work is fully stopped: logs and stdio are flushed, nothing else runs.
+    """
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+def _die_with_parent(parent_pid: int) -> None:
+    if sys.platform.startswith("linux"):
+        try:
+            pr_set_pdeathsig = 1
+            ctypes.CDLL("libc.so.6", use_errno=True).prctl(pr_set_pdeathsig, int(signal.SIGKILL))
+        except OSError:
+            pass
+    if os.getppid() != parent_pid:   # the parent died before prctl took effect
+        os._exit(1)
+
+
+def _bind(host: str, port: int) -> socket.socket:
+    """Bind the HTTP socket before loading the model, so that a busy port fails fast."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as e:
+        sock.close()
+        raise SystemExit(f"error: cannot listen on {host}:{port}: {e.strerror}") from None
+    sock.listen(2048)
+    sock.set_inheritable(False)
+    return sock
+
+
+def _raise_shutdown(signum: int, frame: Any) -> None:
+    raise _Shutdown(0)

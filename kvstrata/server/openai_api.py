@@ -1,0 +1,219 @@
+"""OpenAI-compatible endpoints: chat completions, completions and models."""
+
+from __future__ import annotations
+
+import contextlib
+import time
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any, Optional
+
+from starlette.requests import Request
+from starlette.responses import Response
+
+from kvstrata.server.native_api import finite_logprob, run_request
+from kvstrata.server.openai_protocol import OpenAIOptions, parse_chat, parse_completion
+from kvstrata.server.protocol import ApiError, GenerateRequest, parse_json_body
+from kvstrata.server.seq_state import SeqState
+from kvstrata.server.streaming import SSE_DONE, sse_event
+from kvstrata.server.tokenizer_manager import TokenizerManager
+
+
+async def handle_chat(request: Request, tm: TokenizerManager) -> Response:
+    """POST /v1/chat/completions."""
+    from kvstrata.model.tokenizer import apply_chat_template
+
+    body = parse_json_body(await request.body())
+    chat, req, opts = parse_chat(body, tm.args.served_model_name or "")
+    cont = chat.continue_final_message
+    try:
+        prompt = apply_chat_template(tm.tokenizer, chat.messages, add_generation_prompt=not cont,
+                                     continue_final_message=cont, tools=chat.tools)
+    except Exception as e:  # a template that rejects these messages is the client's problem
+        raise ApiError(f"cannot apply the chat template to these messages: {e}", param="messages") from e
+    req.prompts[0].input_ids = prompt if isinstance(prompt, list) else tm.encode(prompt, add_special_tokens=False)
+    return await _run(request, tm, req, opts)
+
+
+async def handle_completion(request: Request, tm: TokenizerManager) -> Response:
+    """POST /v1/completions."""
+    body = parse_json_body(await request.body())
+    req, opts = parse_completion(body, tm.args.served_model_name or "")
+    return await _run(request, tm, req, opts)
+
+
+async def _run(request: Request, tm: TokenizerManager, req: GenerateRequest, opts: OpenAIOptions) -> Response:
+    prefix = "chatcmpl-" if opts.kind == "chat" else "cmpl-"
+    resp_id, created = prefix + uuid.uuid4().hex, int(time.time())
+
+    def respond(tm: TokenizerManager, req: GenerateRequest, states: list[SeqState]) -> dict:
+        return openai_response(tm, req, states, opts, resp_id, created)
+
+    def stream(tm: TokenizerManager, req: GenerateRequest, states: list[SeqState]) -> AsyncIterator[str]:
+        return openai_stream(tm, req, states, opts, resp_id, created)
+
+    if opts.echo:
+        opts.prompt_texts = [p.text if p.text is not None else tm.decode(p.input_ids or []) for p in req.prompts]
+    return await run_request(request, tm, req, respond, stream)
+
+
+# ---------------------------------------------------------------------- models
+def model_card(tm: TokenizerManager, created: int) -> dict:
+    """The /v1/models entry of the served model."""
+    return {"id": tm.args.served_model_name, "object": "model", "created": created, "owned_by": "kvstrata",
+            "root": tm.args.model_path, "max_model_len": tm.context_length}
+
+
+def list_models(tm: TokenizerManager, created: int) -> dict:
+    """GET /v1/models."""
+    return {"object": "list", "data": [model_card(tm, created)]}
+
+
+def retrieve_model(tm: TokenizerManager, created: int, model_id: str) -> dict:
+    """GET /v1/models/{id}; 404 for any other id."""
+    if model_id != tm.args.served_model_name:
+        raise ApiError(f"the model '{model_id}' does not exist", 404, param="model")
+    return model_card(tm, created)
+
+
+# ---------------------------------------------------------------------- responses
+def openai_response(tm: TokenizerManager, req: GenerateRequest, states: list[SeqState], opts: OpenAIOptions,
+                    resp_id: str, created: int) -> dict:
+    """A complete (non-streaming) chat.completion or text_completion object."""
+    choices = []
+    for s in states:
+        text = s.visible_text()
+        choice: dict[str, Any] = {"index": s.index, "logprobs": None, "finish_reason": finish_reason(s),
+                                  "matched_stop": matched_stop(s)}
+        if opts.kind == "chat":
+            choice["message"] = {"role": "assistant", "content": text, "tool_calls": None}
+            if opts.logprobs:
+                choice["logprobs"] = chat_logprobs(tm, s.output_token_logprobs, s.output_top_logprobs)
+        else:
+            prefix = opts.prompt_texts[s.prompt_index] if opts.echo else ""
+            choice["text"] = prefix + text
+            if opts.logprobs:
+                entries, tops = list(s.output_token_logprobs), list(s.output_top_logprobs)
+                if opts.echo:
+                    entries = list(s.input_token_logprobs or []) + entries
+                    tops = list(s.input_top_logprobs or []) + tops
+                choice["logprobs"] = completion_logprobs(tm, entries, tops, 0)
+        choices.append(choice)
+    return {"id": resp_id, "object": "chat.completion" if opts.kind == "chat" else "text_completion",
+            "created": created, "model": opts.model, "choices": choices, "usage": usage(states)}
+
+
+async def openai_stream(tm: TokenizerManager, req: GenerateRequest, states: list[SeqState], opts: OpenAIOptions,
+                        resp_id: str, created: int) -> AsyncIterator[str]:
+    """chat.completion.chunk / text_completion events; one finish_reason per choice; optional usage."""
+    obj = "chat.completion.chunk" if opts.kind == "chat" else "text_completion"
+
+    def chunk(choices: list[dict], usage_: Optional[dict] = None) -> str:
+        return sse_event({"id": resp_id, "object": obj, "created": created, "model": opts.model,
+                          "choices": choices, "usage": usage_})
+
+    text_offsets = {s.index: 0 for s in states}
+    for s in states:
+        if opts.kind == "chat":
+            yield chunk([{"index": s.index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                          "finish_reason": None}])
+        elif opts.echo:
+            echo = opts.prompt_texts[s.prompt_index]
+            text_offsets[s.index] = len(echo)
+            yield chunk([{"index": s.index, "text": echo, "logprobs": None, "finish_reason": None}])
+    finish_sent: set[int] = set()
+    async with contextlib.aclosing(tm.updates(states)) as updates:
+        async for changed in updates:
+            for s in changed:
+                if s.error is not None:
+                    yield sse_event(ApiError(s.error, s.error_status).to_dict())
+                    yield SSE_DONE
+                    return
+                if s.index in finish_sent:
+                    continue
+                choice, changed_ = _delta_choice(tm, s, opts, text_offsets)
+                if s.finished:
+                    finish_sent.add(s.index)
+                    choice["finish_reason"] = finish_reason(s)
+                    choice["matched_stop"] = matched_stop(s)
+                elif not changed_:
+                    continue
+                yield chunk([choice])
+    if opts.include_usage:
+        yield chunk([], usage(states))
+    yield SSE_DONE
+
+
+def _delta_choice(tm: TokenizerManager, s: SeqState, opts: OpenAIOptions,
+                  text_offsets: dict[int, int]) -> tuple[dict, bool]:
+    """The choice of one chunk with what `s` produced since the previous chunk; and whether it is new."""
+    text = s.take_text_delta()
+    entries, tops = s.take_logprob_delta() if opts.logprobs else ([], [])
+    if opts.logprobs and opts.echo and not s.sent_input_logprobs and s.input_token_logprobs is not None:
+        s.sent_input_logprobs = True      # prompt logprobs go with the first generated ones
+        entries = list(s.input_token_logprobs) + entries
+        tops = list(s.input_top_logprobs or []) + tops
+    choice: dict[str, Any] = {"index": s.index, "logprobs": None, "finish_reason": None}
+    if opts.kind == "chat":
+        choice["delta"] = {"content": text} if text else {}
+        if entries:
+            choice["logprobs"] = chat_logprobs(tm, entries, tops)
+    else:
+        choice["text"] = text
+        if entries:
+            lp = completion_logprobs(tm, entries, tops, text_offsets[s.index])
+            text_offsets[s.index] += sum(len(t) for t in lp["tokens"])
+            choice["logprobs"] = lp
+    return choice, bool(text or entries)
+
+
+def finish_reason(s: SeqState) -> Optional[str]:
+    """OpenAI finish_reason: stop | length | abort (None while running)."""
+    if not s.finished or s.finish_reason is None:
+        return None
+    return str(s.finish_reason.get("type", "stop"))
+
+
+def matched_stop(s: SeqState) -> Any:
+    """The stop string or token id that ended the sequence (SGLang's extension), if any."""
+    if s.finished and s.finish_reason and s.finish_reason.get("type") == "stop":
+        return s.finish_reason.get("matched")
+    return None
+
+
+def usage(states: list[SeqState]) -> dict:
+    """Token counts; each prompt counted once however many sequences it has."""
+    prompt, cached = {}, {}
+    for s in states:
+        prompt[s.prompt_index] = s.prompt_tokens
+        cached[s.prompt_index] = max(cached.get(s.prompt_index, 0), s.cached_tokens)
+    completion = sum(s.completion_tokens for s in states)
+    return {"prompt_tokens": sum(prompt.values()), "completion_tokens": completion,
+            "total_tokens": sum(prompt.values()) + completion,
+            "prompt_tokens_details": {"cached_tokens": sum(cached.values())}}
+
+
+def chat_logprobs(tm: TokenizerManager, entries: list, tops: list) -> dict:
+    """Chat `logprobs.content`: token, logprob, bytes and top_logprobs per generated token."""
+    content = []
+    for k, (lp, tid) in enumerate(entries):
+        token = tm.token_text(tid)
+        top = tops[k] if k < len(tops) and tops[k] else []
+        content.append({"token": token, "logprob": finite_logprob(lp), "bytes": list(token.encode("utf-8")),
+                        "top_logprobs": [{"token": tm.token_text(t), "logprob": finite_logprob(v),
+                                          "bytes": list(tm.token_text(t).encode("utf-8"))} for v, t in top]})
+    return {"content": content}
+
+
+def completion_logprobs(tm: TokenizerManager, entries: list, tops: list, offset: int) -> dict:
+    """Completions `logprobs`: tokens, token_logprobs, top_logprobs and text_offset lists."""
+    tokens, token_lps, top_lps, offsets = [], [], [], []
+    for k, (lp, tid) in enumerate(entries):
+        token = tm.token_text(tid)
+        tokens.append(token)
+        token_lps.append(finite_logprob(lp))
+        top = tops[k] if k < len(tops) else None
+        top_lps.append({tm.token_text(t): finite_logprob(v) for v, t in top} if top else None)
+        offsets.append(offset)
+        offset += len(token)
+    return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": top_lps, "text_offset": offsets}

@@ -1,0 +1,249 @@
+"""Request parsing for the native `/generate` API: raw JSON in, a validated GenerateRequest out.
+
+Every problem raises ApiError naming the field, which the app answers with
+`{"error": {"message", "type", "param", "code"}}` and the error's HTTP status.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+from kvstrata.runtime.sampling_params import InvalidRequest, SamplingParams
+
+
+class ApiError(Exception):
+    """An error answered to the client with an HTTP status and an OpenAI-style error object."""
+
+    def __init__(self, message: str, status: int = 400, param: Optional[str] = None,
+                 err_type: Optional[str] = None):
+        super().__init__(message)
+        self.message = message
+        self.status = status
+        self.param = param
+        self.err_type = err_type or _ERROR_TYPES.get(status, "server_error" if status >= 500 else
+                                                     "invalid_request_error")
+
+    def to_dict(self) -> dict:
+        """The JSON body: OpenAI's error shape (the openai client reads `error.message`)."""
+        return {"error": {"message": self.message, "type": self.err_type, "param": self.param,
+                          "code": self.status}}
+
+
+_ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
+                405: "invalid_request_error", 413: "invalid_request_error", 503: "service_unavailable"}
+
+# Seeds seed a 64-bit generator; copy j of an n > 1 request uses seed + j (n <= 128).
+MAX_SEED = 2 ** 63 - 1 - 128
+
+# Native fields that we cannot honour: rejecting them beats silently ignoring them.
+_UNSUPPORTED_FIELDS = ("input_embeds", "image_data", "audio_data", "video_data", "lora_path", "lora_id",
+                       "session_params", "custom_logit_processor", "token_ids_logprob")
+
+
+@dataclass
+class PromptSpec:
+    """One prompt of a request with its own sampling settings; expanded to `sampling.n` sequences."""
+
+    text: Optional[str]
+    input_ids: Optional[list[int]]
+    sampling: SamplingParams
+    rid: str
+    return_logprob: bool = False
+    logprob_start_len: int = -1
+    top_logprobs_num: int = 0
+    max_new_tokens_explicit: bool = True   # False: max_new_tokens is a cap, clamped to the room left
+    add_special_tokens: bool = True
+
+
+@dataclass
+class GenerateRequest:
+    """A validated generation request (native or translated from the OpenAI API)."""
+
+    prompts: list[PromptSpec]
+    is_batch: bool = False
+    stream: bool = False
+    return_text_in_logprobs: bool = False
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+# ---------------------------------------------------------------------- JSON helpers
+def parse_json_body(raw: bytes) -> dict:
+    """Decode a request body that must be a JSON object."""
+    if not raw:
+        raise ApiError("the request body is empty; a JSON object is required")
+    try:
+        body = json.loads(raw, parse_constant=_reject_constant)
+    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as e:
+        raise ApiError(f"the request body is not valid JSON: {e}") from e
+    if not isinstance(body, dict):
+        raise ApiError(f"the request body must be a JSON object, got {type(body).__name__}")
+    return body
+
+
+def _reject_constant(name: str) -> Any:
+    raise ApiError(f"the request body is not valid JSON: {name} is not a JSON number")
+
+
+def get_bool(body: dict, name: str, default: bool = False) -> bool:
+    """`body[name]` as a boolean (null means default)."""
+    value = body.get(name)
+    if value is None:
+        return default
+    if not isinstance(value, bool):
+        raise ApiError(f"'{name}' must be a boolean, got {value!r}", param=name)
+    return value
+
+
+def get_int(body: dict, name: str, default: Optional[int] = None, lo: Optional[int] = None,
+            hi: Optional[int] = None) -> Optional[int]:
+    """`body[name]` as an integer in [lo, hi] (null means default; 3.0 is accepted as 3)."""
+    value = body.get(name)
+    if value is None:
+        return default
+    return check_int(value, name, lo, hi)
+
+
+def check_int(value: Any, name: str, lo: Optional[int] = None, hi: Optional[int] = None) -> int:
+    """Validate one integer value and its range."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or int(value) != value:
+        raise ApiError(f"'{name}' must be an integer, got {value!r}", param=name)
+    value = int(value)
+    if lo is not None and value < lo:
+        raise ApiError(f"'{name}' must be >= {lo}, got {value}", param=name)
+    if hi is not None and value > hi:
+        raise ApiError(f"'{name}' must be <= {hi}, got {value}", param=name)
+    return value
+
+
+def get_number(body: dict, name: str, lo: float, hi: float) -> Optional[float]:
+    """`body[name]` as a number in [lo, hi], or None when absent/null."""
+    value = body.get(name)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ApiError(f"'{name}' must be a number, got {value!r}", param=name)
+    if not lo <= value <= hi:
+        raise ApiError(f"'{name}' must be between {lo} and {hi}, got {value}", param=name)
+    return float(value)
+
+
+def is_token_list(value: Any) -> bool:
+    """A non-bool list of ints (a tokenized prompt)."""
+    return isinstance(value, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in value)
+
+
+def sampling_from_dict(d: Any) -> SamplingParams:
+    """SamplingParams.from_dict with InvalidRequest turned into a 400."""
+    try:
+        params = SamplingParams.from_dict(d)
+    except InvalidRequest as e:
+        raise ApiError(str(e), param="sampling_params") from e
+    except (TypeError, ValueError, OverflowError) as e:  # values SamplingParams does not check
+        raise ApiError(f"invalid sampling_params: {e}", param="sampling_params") from e
+    seed = params.sampling_seed
+    if seed is not None and not -MAX_SEED <= seed <= MAX_SEED:
+        raise ApiError(f"the sampling seed must be between {-MAX_SEED} and {MAX_SEED}, got {seed}", param="seed")
+    return params
+
+
+def new_rid() -> str:
+    """A fresh request id."""
+    return uuid.uuid4().hex
+
+
+# ---------------------------------------------------------------------- native /generate
+def parse_generate(body: dict) -> GenerateRequest:
+    """Validate a native `/generate` body (SGLang's GenerateReqInput)."""
+    for name in _UNSUPPORTED_FIELDS:
+        if body.get(name) not in (None, [], {}):
+            raise ApiError(f"'{name}' is not supported by this server", param=name)
+    if body.get("return_hidden_states"):
+        raise ApiError("'return_hidden_states' is not supported by this server", param="return_hidden_states")
+    texts, ids, is_batch = _native_prompts(body)
+    count = len(texts) if texts is not None else len(ids)
+    sp_dicts = _per_prompt(body.get("sampling_params"), count, "sampling_params", dict)
+    rids = _per_prompt(body.get("rid"), count, "rid", str)
+    return_logprob = _per_prompt(body.get("return_logprob"), count, "return_logprob", bool)
+    start_len = _per_prompt(body.get("logprob_start_len"), count, "logprob_start_len", int)
+    top_num = _per_prompt(body.get("top_logprobs_num"), count, "top_logprobs_num", int)
+    if isinstance(body.get("rid"), str) and is_batch:
+        raise ApiError("'rid' must be a list of strings for a batch request", param="rid")
+    prompts = []
+    for i in range(count):
+        sp = sp_dicts[i]
+        rid = rids[i]
+        if rid is not None and not rid:
+            raise ApiError("'rid' must not be empty", param="rid")
+        start = start_len[i] if start_len[i] is not None else -1
+        check_int(start, "logprob_start_len", lo=-1)
+        top = top_num[i] if top_num[i] is not None else 0
+        check_int(top, "top_logprobs_num", lo=0)
+        prompts.append(PromptSpec(
+            text=texts[i] if texts is not None else None,
+            input_ids=ids[i] if ids is not None else None,
+            sampling=sampling_from_dict(sp),
+            rid=rid or new_rid(),
+            return_logprob=bool(return_logprob[i]),
+            logprob_start_len=int(start),
+            top_logprobs_num=int(top),
+            max_new_tokens_explicit=isinstance(sp, dict) and sp.get("max_new_tokens") is not None,
+        ))
+    _check_unique_rids(prompts)
+    return GenerateRequest(prompts=prompts, is_batch=is_batch, stream=get_bool(body, "stream"),
+                           return_text_in_logprobs=get_bool(body, "return_text_in_logprobs"))
+
+
+def _native_prompts(body: dict) -> tuple[Optional[list[str]], Optional[list[list[int]]], bool]:
+    text, ids = body.get("text"), body.get("input_ids")
+    if text is None and ids is None:
+        raise ApiError("either 'text' or 'input_ids' must be given", param="text")
+    if text is not None and ids is not None:
+        raise ApiError("give either 'text' or 'input_ids', not both", param="text")
+    if text is not None:
+        if isinstance(text, str):
+            texts, is_batch = [text], False
+        elif isinstance(text, list) and all(isinstance(t, str) for t in text):
+            texts, is_batch = text, True
+        else:
+            raise ApiError("'text' must be a string or a list of strings", param="text")
+        if not texts:
+            raise ApiError("'text' must not be an empty list", param="text")
+        if any(t == "" for t in texts):
+            raise ApiError("the prompt text is empty", param="text")
+        return texts, None, is_batch
+    if is_token_list(ids):
+        lists, is_batch = [ids], False
+    elif isinstance(ids, list) and ids and all(is_token_list(x) for x in ids):
+        lists, is_batch = ids, True
+    else:
+        raise ApiError("'input_ids' must be a list of integers or a list of such lists", param="input_ids")
+    if any(len(x) == 0 for x in lists):
+        raise ApiError("the prompt 'input_ids' is empty", param="input_ids")
+    return None, lists, is_batch
+
+
+def _per_prompt(value: Any, count: int, name: str, kind: type) -> list:
+    """A scalar applies to every prompt; a list must have one entry per prompt."""
+    if isinstance(value, list) and kind is not list:
+        if len(value) != count:
+            raise ApiError(f"'{name}' has {len(value)} entries but the batch has {count} prompts", param=name)
+        items = value
+    else:
+        items = [value] * count
+    for item in items:
+        if item is None:
+            continue
+        ok = isinstance(item, kind) and not (kind is int and isinstance(item, bool))
+        if not ok:
+            raise ApiError(f"'{name}' must be of type {kind.__name__} (or a list of them), got {item!r}",
+                           param=name)
+    return items
+
+
+def _check_unique_rids(prompts: list[PromptSpec]) -> None:
+    rids = [p.rid for p in prompts]
+    if len(set(rids)) != len(rids):
+        raise ApiError("request ids ('rid') must be unique within a batch", param="rid")

@@ -1,0 +1,341 @@
+"""TokenizerManager: the HTTP process's side of the scheduler link.
+
+It tokenizes and validates requests, expands `n` into one scheduler request per output sequence,
+sends them over ZMQ, routes the scheduler's deltas back to the waiting coroutines, and aborts the
+scheduler side of any request whose client went away.
+
+Sockets: a plain (blocking-API) PUSH socket for sending — sends are non-blocking and can be made from
+`finally` blocks of cancelled coroutines — and an asyncio PULL socket read by one receive task.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+from collections import defaultdict, deque
+from collections.abc import AsyncIterator
+from typing import Any, Optional
+
+import zmq
+import zmq.asyncio
+
+from kvstrata.args import ServerArgs
+from kvstrata.model.tokenizer import IncrementalDetokenizer
+from kvstrata.runtime.messages import (
+    AbortReq,
+    BatchOutput,
+    ControlOut,
+    FlushCacheReq,
+    GetStateReq,
+    SchedulerReady,
+    TokenizedGenerateReq,
+)
+from kvstrata.runtime.sampling_params import SamplingParams
+from kvstrata.server.protocol import ApiError, GenerateRequest, PromptSpec
+from kvstrata.server.seq_state import SeqState
+
+logger = logging.getLogger(__name__)
+
+
+class ClientDisconnected(Exception):
+    """The HTTP client closed its connection before its request finished."""
+
+
+class TokenizerManager:
+    """Tokenize → send to the scheduler → collect outputs; one per server process."""
+
+    def __init__(self, args: ServerArgs, tokenizer: Any, info: SchedulerReady, recv_addr: str,
+                 send_addr: str):
+        self.args = args
+        self.tokenizer = tokenizer
+        self.info = info
+        self._sync_ctx = zmq.Context()
+        self._push = self._sync_ctx.socket(zmq.PUSH)
+        self._push.setsockopt(zmq.LINGER, 0)
+        self._push.setsockopt(zmq.SNDHWM, 100_000)
+        self._push.connect(recv_addr)
+        self._async_ctx = zmq.asyncio.Context()
+        self._pull = self._async_ctx.socket(zmq.PULL)
+        self._pull.setsockopt(zmq.LINGER, 0)
+        self._pull.setsockopt(zmq.RCVHWM, 0)    # never make the scheduler's send block on us
+        self._pull.connect(send_addr)
+        self.states: dict[str, SeqState] = {}
+        self.groups: dict[str, list[str]] = {}     # user rid → the rids of its output sequences
+        self._control: dict[str, deque[asyncio.Future]] = defaultdict(deque)
+        self._recv_task: Optional[asyncio.Task] = None
+        self._token_texts: dict[int, str] = {}
+        self.dead_reason: Optional[str] = None
+        self.metrics = {"requests_total": 0, "prompt_tokens_total": 0, "generation_tokens_total": 0,
+                        "cached_tokens_total": 0, "aborted_requests_total": 0, "failed_requests_total": 0}
+
+    # ------------------------------------------------------------------ life cycle
+    def start(self) -> None:
+        """Start the receive loop (call from the running event loop)."""
+        self._recv_task = asyncio.get_running_loop().create_task(self._recv_loop())
+
+    async def close(self) -> None:
+        """Stop the receive loop and close the sockets."""
+        if self._recv_task is not None:
+            self._recv_task.cancel()
+            try:
+                await self._recv_task
+            except (asyncio.CancelledError, Exception):
+                pass
+        self._pull.close(0)
+        self._push.close(0)
+        self._async_ctx.term()
+        self._sync_ctx.term()
+
+    def mark_dead(self, reason: str) -> None:
+        """The scheduler is gone: fail every pending request and refuse new ones with 503."""
+        self.dead_reason = reason
+        for state in list(self.states.values()):
+            state.fail(reason, 503)
+        for waiters in self._control.values():
+            while waiters:
+                fut = waiters.popleft()
+                if not fut.done():
+                    fut.set_exception(ApiError(reason, 503))
+
+    @property
+    def context_length(self) -> int:
+        """The model's context length as the scheduler uses it."""
+        return self.info.context_length
+
+    # ------------------------------------------------------------------ tokenizer helpers
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of `text`."""
+        return list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens))
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        """Text of `ids`."""
+        return self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    def token_text(self, token_id: int) -> str:
+        """The text of one token (cached), as shown next to logprobs."""
+        text = self._token_texts.get(token_id)
+        if text is None:
+            text = self.tokenizer.decode([token_id], skip_special_tokens=False)
+            self._token_texts[token_id] = text
+        return text
+
+    # ------------------------------------------------------------------ generation
+    def submit(self, req: GenerateRequest) -> list[SeqState]:
+        """Tokenize, validate and send every sequence of `req`; returns them in response order (i*n+j)."""
+        self._check_alive()
+        prepared = [self._prepare(p) for p in req.prompts]
+        for p in req.prompts:
+            if p.rid in self.groups or p.rid in self.states:
+                raise ApiError(f"a request with rid '{p.rid}' is already running", param="rid")
+        wake = asyncio.Event()
+        states: list[SeqState] = []
+        for i, (p, ids, sampling) in enumerate(prepared):
+            states += self._expand(p, i, ids, sampling, wake, first_index=len(states))
+        try:
+            for state in states:
+                p = req.prompts[state.prompt_index]
+                self._send(TokenizedGenerateReq(
+                    rid=state.rid, input_ids=state.input_ids, sampling_params=state.sampling,
+                    return_logprob=p.return_logprob, logprob_start_len=p.logprob_start_len if p.return_logprob else -1,
+                    top_logprobs_num=p.top_logprobs_num, stream=req.stream))
+        except ApiError:
+            self.release(states)
+            raise
+        self.metrics["requests_total"] += len(req.prompts)
+        return states
+
+    def _expand(self, p: PromptSpec, prompt_index: int, ids: list[int], sampling: SamplingParams,
+                wake: asyncio.Event, first_index: int) -> list[SeqState]:
+        """One registered SeqState per output sequence of prompt `p` (copy j is seeded with seed + j)."""
+        n = sampling.n
+        rids = [p.rid] if n == 1 else [f"{p.rid}-{j}" for j in range(n)]
+        states = []
+        for j, rid in enumerate(rids):
+            seed = None if sampling.sampling_seed is None else sampling.sampling_seed + j
+            copy = dataclasses.replace(sampling, n=1, sampling_seed=seed)
+            detok = IncrementalDetokenizer(self.tokenizer, prompt_ids=ids, skip_special_tokens=copy.skip_special_tokens,
+                                           spaces_between_special_tokens=copy.spaces_between_special_tokens)
+            state = SeqState(rid, first_index + j, prompt_index, ids, copy, detok, wake, group_rid=p.rid,
+                             return_logprob=p.return_logprob, top_logprobs_num=p.top_logprobs_num)
+            self.states[rid] = state
+            states.append(state)
+        self.groups[p.rid] = rids
+        return states
+
+    def _prepare(self, p: PromptSpec) -> tuple[PromptSpec, list[int], SamplingParams]:
+        """Token ids of one prompt and its sampling params fitted to the context; raises ApiError."""
+        ids = p.input_ids if p.input_ids is not None else self.encode(p.text or "", p.add_special_tokens)
+        n = len(ids)
+        if n == 0:
+            raise ApiError("the prompt is empty after tokenization")
+        vocab = self.info.vocab_size
+        bad = [t for t in ids if not 0 <= t < vocab]
+        if bad:
+            raise ApiError(f"input_ids contain token ids outside the vocabulary [0, {vocab}): {bad[:5]}",
+                           param="input_ids")
+        if p.return_logprob and p.logprob_start_len >= n:
+            raise ApiError(f"logprob_start_len ({p.logprob_start_len}) must be smaller than the prompt "
+                           f"length ({n} tokens)", param="logprob_start_len")
+        if p.top_logprobs_num > vocab:
+            raise ApiError(f"top_logprobs_num ({p.top_logprobs_num}) exceeds the vocabulary size ({vocab})",
+                           param="top_logprobs_num")
+        s = p.sampling
+        bad_stops = [t for t in s.stop_token_ids if not 0 <= t < vocab]
+        if bad_stops:
+            raise ApiError(f"stop_token_ids outside the vocabulary [0, {vocab}): {bad_stops[:5]}",
+                           param="stop_token_ids")
+        if s.top_k >= vocab:
+            s = dataclasses.replace(s, top_k=-1)    # keeping every token is no top-k at all
+        limit = self.context_length
+        room = min(limit, self.info.max_total_tokens) - n
+        if n > limit or (n == limit and s.max_new_tokens > 0):
+            raise ApiError(f"the prompt ({n} tokens) is longer than the model's context length "
+                           f"({limit} tokens)")
+        if p.max_new_tokens_explicit:
+            if n + s.max_new_tokens > limit:
+                raise ApiError(f"the prompt ({n} tokens) plus the requested completion ({s.max_new_tokens} "
+                               f"tokens) exceeds the model's context length ({limit} tokens)")
+        elif s.max_new_tokens > room:
+            fitted = max(0, room)
+            s = dataclasses.replace(s, max_new_tokens=fitted, min_new_tokens=min(s.min_new_tokens, fitted))
+        return p, list(ids), s
+
+    async def updates(self, states: list[SeqState],
+                      disconnected: Optional[asyncio.Future] = None) -> AsyncIterator[list[SeqState]]:
+        """Yield the sequences that changed, until all are done; aborts the unfinished ones on exit.
+
+        `disconnected`: completes when the client goes away (raises ClientDisconnected then).
+        """
+        wake = states[0].wake
+        try:
+            while True:
+                wake.clear()
+                changed = [s for s in states if s.drain()]
+                if changed:
+                    yield changed
+                if all(s.done for s in states):
+                    return
+                if not changed:
+                    await self._wait(wake, disconnected)
+        finally:
+            self.release(states)
+
+    async def _wait(self, wake: asyncio.Event, disconnected: Optional[asyncio.Future]) -> None:
+        if disconnected is None:
+            await wake.wait()
+            return
+        waiter = asyncio.ensure_future(wake.wait())
+        try:
+            await asyncio.wait([waiter, disconnected], return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            waiter.cancel()
+        if disconnected.done() and not wake.is_set():
+            raise ClientDisconnected()
+
+    async def wait_first(self, states: list[SeqState], disconnected: Optional[asyncio.Future] = None) -> None:
+        """Wait until any sequence has output (or an error), without consuming it."""
+        wake = states[0].wake
+        while not any(s.pending or s.finished for s in states):
+            wake.clear()
+            if any(s.pending or s.finished for s in states):
+                return
+            await self._wait(wake, disconnected)
+
+    def release(self, states: list[SeqState]) -> None:
+        """Forget `states`; abort the scheduler side of those not finished (idempotent)."""
+        for s in states:
+            if self.states.pop(s.rid, None) is None:
+                continue
+            if not s.finished:
+                self.metrics["aborted_requests_total"] += 1
+                self._try_send(AbortReq(rid=s.rid))
+                s.fail("aborted: the client went away", 499)
+            elif s.error is not None:
+                self.metrics["failed_requests_total"] += 1
+            self.metrics["prompt_tokens_total"] += s.prompt_tokens
+            self.metrics["generation_tokens_total"] += s.completion_tokens
+            self.metrics["cached_tokens_total"] += s.cached_tokens
+            members = self.groups.get(s.group_rid)
+            if members is not None and not any(m in self.states for m in members):
+                del self.groups[s.group_rid]
+
+    def abort_request(self, rid: Optional[str] = None, abort_all: bool = False) -> int:
+        """Abort a request by its user rid (all its sequences) or a sequence rid; returns how many."""
+        if abort_all:
+            rids = list(self.states)
+        elif rid in self.groups:
+            rids = list(self.groups[rid])
+        else:
+            rids = [rid] if rid is not None else []
+        for r in rids:
+            self._try_send(AbortReq(rid=r))
+        return len(rids)
+
+    # ------------------------------------------------------------------ control requests
+    async def flush_cache(self) -> ControlOut:
+        """Ask the scheduler to empty its prefix cache."""
+        return await self._control_call(FlushCacheReq(), "flush_cache")
+
+    async def get_state(self) -> dict:
+        """The scheduler's internal state and metrics."""
+        return (await self._control_call(GetStateReq(), "state")).state
+
+    async def _control_call(self, msg: Any, kind: str, timeout: float = 20.0) -> ControlOut:
+        self._check_alive()
+        fut: asyncio.Future = asyncio.get_running_loop().create_future()
+        self._control[kind].append(fut)
+        try:
+            self._send(msg)
+            return await asyncio.wait_for(asyncio.shield(fut), timeout)
+        except asyncio.TimeoutError:
+            raise ApiError(f"the scheduler did not answer a {kind} request within {timeout:.0f} s", 503) from None
+        finally:
+            if fut in self._control[kind]:
+                self._control[kind].remove(fut)
+
+    # ------------------------------------------------------------------ transport
+    def _check_alive(self) -> None:
+        if self.dead_reason is not None:
+            raise ApiError(self.dead_reason, 503)
+
+    def _send(self, msg: Any) -> None:
+        try:
+            self._push.send_pyobj(msg, flags=zmq.NOBLOCK)
+        except zmq.Again:
+            raise ApiError("the scheduler is not accepting requests (queue full)", 503) from None
+
+    def _try_send(self, msg: Any) -> None:
+        try:
+            self._send(msg)
+        except (ApiError, zmq.ZMQError) as e:
+            logger.warning("could not send %s to the scheduler: %s", type(msg).__name__, e)
+
+    async def _recv_loop(self) -> None:
+        while True:
+            try:
+                msg = await self._pull.recv_pyobj()
+            except asyncio.CancelledError:
+                raise
+            except zmq.ContextTerminated:
+                return
+            except Exception:
+                logger.exception("bad message from the scheduler")
+                continue
+            self._dispatch(msg)
+
+    def _dispatch(self, msg: Any) -> None:
+        if isinstance(msg, BatchOutput):
+            for out in msg.outputs:
+                state = self.states.get(out.rid)
+                if state is not None:
+                    state.push(out)
+        elif isinstance(msg, ControlOut):
+            waiters = self._control[msg.kind]
+            while waiters:
+                fut = waiters.popleft()
+                if not fut.done():
+                    fut.set_result(msg)
+                    break
+        else:
+            logger.error("unexpected message from the scheduler: %r", type(msg).__name__)

@@ -1,0 +1,151 @@
+"""Fixtures: real kvstrata servers (`python -m kvstrata.launch_server`) on free 127.0.0.1 ports.
+
+Each server is a subprocess in its own session, stopped by PID at the end (SIGTERM, then SIGKILL),
+even when a test fails. The shared server runs with an API key, so every client here sends it.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any, Optional
+
+import pytest
+import requests
+
+API_KEY = "test-secret-key"
+START_TIMEOUT_S = 180.0
+REPO_ROOT = Path(__file__).resolve().parents[2]
+BASE_FLAGS = ["--max-total-tokens", "4096", "--random-seed", "0", "--log-level", "warning"]
+
+
+def free_port() -> int:
+    """A TCP port that was free a moment ago on 127.0.0.1."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class ServerHandle:
+    """A running server subprocess and small helpers to talk to it."""
+
+    def __init__(self, proc: subprocess.Popen, url: str, api_key: Optional[str], log_path: Path):
+        self.proc = proc
+        self.url = url
+        self.api_key = api_key
+        self.log_path = log_path
+
+    @property
+    def headers(self) -> dict[str, str]:
+        """Authorization header (empty without an API key)."""
+        return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+
+    def get(self, path: str, **kw: Any) -> requests.Response:
+        """GET with the API key."""
+        return requests.get(self.url + path, headers=self.headers, timeout=kw.pop("timeout", 60), **kw)
+
+    def post(self, path: str, **kw: Any) -> requests.Response:
+        """POST with the API key."""
+        return requests.post(self.url + path, headers=self.headers, timeout=kw.pop("timeout", 120), **kw)
+
+    def server_info(self) -> dict:
+        """GET /server_info as a dict."""
+        r = self.get("/server_info")
+        r.raise_for_status()
+        return r.json()
+
+    def scheduler_state(self) -> dict:
+        """The scheduler's internal state (slot accounting: free_pages, running_requests, ...)."""
+        return self.server_info()["internal_states"][0]
+
+    def wait_idle(self, timeout: float = 30.0) -> dict:
+        """Poll until no request runs or waits in the scheduler; returns that state."""
+        deadline = time.monotonic() + timeout
+        while True:
+            state = self.scheduler_state()
+            if state["running_requests"] == 0 and state["waiting_requests"] == 0:
+                return state
+            if time.monotonic() > deadline:
+                raise AssertionError(f"scheduler still busy after {timeout} s: {state}")
+            time.sleep(0.05)
+
+    def log(self) -> str:
+        """The server's combined stdout/stderr so far."""
+        return self.log_path.read_text(errors="replace")
+
+
+def launch_server(log_dir: Path, *extra: str, api_key: Optional[str] = None) -> ServerHandle:
+    """Start a server with the tiny model and wait until /health answers 200."""
+    port = free_port()
+    cmd = [sys.executable, "-m", "kvstrata.launch_server", "--host", "127.0.0.1", "--port", str(port),
+           *BASE_FLAGS, *extra]
+    if api_key:
+        cmd += ["--api-key", api_key]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false",
+           "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")]))}
+    log_path = log_dir / f"server-{port}.log"
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=REPO_ROOT,
+                                start_new_session=True)
+    handle = ServerHandle(proc, f"http://127.0.0.1:{port}", api_key, log_path)
+    deadline = time.monotonic() + START_TIMEOUT_S
+    try:
+        while True:
+            if proc.poll() is not None:
+                raise RuntimeError(f"server exited with {proc.returncode} during start-up:\n{handle.log()}")
+            try:
+                if requests.get(handle.url + "/health", timeout=2).status_code == 200:
+                    return handle
+            except (requests.ConnectionError, requests.Timeout):
+                pass         # not listening yet, or the socket is bound but uvicorn not serving yet
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"server not healthy after {START_TIMEOUT_S} s:\n{handle.log()}")
+            time.sleep(0.2)
+    except BaseException:
+        stop_server(handle)
+        raise
+
+
+def stop_server(handle: ServerHandle, timeout: float = 20.0) -> Optional[int]:
+    """SIGTERM the server by PID, SIGKILL it if it does not exit in time; returns its exit code."""
+    proc = handle.proc
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(timeout)
+    return proc.returncode
+
+
+def pid_alive(pid: int) -> bool:
+    """Whether a process with this PID exists (and is not a zombie)."""
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            return fh.read().split(")")[-1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+@pytest.fixture(scope="session")
+def server(tmp_path_factory: pytest.TempPathFactory):
+    """The shared server (tiny model, API key required)."""
+    handle = launch_server(tmp_path_factory.mktemp("server"), api_key=API_KEY)
+    try:
+        yield handle
+    finally:
+        stop_server(handle)
+
+
+@pytest.fixture(scope="session")
+def openai_client(server: ServerHandle):
+    """An official `openai` client pointed at the shared server."""
+    import openai
+
+    return openai.OpenAI(base_url=server.url + "/v1", api_key=API_KEY, max_retries=0, timeout=120)

@@ -1,0 +1,80 @@
+"""Launch and life cycle: API key, clean shutdown without orphans, /health 503 when the scheduler dies."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import requests
+
+from tests.server.conftest import launch_server, pid_alive, stop_server
+
+
+def test_api_key_is_enforced(server):
+    url = server.url
+    assert requests.get(url + "/v1/models", timeout=30).status_code == 401
+    wrong = requests.get(url + "/v1/models", headers={"Authorization": "Bearer nope"}, timeout=30)
+    assert wrong.status_code == 401 and "API key" in wrong.json()["error"]["message"]
+    r = requests.post(url + "/generate", json={"text": "a"}, timeout=30)
+    assert r.status_code == 401
+    assert requests.get(url + "/health", timeout=30).status_code == 200      # open for probes
+    assert server.get("/v1/models").status_code == 200
+
+
+def test_invalid_flags_fail_with_a_message():
+    r = subprocess.run([sys.executable, "-m", "kvstrata.launch_server", "--page-size", "0"],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and "page-size" in r.stderr
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT, signal.SIGKILL])
+def test_signal_shuts_down_without_orphans(tmp_path, sig):
+    handle = launch_server(tmp_path)
+    try:
+        assert "ready at " + handle.url in handle.log()
+        r = requests.post(handle.url + "/generate", json={"text": "no key needed",
+                                                          "sampling_params": {"max_new_tokens": 2}}, timeout=60)
+        assert r.status_code == 200
+        scheduler_pid = requests.get(handle.url + "/server_info", timeout=30).json()["scheduler_pid"]
+        assert pid_alive(scheduler_pid)
+        os.kill(handle.proc.pid, sig)
+        code = handle.proc.wait(30)
+        # SIGKILL cannot be handled: the scheduler must still go (it dies with its parent).
+        assert code == (-signal.SIGKILL if sig == signal.SIGKILL else 0), handle.log()
+        deadline = time.monotonic() + 10
+        while pid_alive(scheduler_pid):
+            assert time.monotonic() < deadline, "scheduler process left behind"
+            time.sleep(0.1)
+    finally:
+        stop_server(handle)
+
+
+def test_health_503_and_exit_when_the_scheduler_dies(tmp_path):
+    handle = launch_server(tmp_path)
+    try:
+        scheduler_pid = requests.get(handle.url + "/server_info", timeout=30).json()["scheduler_pid"]
+        body = {"text": "a long one", "stream": True, "sampling_params": {"max_new_tokens": 3000, "ignore_eos": True}}
+        stream = requests.post(handle.url + "/generate", json=body, stream=True, timeout=60)
+        lines = stream.iter_lines(decode_unicode=True)
+        next(line for line in lines if line)          # the request is running
+        os.kill(scheduler_pid, signal.SIGKILL)
+        tail = [line for line in lines if line]
+        assert tail[-1] == "data: [DONE]" and '"error"' in tail[-2]     # the error goes down the stream
+        saw_503 = False
+        deadline = time.monotonic() + 15
+        while time.monotonic() < deadline and not saw_503:
+            try:
+                saw_503 = requests.get(handle.url + "/health", timeout=5).status_code == 503
+            except requests.ConnectionError:
+                break
+            time.sleep(0.05)
+        assert saw_503, handle.log()
+        gen = requests.post(handle.url + "/generate", json={"text": "a"}, timeout=30)
+        assert gen.status_code == 503
+        assert handle.proc.wait(30) not in (0, None)
+    finally:
+        stop_server(handle)
