@@ -16,6 +16,7 @@ from kvstrata.server.protocol import (
     PromptSpec,
     check_int,
     get_bool,
+    get_cache_salt,
     get_int,
     get_number,
     is_token_list,
@@ -75,7 +76,8 @@ def parse_chat(body: dict, default_model: str) -> tuple[ChatPrompt, GenerateRequ
     prompt = PromptSpec(text=None, input_ids=None, sampling=sampling, rid=_rid(body),
                         return_logprob=logprobs, top_logprobs_num=top, max_new_tokens_explicit=explicit,
                         add_special_tokens=False)
-    req = GenerateRequest(prompts=[prompt], stream=opts.stream, return_text_in_logprobs=True)
+    req = GenerateRequest(prompts=[prompt], stream=opts.stream, return_text_in_logprobs=True,
+                          cache_salt=get_cache_salt(body))
     return ChatPrompt(messages, tools, cont), req, opts
 
 
@@ -102,6 +104,7 @@ def parse_completion(body: dict, default_model: str) -> tuple[GenerateRequest, O
             return_logprob=logprobs is not None, top_logprobs_num=logprobs or 0,
             logprob_start_len=0 if echo and logprobs is not None else -1, max_new_tokens_explicit=explicit))
     req = GenerateRequest(prompts=specs, is_batch=len(prompts) > 1, stream=opts.stream,
+                          cache_salt=get_cache_salt(body),
                           return_text_in_logprobs=True)
     return req, opts
 

@@ -67,6 +67,7 @@ class GenerateRequest:
     stream: bool = False
     return_text_in_logprobs: bool = False
     extra: dict[str, Any] = field(default_factory=dict)
+    cache_salt: Optional[str] = None     # requests with different salts never share cached KV
 
 
 # ---------------------------------------------------------------------- JSON helpers
@@ -85,6 +86,16 @@ def parse_json_body(raw: bytes) -> dict:
 
 def _reject_constant(name: str) -> Any:
     raise ApiError(f"the request body is not valid JSON: {name} is not a JSON number")
+
+
+def get_cache_salt(body: dict) -> Optional[str]:
+    """The optional `cache_salt` (vLLM's name): a non-empty string that isolates a tenant's cached KV."""
+    salt = body.get("cache_salt")
+    if salt is None:
+        return None
+    if not isinstance(salt, str) or not salt:
+        raise ApiError("'cache_salt' must be a non-empty string", param="cache_salt")
+    return salt
 
 
 def get_bool(body: dict, name: str, default: bool = False) -> bool:
@@ -193,7 +204,8 @@ def parse_generate(body: dict) -> GenerateRequest:
         ))
     _check_unique_rids(prompts)
     return GenerateRequest(prompts=prompts, is_batch=is_batch, stream=get_bool(body, "stream"),
-                           return_text_in_logprobs=get_bool(body, "return_text_in_logprobs"))
+                           return_text_in_logprobs=get_bool(body, "return_text_in_logprobs"),
+                           cache_salt=get_cache_salt(body))
 
 
 def _native_prompts(body: dict) -> tuple[Optional[list[str]], Optional[list[list[int]]], bool]:
