@@ -8,7 +8,9 @@ USAGE = """usage: kvstrata <command> [flags]
 
 commands:
   serve         start the HTTP server (same flags as python -m kvstrata.launch_server; --help lists them)
-  bench NAME    run a benchmark: engine (offline engine vs transformers)
+  bench NAME    run a benchmark: engine (prefill/decode speed vs transformers), multiturn (multi-turn
+                cache benchmark against a server), compare (L1 vs L1+L2 vs L1+L2+L3), grammar
+                (structured-output overhead); `kvstrata bench NAME --help` for flags
 """
 
 

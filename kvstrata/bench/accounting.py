@@ -17,6 +17,7 @@ Definitions (kept here, in one place, because the report and the tests depend on
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Optional
@@ -208,27 +209,31 @@ def flatten(obj: Any, prefix: str = "") -> dict[str, Any]:
     return out
 
 
-_TIER_WORDS = ("hit", "l1_", "l2_", "l3_", "load_back", "prefetch", "backup", "storage_", "host_")
+# Leaf names of the scheduler metrics that say which tier served what (SGLang-style and ours).
+_TIER_METRIC = re.compile(r"^l[123]_|hit_tokens$|hit_rate$|^tokens_hit$|^prefetched_tokens$|^load_back_pages$"
+                          r"|backup_pages$|skipped")
 
 
 def tier_metrics(before: Optional[dict], after: Optional[dict]) -> dict[str, Any]:
-    """Cache/tier metrics of the scheduler over the run: counters as deltas, rates and gauges as read after.
+    """Per-tier hit metrics of the scheduler over the run: counters as deltas, rates as read after.
 
-    `before`/`after` are /server_info answers; only keys that exist are reported (tiers still being built
-    report nothing rather than zeros).
+    `before`/`after` are /server_info answers. Only keys that exist are reported (a tier the server lacks
+    reports nothing rather than zeros); a metric exported twice under different parents is shown once.
     """
     if not after:
         return {}
     state_after = flatten((after.get("internal_states") or [{}])[0])
     state_before = flatten(((before or {}).get("internal_states") or [{}])[0])
     out: dict[str, Any] = {}
-    for key, value in state_after.items():
-        leaf = key.rsplit(".", 1)[-1].lower()
-        if not any(word in leaf for word in _TIER_WORDS) or isinstance(value, bool):
-            continue
-        if not isinstance(value, (int, float)):
+    seen: set[tuple[str, Any]] = set()
+    for key in sorted(state_after, key=lambda k: (k.count("."), k)):
+        value, leaf = state_after[key], key.rsplit(".", 1)[-1].lower()
+        if not _TIER_METRIC.search(leaf) or isinstance(value, bool) or not isinstance(value, (int, float)):
             continue
         old = state_before.get(key)
-        is_counter = isinstance(value, int) and isinstance(old, int) and "rate" not in leaf
-        out[key] = value - old if is_counter else value
+        if isinstance(value, int) and isinstance(old, int) and "rate" not in leaf:
+            value = value - old
+        if (leaf, value) not in seen:
+            seen.add((leaf, value))
+            out[key] = value
     return out

@@ -9,8 +9,8 @@ working set, as in the seed) and the same page size:
     mooncake  + Mooncake storage tier on a local cluster started for the run (with --mooncake)
 
 Writes compare.md (table, command, date, machine), compare.png and compare.jsonl to --out-dir. Flags this
-command does not know are passed to every server. Defaults finish in about 10 minutes on 2 CPU cores with
-the `bench` model.
+command does not know are passed to every server. Defaults finish in about 5 minutes on 2 CPU cores with
+the `bench` model (under 10 on a busy machine).
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ import os
 import platform
 import random
 import shlex
+import statistics
 import sys
 import tempfile
 from typing import Any, Optional
@@ -39,18 +40,20 @@ REPORTED_KEYS = ("max_total_tokens", "page_size", "enable_hierarchical_cache", "
 
 def build_parser() -> argparse.ArgumentParser:
     """Workload flags (compare's own defaults) and the tier settings."""
-    p = argparse.ArgumentParser(prog="kvstrata bench compare", description=__doc__,
+    p = argparse.ArgumentParser(prog="kvstrata bench compare", description=__doc__, allow_abbrev=False,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     multiturn.add_workload_args(p)
-    p.set_defaults(model_path="bench", num_clients=24, num_rounds=5, request_length=64, output_length=4,
+    p.set_defaults(model_path="bench", num_clients=16, num_rounds=6, request_length=128, output_length=1,
                    max_parallel=4, request_rate=16.0, enable_round_barrier=True)
     p.add_argument("--no-round-barrier", dest="enable_round_barrier", action="store_false")
-    p.add_argument("--device-tokens", type=int, default=2048, help="Device pool (L1) size: --max-total-tokens.")
+    p.add_argument("--device-tokens", type=int, default=4096, help="Device pool (L1) size: --max-total-tokens.")
     p.add_argument("--page-size", type=int, default=16)
     p.add_argument("--hicache-ratio", type=float, default=2.0, help="Host pool (L2) size / device pool size.")
     p.add_argument("--configs", default="l1,l2,l3", help="Comma-separated subset of l1,l2,l3,mooncake.")
     p.add_argument("--mooncake", action="store_true", help="Add the Mooncake L3 configuration.")
-    p.add_argument("--out-dir", default="bench_results/compare")
+    p.add_argument("--repeat", type=int, default=1,
+                   help="Run the configurations this many times, interleaved, and report medians.")
+    p.add_argument("--out-dir", default="out/bench_compare")
     p.add_argument("--server-start-timeout", type=float, default=600.0)
     p.add_argument("--no-progress", action="store_true")
     return p
@@ -80,13 +83,13 @@ def warm_up(url: str) -> None:
 
 
 def run_config(key: str, args: argparse.Namespace, server_flags: list[str], out_dir: str,
-               env: Optional[dict] = None) -> dict:
+               env: Optional[dict] = None, log_name: str = "") -> dict:
     """Launch the server of one configuration, run the workload, stop it; errors become the row's error."""
     row: dict[str, Any] = {"key": key, "name": CONFIG_NAMES[key]}
     with tempfile.TemporaryDirectory(prefix="kvstrata-l3-") as storage_dir:
         flags = tier_flags(key, args, storage_dir) + server_flags
         row["server_flags"] = flags
-        server = ServerProcess(flags, os.path.join(out_dir, f"server-{key}.log"), env=env)
+        server = ServerProcess(flags, os.path.join(out_dir, log_name or f"server-{key}.log"), env=env)
         print(f"\n=== {row['name']}: {' '.join(flags)}", flush=True)
         try:
             server.start(args.server_start_timeout)
@@ -99,9 +102,14 @@ def run_config(key: str, args: argparse.Namespace, server_flags: list[str], out_
             info = multiturn.get_json(server.url, "/server_info", None) or {}
             row["server_reported"] = {k: info.get(k) for k in REPORTED_KEYS if k in info}
             result = multiturn.run(args, server.url)
-            row.update(summary=result["summary"], rounds=result["rounds"], tiers=result["tiers"],
-                       workload=result["workload"], errors=result["errors"])
             print(report.format_run(result), flush=True)
+            row.update(workload=result["workload"], errors=result["errors"], load_avg=_load_avg())
+            if server.proc is not None and server.proc.poll() is not None:
+                row["error"] = f"the server exited with code {server.proc.returncode} during the run"
+            elif result["summary"]["completed"] == 0:
+                row["error"] = f"no request completed ({'; '.join(result['errors'][:1])})"
+            else:
+                row.update(summary=result["summary"], rounds=result["rounds"], tiers=result["tiers"])
         except (Exception, SystemExit) as e:  # one broken configuration must not lose the others
             row["error"] = f"{type(e).__name__}: {e}"
             print(f"run failed: {row['error']}", file=sys.stderr)
@@ -109,6 +117,33 @@ def run_config(key: str, args: argparse.Namespace, server_flags: list[str], out_
             code = server.stop()
             row["server_exit_code"] = code
     return row
+
+
+def merge_runs(runs: list[dict]) -> dict:
+    """One row from repeated runs of a configuration: the median of every number over the runs that completed."""
+    done = [r for r in runs if r.get("summary")]
+    if not done:
+        return runs[-1]
+    row = dict(done[0], runs=len(done), runs_failed=len(runs) - len(done))
+    if len(done) > 1:
+        row["summary"] = _median_dict([r["summary"] for r in done])
+        row["rounds"] = [_median_dict(list(rounds)) for rounds in zip(*(r["rounds"] for r in done))]
+        row["tiers"] = _median_dict([r["tiers"] for r in done])
+    return row
+
+
+def _median_dict(dicts: list[dict]) -> dict:
+    out = dict(dicts[0])
+    for key, value in dicts[0].items():
+        values = [d.get(key) for d in dicts]
+        if isinstance(value, (int, float)) and not isinstance(value, bool) and all(
+                isinstance(v, (int, float)) for v in values):
+            out[key] = statistics.median(values)
+    return out
+
+
+def _load_avg() -> str:
+    return ", ".join(f"{x:.1f}" for x in os.getloadavg()) if hasattr(os, "getloadavg") else "n/a"
 
 
 def machine_description() -> str:
@@ -119,8 +154,9 @@ def machine_description() -> str:
             model = next((ln.split(":", 1)[1].strip() for ln in fh if ln.startswith("model name")), model)
     except OSError:
         pass
-    load = ", ".join(f"{x:.1f}" for x in os.getloadavg()) if hasattr(os, "getloadavg") else "n/a"
-    return f"{os.cpu_count()} cores, {model}, {platform.system()} {platform.release()}; load average {load}"
+    threads = os.environ.get("OMP_NUM_THREADS", "unset")
+    return (f"{os.cpu_count()} cores, {model}, {platform.system()} {platform.release()}; OMP_NUM_THREADS={threads}; "
+            f"load average {_load_avg()}")
 
 
 def targets(rows: list[dict]) -> list[str]:
@@ -143,6 +179,19 @@ def targets(rows: list[dict]) -> list[str]:
             f"- input throughput = {tput_ratio:.2f}x L1 only (target >= 2x): {mark(tput_ratio >= 2.0)}"]
 
 
+def noise_note(rows: list[dict]) -> str:
+    """Round 0 does the same work in every configuration (nothing to reuse): its TTFT spread is noise."""
+    parts = []
+    for r in rows:
+        first = next((x for x in r.get("rounds") or [] if x["round"] == 0), None)
+        if r.get("summary") and first:
+            parts.append(f"{r['name']} {first['mean_ttft']:.3f} s")
+    if len(parts) < 2:
+        return ""
+    return ("Round 0 has nothing to reuse and is the same work in every configuration; its mean TTFT "
+            f"({', '.join(parts)}) shows how much the machine's speed varied between the runs.")
+
+
 def render_markdown(rows: list[dict], command: str, started: str, machine: str, args: argparse.Namespace) -> str:
     """The results document: table, workload, command, date, machine, targets, per-tier metrics."""
     w = next((r["workload"] for r in rows if r.get("workload")), {})
@@ -156,13 +205,17 @@ def render_markdown(rows: list[dict], command: str, started: str, machine: str, 
              f"- Workload: {w.get('source', '?')}; {args.num_clients} clients x {args.num_rounds} rounds, "
              f"request {args.request_length} tokens, sub-question {args.sub_question_input_length or args.request_length}, "
              f"output {args.output_length}, max parallel {args.max_parallel}, rate {args.request_rate} req/s, "
-             f"round barrier {'on' if args.enable_round_barrier else 'off'}, seed {args.seed}", ""]
+             f"round barrier {'on' if args.enable_round_barrier else 'off'}, seed {args.seed}",
+             f"- Runs: {'median of ' + str(args.repeat) + ' interleaved runs' if args.repeat > 1 else 'one'} "
+             f"per configuration", ""]
+    lines += [noise_note(rows), ""]
     lines += targets(rows) + ["", "Server cache metrics per configuration (counters: change over the run):"]
     for r in rows:
         reported = r.get("server_reported")
         tiers = r.get("tiers") or {}
         shown = ", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in sorted(tiers.items()))
-        lines.append(f"- {r['name']}: server args {reported}; {shown or 'no tier metrics reported'}")
+        status = f"did not complete: {r['error']}" if r.get("error") else f"load average after: {r.get('load_avg')}"
+        lines.append(f"- {r['name']} ({status}): server args {reported}; {shown or 'no tier metrics reported'}")
     return "\n".join(lines) + "\n"
 
 
@@ -179,13 +232,16 @@ def main(argv: Optional[list[str]] = None) -> int:
     os.makedirs(args.out_dir, exist_ok=True)
     started = datetime.datetime.now().astimezone().isoformat(timespec="seconds")
     machine = machine_description()
-    rows = []
-    for key in keys:
-        if key == "mooncake":
-            rows.append(run_mooncake(args, server_flags))
-        else:
-            rows.append(run_config(key, args, server_flags, args.out_dir))
-    command = "kvstrata bench compare " + shlex.join(argv)
+    runs: dict[str, list[dict]] = {key: [] for key in keys}
+    for rep in range(max(1, args.repeat)):     # interleaved, so that slow spells of a shared machine spread
+        for key in keys:
+            log_name = f"server-{key}-{rep}.log" if args.repeat > 1 else f"server-{key}.log"
+            if key == "mooncake":
+                runs[key].append(run_mooncake(args, server_flags, log_name))
+            else:
+                runs[key].append(run_config(key, args, server_flags, args.out_dir, log_name=log_name))
+    rows = [merge_runs(runs[key]) for key in keys]
+    command = " ".join(["kvstrata bench compare", shlex.join(argv)]).strip()
     md = render_markdown(rows, command, started, machine, args)
     with open(os.path.join(args.out_dir, "compare.md"), "w") as fh:
         fh.write(md)
@@ -199,7 +255,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     return 0 if any(r.get("summary") for r in rows) else 1
 
 
-def run_mooncake(args: argparse.Namespace, server_flags: list[str]) -> dict:
+def run_mooncake(args: argparse.Namespace, server_flags: list[str], log_name: str = "") -> dict:
     """The Mooncake configuration on a local cluster started (and stopped) for it, if Mooncake is here."""
     try:
         from kvstrata.storage.mooncake_services import MooncakeCluster
@@ -209,6 +265,6 @@ def run_mooncake(args: argparse.Namespace, server_flags: list[str]) -> dict:
         print(f"Mooncake not available: {e}", file=sys.stderr)
         return {"key": "mooncake", "name": CONFIG_NAMES["mooncake"], "error": f"Mooncake not available: {e}"}
     try:
-        return run_config("mooncake", args, server_flags, args.out_dir, env=cluster.env())
+        return run_config("mooncake", args, server_flags, args.out_dir, env=cluster.env(), log_name=log_name)
     finally:
         cluster.stop()

@@ -65,7 +65,7 @@ def add_workload_args(p: argparse.ArgumentParser) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     """The command's argument parser."""
-    p = argparse.ArgumentParser(prog="kvstrata bench multiturn", description=__doc__,
+    p = argparse.ArgumentParser(prog="kvstrata bench multiturn", description=__doc__, allow_abbrev=False,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=None, help="Server port (default 30000; free port with --launch).")

@@ -73,17 +73,17 @@ def _fmt_metric(v: Any) -> str:
 
 
 def compare_table(rows: list[dict]) -> str:
-    """The seed-shaped comparison: config, hit rate, mean/P90 TTFT, input tok/s, change vs the first row."""
-    base = next((r["summary"] for r in rows if r.get("summary")), None)
+    """The seed-shaped comparison: config, hit rate, mean/P90 TTFT, input tok/s, change vs L1 only."""
+    base = next((r["summary"] for r in rows if r.get("key") == "l1" and r.get("summary")), None)
     header = ["Config", "KV cache hit rate", "Hit rate / ideal", "Mean TTFT (s)", "P90 TTFT (s)",
               "Input tok/s", "Failed"]
     out = []
-    for i, row in enumerate(rows):
+    for row in rows:
         s = row.get("summary")
         if not s:
-            out.append([row["name"], f"did not run: {row.get('error', 'unknown error')}", "", "", "", "", ""])
+            out.append([row["name"], f"did not complete: {row.get('error', 'unknown error')}", "", "", "", "", ""])
             continue
-        b = base if i else None
+        b = None if s is base else base
         out.append([row["name"], _pct(s["cache_hit_rate"]), _pct(s["hit_rate_vs_ideal"]),
                     _sec(s["mean_ttft"]) + _change(s["mean_ttft"], b and b["mean_ttft"]),
                     _sec(s["p90_ttft"]) + _change(s["p90_ttft"], b and b["p90_ttft"]),

@@ -19,7 +19,25 @@ def render_prometheus(frontend: dict[str, Any], scheduler_state: dict[str, Any],
     for key, value in sorted(_flatten(scheduler_state).items()):
         name = PREFIX + "scheduler_" + _metric_name(key)
         lines += [f"# TYPE {name} gauge", f"{name}{label} {_number(value)}"]
+    for name, kind, value in _sglang_aliases(scheduler_state):
+        lines += [f"# TYPE {name} {kind}", f"{name}{label} {_number(value)}"]
     return "\n".join(lines) + "\n"
+
+
+def _sglang_aliases(state: dict[str, Any]) -> list[tuple[str, str, float]]:
+    """The scheduler numbers under SGLang's metric names, for dashboards built on them."""
+    if not state:
+        return []
+    cap = state.get("capacity_pages") or 1
+    used = (cap - state.get("free_pages", cap)) / cap
+    pairs = [("sglang:num_running_reqs", "gauge", state.get("running_requests", 0)),
+             ("sglang:num_queue_reqs", "gauge", state.get("waiting_requests", 0)),
+             ("sglang:token_usage", "gauge", used),
+             ("sglang:cache_hit_rate", "gauge", state.get("cache_hit_rate", 0.0)),
+             ("sglang:prompt_tokens_total", "counter", state.get("prompt_tokens", 0)),
+             ("sglang:generation_tokens_total", "counter", state.get("generated_tokens", 0)),
+             ("sglang:cached_tokens_total", "counter", state.get("cached_tokens", 0))]
+    return pairs
 
 
 def _flatten(d: dict[str, Any], prefix: str = "") -> dict[str, float]:
