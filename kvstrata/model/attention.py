@@ -6,10 +6,12 @@ prefix+j and sees tokens 0..prefix+j of its own sequence (causal).
 
 Two paths, both planned once per forward (`AttentionPlan`, cached in `meta.cache`) and reused by every layer:
   * extend (extend_len > 1): one SDPA call per sequence; a fresh prompt (prefix 0) attends its own new
-    K/V directly with `is_causal`, an extend after a cached prefix gathers its slots and uses a bool mask;
+    K/V directly with `is_causal`, an extend after a cached prefix gathers its keys and uses a mask;
   * decode (extend_len == 1): every decode sequence in ONE padded SDPA call. K/V are gathered through a
-    `[B, max_len]` slot table padded with slot 0 (reserved page) and a key-padding mask hides the padding.
+    `[B, max_len]` index padded with slot 0 (reserved page) and a key-padding mask hides the padding.
     The query heads sharing a KV head are laid out as that head's query rows, so no GQA expansion is needed.
+Keys are gathered a whole page at a time where the pages allow it (CPU, page_size > 1): far fewer,
+larger row copies than slot by slot.
 """
 
 from __future__ import annotations
@@ -26,14 +28,22 @@ _PLAN_KEY = "paged_attention_plan"
 
 
 @dataclass
+class KVIndex:
+    """Which pool rows to gather: `index` counts in units of `unit` slots (1 = slots, page_size = pages)."""
+
+    index: torch.Tensor   # flat, long
+    unit: int
+
+
+@dataclass
 class ExtendSpan:
     """One sequence with several new tokens: its rows, and what it attends over."""
 
     start: int                       # first row of its new tokens in the batch
     end: int
-    prefix_len: int
-    kv_slots: Optional[torch.Tensor]  # all slots 0..prefix+extend-1; None when it attends fresh K/V only
-    mask: Optional[torch.Tensor]     # [extend, prefix+extend] bool, True = may attend; None = is_causal
+    kv: Optional[KVIndex]            # all its keys 0..prefix+extend-1; None = attend the fresh K/V only
+    num_keys: int
+    mask: Optional[torch.Tensor]     # [extend, num_keys] additive (0 / -inf); None = is_causal
 
 
 @dataclass
@@ -41,8 +51,8 @@ class DecodeGroup:
     """All sequences with one new token, attended together in one padded call."""
 
     rows: Optional[torch.Tensor]     # their rows in the batch; None when the batch is exactly these rows
-    slots: torch.Tensor              # [B * max_len] slot of every key, padded with slot 0
-    mask: Optional[torch.Tensor]     # [B, 1, 1, max_len] True = real key; None when no row is padded
+    kv: KVIndex                      # batch * max_len keys, padding points at the reserved page 0
+    mask: Optional[torch.Tensor]     # [B, 1, 1, max_len] additive, -inf on padding; None when none is padded
     batch: int
     max_len: int
 
@@ -55,20 +65,22 @@ class AttentionPlan:
     decode: Optional[DecodeGroup]
 
 
-def attention_plan(meta: ForwardMetadata, device: torch.device, fresh_kv_ok: bool) -> AttentionPlan:
+def attention_plan(meta: ForwardMetadata, q: torch.Tensor, kv_pool) -> AttentionPlan:
     """The plan for `meta`, built on first use and cached in `meta.cache`.
 
-    `fresh_kv_ok`: the pool stores K/V in the compute dtype, so a prefix-0 extend may attend the K/V it
-    just computed instead of reading them back from the pool (same values, no gather).
+    Masks are additive in the compute dtype (SDPA would otherwise convert a bool mask on every call).
+    When the pool stores K/V in the compute dtype, a prefix-0 extend attends the K/V it just computed
+    instead of reading them back from the pool (same values, no gather).
     """
     plan = meta.cache.get(_PLAN_KEY)
     if plan is None:
-        plan = _build_plan(meta, device, fresh_kv_ok)
+        plan = _build_plan(meta, q.device, q.dtype, kv_pool.page_size, fresh_kv_ok=kv_pool.dtype == q.dtype)
         meta.cache[_PLAN_KEY] = plan
     return plan
 
 
-def _build_plan(meta: ForwardMetadata, device: torch.device, fresh_kv_ok: bool) -> AttentionPlan:
+def _build_plan(meta: ForwardMetadata, device: torch.device, dtype: torch.dtype, page_size: int,
+                fresh_kv_ok: bool) -> AttentionPlan:
     extends: list[ExtendSpan] = []
     decode_rows: list[int] = []
     decode_seqs: list[int] = []
@@ -78,35 +90,63 @@ def _build_plan(meta: ForwardMetadata, device: torch.device, fresh_kv_ok: bool) 
             decode_rows.append(start)
             decode_seqs.append(i)
         elif extend > 1:
-            extends.append(_extend_span(meta, i, start, prefix, extend, device, fresh_kv_ok))
+            extends.append(_extend_span(meta.kv_slots[i].to(device), start, prefix, extend, dtype, page_size,
+                                        fresh_kv_ok))
         start += extend
-    decode = _decode_group(meta, decode_seqs, decode_rows, start, device) if decode_seqs else None
+    decode = None
+    if decode_seqs:
+        decode = _decode_group(meta, decode_seqs, decode_rows, start, device, dtype, page_size)
     return AttentionPlan(extends=extends, decode=decode)
 
 
-def _extend_span(meta: ForwardMetadata, i: int, start: int, prefix: int, extend: int,
-                 device: torch.device, fresh_kv_ok: bool) -> ExtendSpan:
+def _additive(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """0 where `allowed`, -inf elsewhere."""
+    return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill_(~allowed, float("-inf"))
+
+
+def _kv_index(slots: torch.Tensor, lens: list[int], page_size: int) -> tuple[KVIndex, int]:
+    """(index, keys per row) for padded slot rows `slots` `[B, L]` (row b real up to lens[b]).
+
+    Gathers whole pages when every row's real slots are its pages in order (slot j at
+    page[j // P] * P + j % P, which the page allocator guarantees); else slot by slot. Checked on CPU
+    only, where the page gather pays and the check costs no device sync.
+    """
+    rows, max_len = slots.shape
+    if page_size > 1 and slots.device.type == "cpu":
+        num_pages = -(-max_len // page_size)
+        padded = F.pad(slots, (0, num_pages * page_size - max_len))
+        pages = padded[:, ::page_size] // page_size
+        expected = (pages.unsqueeze(-1) * page_size + torch.arange(page_size)).view(rows, -1)
+        real = torch.arange(num_pages * page_size)[None, :] < torch.tensor(lens)[:, None]
+        if bool(((expected == padded) | ~real).all()):
+            return KVIndex(pages.reshape(-1), page_size), num_pages * page_size
+    return KVIndex(slots.reshape(-1), 1), max_len
+
+
+def _extend_span(slots: torch.Tensor, start: int, prefix: int, extend: int, dtype: torch.dtype,
+                 page_size: int, fresh_kv_ok: bool) -> ExtendSpan:
     if prefix == 0 and fresh_kv_ok:
-        return ExtendSpan(start, start + extend, 0, None, None)
+        return ExtendSpan(start, start + extend, None, extend, None)
     total = prefix + extend
-    # Row j (absolute position prefix+j) sees keys 0..prefix+j.
-    mask = torch.ones(extend, total, dtype=torch.bool, device=device).tril(diagonal=prefix)
-    return ExtendSpan(start, start + extend, prefix, meta.kv_slots[i].to(device), mask)
+    kv, num_keys = _kv_index(slots[None, :total], [total], page_size)
+    # Row j (absolute position prefix+j) sees keys 0..prefix+j; keys past `total` are page padding.
+    allowed = torch.ones(extend, num_keys, dtype=torch.bool, device=slots.device).tril(diagonal=prefix)
+    return ExtendSpan(start, start + extend, kv, num_keys, _additive(allowed, dtype))
 
 
 def _decode_group(meta: ForwardMetadata, seqs: list[int], rows: list[int], num_rows: int,
-                  device: torch.device) -> DecodeGroup:
+                  device: torch.device, dtype: torch.dtype, page_size: int) -> DecodeGroup:
     lens = [meta.prefix_lens[i] + 1 for i in seqs]
-    max_len = max(lens)
-    slot_lists = [meta.kv_slots[i].to(device) for i in seqs]
+    slot_lists = [meta.kv_slots[i].to(device)[:n] for i, n in zip(seqs, lens, strict=True)]
     slots = torch.nn.utils.rnn.pad_sequence(slot_lists, batch_first=True, padding_value=0)
+    kv, max_len = _kv_index(slots, lens, page_size)
     mask = None
     if min(lens) != max_len:
-        lens_t = torch.tensor(lens, device=device)
-        mask = (torch.arange(max_len, device=device)[None, :] < lens_t[:, None]).view(len(seqs), 1, 1, max_len)
+        real = torch.arange(max_len, device=device)[None, :] < torch.tensor(lens, device=device)[:, None]
+        mask = _additive(real, dtype).view(len(seqs), 1, 1, max_len)
     whole_batch = len(rows) == num_rows  # rows are then 0..n-1 in order
     row_index = None if whole_batch else torch.tensor(rows, dtype=torch.long, device=device)
-    return DecodeGroup(rows=row_index, slots=slots.reshape(-1), mask=mask, batch=len(seqs), max_len=max_len)
+    return DecodeGroup(rows=row_index, kv=kv, mask=mask, batch=len(seqs), max_len=max_len)
 
 
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int,
@@ -115,7 +155,7 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id:
     if meta.layer_wait is not None:
         meta.layer_wait(layer_id)
     kv_pool.set_kv(layer_id, meta.out_slots, k, v)
-    plan = attention_plan(meta, q.device, fresh_kv_ok=kv_pool.dtype == k.dtype)
+    plan = attention_plan(meta, q, kv_pool)
     num_tokens, num_heads, head_dim = q.shape
     if plan.decode is not None and plan.decode.rows is None:
         return _decode(q, layer_id, plan.decode, kv_pool).view(num_tokens, num_heads * head_dim)
@@ -127,25 +167,26 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id:
     return out.view(num_tokens, num_heads * head_dim)
 
 
-def _gather(buffer: torch.Tensor, slots: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """Rows `slots` of one layer's K or V buffer `[N, KVH, D]`, as `[len(slots), KVH, D]`.
+def _gather(buffer: torch.Tensor, kv: KVIndex, dtype: torch.dtype) -> torch.Tensor:
+    """Rows of one layer's K or V buffer `[N, KVH, D]` picked by `kv`, as `[len(index) * unit, KVH, D]`.
 
-    index_select on the 2-D view copies whole rows and is several times faster on CPU than
-    advanced indexing of the 3-D buffer.
+    index_select on a 2-D view copies whole rows and is several times faster on CPU than advanced
+    indexing of the 3-D buffer.
     """
-    flat = buffer.view(buffer.shape[0], -1)
-    return flat.index_select(0, slots).view(slots.shape[0], *buffer.shape[1:]).to(dtype)
+    rows = buffer.view(buffer.shape[0] // kv.unit, -1).index_select(0, kv.index)
+    rows = rows.view(-1, *buffer.shape[1:])
+    return rows if rows.dtype == dtype else rows.to(dtype)
 
 
 def _extend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int, span: ExtendSpan,
             kv_pool) -> torch.Tensor:
     """Attention output `[extend, H, D]` of one sequence's new tokens."""
     q_seq = q[span.start:span.end].transpose(0, 1).unsqueeze(0)
-    if span.kv_slots is None:
+    if span.kv is None:
         k_seq, v_seq = k[span.start:span.end], v[span.start:span.end]
     else:
-        k_seq = _gather(kv_pool.k_buffer[layer_id], span.kv_slots, q.dtype)
-        v_seq = _gather(kv_pool.v_buffer[layer_id], span.kv_slots, q.dtype)
+        k_seq = _gather(kv_pool.k_buffer[layer_id], span.kv, q.dtype)
+        v_seq = _gather(kv_pool.v_buffer[layer_id], span.kv, q.dtype)
     if q.is_cuda and span.mask is not None:
         # CUDA's masked kernel (memory-efficient) has no native GQA; expanding K/V keeps it off the
         # O(n^2)-memory math fallback. The CPU flash kernel handles GQA and masks itself.
@@ -164,8 +205,8 @@ def _decode(q: torch.Tensor, layer_id: int, group: DecodeGroup, kv_pool) -> torc
     # Query head h uses KV head h // group_size, so [B, H, D] -> [B, KVH, group_size, D] puts each KV
     # head's queries in its rows; decode needs no causal mask (the new token sees every key).
     q_grouped = q.reshape(batch, num_kv_heads, num_heads // num_kv_heads, head_dim)
-    keys = _gather(kv_pool.k_buffer[layer_id], group.slots, q.dtype)
-    values = _gather(kv_pool.v_buffer[layer_id], group.slots, q.dtype)
+    keys = _gather(kv_pool.k_buffer[layer_id], group.kv, q.dtype)
+    values = _gather(kv_pool.v_buffer[layer_id], group.kv, q.dtype)
     keys = keys.view(batch, group.max_len, num_kv_heads, head_dim).transpose(1, 2)
     values = values.view(batch, group.max_len, num_kv_heads, head_dim).transpose(1, 2)
     out = F.scaled_dot_product_attention(q_grouped, keys, values, attn_mask=group.mask)

@@ -8,25 +8,32 @@ from torch import nn
 
 from kvstrata.args import cpu_has_fast_bf16
 
-# On a CPU without native bf16/fp16 matmul (no AVX-512 BF16 / AMX), oneDNN emulates low-precision
-# GEMMs several times slower than float32 ones. Above this many rows a matmul is compute-bound, so
-# converting to float32 (weights are cheap to convert next to the GEMM) is faster; fewer rows are
-# memory-bound and read the half-size weights natively.
-UPCAST_MIN_ROWS = 32
+# On a CPU without native bf16/fp16 matmul (no AVX-512 BF16 / AMX), oneDNN emulates low-precision GEMMs
+# several times slower than float32 ones once more than a row or two is multiplied; converting the
+# weight to float32 (cheap while it fits in cache) and running a float32 GEMM is then faster. A single
+# row (decode) is memory-bound and reads the half-size weight natively.
+UPCAST_MIN_ROWS = 4
 _CPU_NATIVE_LOW_PRECISION = cpu_has_fast_bf16()
 _LOW_PRECISION = (torch.bfloat16, torch.float16)
 
 
 class Linear(nn.Linear):
-    """nn.Linear that runs large low-precision CPU matmuls in float32 where the CPU lacks native support.
+    """nn.Linear that runs multi-row low-precision CPU matmuls in float32 where the CPU lacks native support.
 
-    Same inputs, same fp32 accumulation as oneDNN's bf16 GEMM, one rounding of the output.
+    Same inputs and fp32 accumulation as oneDNN's bf16 GEMM, one rounding of the output.
+    `upcast_min_rows`: fewest rows worth converting the weight for (higher for very large weights,
+    whose conversion no longer fits in cache).
     """
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = False,
+                 upcast_min_rows: int = UPCAST_MIN_ROWS):
+        super().__init__(in_features, out_features, bias=bias)
+        self.upcast_min_rows = upcast_min_rows
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x `[T, in]` -> `[T, out]`."""
-        if (x.dtype in _LOW_PRECISION and not _CPU_NATIVE_LOW_PRECISION and x.shape[0] >= UPCAST_MIN_ROWS
-                and x.device.type == "cpu"):
+        if (x.dtype in _LOW_PRECISION and not _CPU_NATIVE_LOW_PRECISION
+                and x.shape[0] >= self.upcast_min_rows and x.device.type == "cpu"):
             bias = None if self.bias is None else self.bias.float()
             return F.linear(x.float(), self.weight.float(), bias).to(x.dtype)
         return F.linear(x, self.weight, self.bias)

@@ -15,7 +15,7 @@ from kvstrata.model.attention import paged_attention
 from kvstrata.model.config import ModelConfig
 from kvstrata.model.forward_meta import ForwardMetadata
 from kvstrata.model.layers import GatedMLP, Linear, RMSNorm
-from kvstrata.model.rope import RotaryEmbedding, apply_rotary
+from kvstrata.model.rope import RotaryEmbedding, Rotation, apply_rotary
 
 
 class LlamaAttention(nn.Module):
@@ -34,7 +34,7 @@ class LlamaAttention(nn.Module):
         self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps) if config.qk_norm else None
         self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps) if config.qk_norm else None
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: ForwardMetadata,
+    def forward(self, x: torch.Tensor, rotation: Rotation, meta: ForwardMetadata,
                 kv_pool) -> torch.Tensor:
         """Attention output `[T, hidden]` for the batch's new tokens `x` `[T, hidden]`."""
         tokens = x.shape[0]
@@ -44,12 +44,12 @@ class LlamaAttention(nn.Module):
             q = self.q_norm(qkv[:, :self.q_size].view(tokens, self.num_heads, self.head_dim))
             k = self.k_norm(qkv[:, self.q_size:self.q_size + self.kv_size].view(tokens, self.num_kv_heads,
                                                                                  self.head_dim))
-            q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+            q, k = apply_rotary(q, rotation), apply_rotary(k, rotation)
         else:
             # q and k are adjacent in the fused output: rotate both with one set of elementwise ops.
             qk = qkv[:, :self.q_size + self.kv_size].view(tokens, self.num_heads + self.num_kv_heads,
                                                           self.head_dim)
-            q, k = apply_rotary(qk, cos, sin).split([self.num_heads, self.num_kv_heads], dim=1)
+            q, k = apply_rotary(qk, rotation).split([self.num_heads, self.num_kv_heads], dim=1)
         out = paged_attention(q, k, v, self.layer_id, meta, kv_pool)
         return self.o_proj(out)
 
@@ -64,11 +64,11 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = GatedMLP(config.hidden_size, config.intermediate_size)
 
-    def forward(self, hidden: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor,
-                sin: torch.Tensor, meta: ForwardMetadata, kv_pool) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, hidden: torch.Tensor, residual: torch.Tensor | None, rotation: Rotation,
+                meta: ForwardMetadata, kv_pool) -> tuple[torch.Tensor, torch.Tensor]:
         """Returns (block output, residual before it); their sum is the next layer's input."""
         residual = hidden if residual is None else residual + hidden
-        hidden = self.self_attn(self.input_layernorm(residual), cos, sin, meta, kv_pool)
+        hidden = self.self_attn(self.input_layernorm(residual), rotation, meta, kv_pool)
         residual = residual + hidden
         return self.mlp(self.post_attention_layernorm(residual)), residual
 
@@ -90,7 +90,8 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.config = config
         self.model = LlamaModel(config)
-        self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
+        # Converting the whole vocabulary matrix to float32 only pays for many rows (prompt logprobs).
+        self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False, upcast_min_rows=64)
         self.rotary = RotaryEmbedding(config.head_dim, config.rope_theta, config.rope_scaling,
                                       config.max_position_embeddings)
 
@@ -98,16 +99,31 @@ class LlamaForCausalLM(nn.Module):
         """Make lm_head share the input embedding matrix."""
         self.lm_head.weight = self.model.embed_tokens.weight
 
+    def optimize_layout(self) -> None:
+        """Re-lay weights for the device once loaded (values unchanged).
+
+        On CPU in float32, lm_head's `[vocab, hidden]` matrix is stored column-major: MKL's float32
+        matrix-vector product for a single decode row is ~2x faster reading it that way, and lm_head is the
+        largest matrix a decode step reads. Embedding lookups (tied models) then gather strided rows, a
+        small cost at prefill. (bf16 matmuls are faster row-major, so they keep it.)
+        """
+        weight = self.lm_head.weight
+        if weight.device.type != "cpu" or weight.dtype != torch.float32 or not weight.is_contiguous():
+            return
+        column_major = torch.empty_strided(weight.shape, (1, weight.shape[0]), dtype=weight.dtype)
+        column_major.copy_(weight.data)
+        weight.data = column_major
+
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: ForwardMetadata,
                 kv_pool) -> torch.Tensor:
         """Logits `[len(meta.logits_indices), vocab]` (float32) of a batch of new tokens `input_ids` `[T]`."""
         hidden = self.model.embed_tokens(input_ids)
         max_position = max(meta.seq_lens) - 1
-        cos, sin = self.rotary.cos_sin(positions, max_position, hidden.dtype)
+        rotation = self.rotary.rotation(positions, max_position, hidden.dtype)
         residual = None
         for layer in self.model.layers:
-            hidden, residual = layer(hidden, residual, cos, sin, meta, kv_pool)
+            hidden, residual = layer(hidden, residual, rotation, meta, kv_pool)
         # Only the requested rows go through the final norm and lm_head (prefill needs the last one).
         rows = meta.logits_indices
         hidden = self.model.norm(hidden[rows] + residual[rows])

@@ -52,6 +52,7 @@ def load_model(path: str, config: ModelConfig, dtype: torch.dtype, device: torch
     if missing:
         shown = ", ".join(missing[:5]) + (f" (+{len(missing) - 5} more)" if len(missing) > 5 else "")
         raise ModelLoadError(f"{path}: checkpoint is missing tensor(s) {shown}")
+    model.optimize_layout()
     return model.eval()
 
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import torch
 
@@ -62,9 +62,23 @@ class RotaryEmbedding:
         cos, sin = self._table(positions.device, max_position + 1)
         return cos[positions].to(dtype), sin[positions].to(dtype)
 
+    def rotation(self, positions: torch.Tensor, max_position: int, dtype: torch.dtype) -> Rotation:
+        """The per-token rotation for one forward, shaped to broadcast over heads (built once, used by all layers)."""
+        cos, sin = self.cos_sin(positions, max_position, dtype)
+        half = self.head_dim // 2
+        # rotate_half(x) * sin == swap_halves(x) * [-sin_lo, sin_hi]: fold the sign into the table.
+        signed_sin = torch.cat((-sin[:, :half], sin[:, half:]), dim=-1)
+        return Rotation(cos.unsqueeze(1), signed_sin.unsqueeze(1))
 
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate `x` `[T, heads, head_dim]` by per-token `cos`/`sin` `[T, head_dim]` (non-interleaved halves)."""
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos.unsqueeze(1) + rotated * sin.unsqueeze(1)
+
+class Rotation(NamedTuple):
+    """cos and sign-folded sin `[T, 1, head_dim]` of one forward's tokens."""
+
+    cos: torch.Tensor
+    signed_sin: torch.Tensor
+
+
+def apply_rotary(x: torch.Tensor, rotation: Rotation) -> torch.Tensor:
+    """Rotate `x` `[T, heads, head_dim]` (HF rotate_half layout: the two halves form the pairs)."""
+    swapped = x.unflatten(-1, (2, -1)).flip(-2).flatten(-2)
+    return torch.addcmul(x * rotation.cos, swapped, rotation.signed_sin)

@@ -1,0 +1,72 @@
+"""Test-side batch builder: gives sequences scattered pool pages and builds ForwardMetadata for a step."""
+
+from __future__ import annotations
+
+import random
+
+import torch
+
+from kvstrata.memory.device_pool import DeviceKVPool
+from kvstrata.model.forward_meta import ForwardMetadata
+
+
+class PagedSequences:
+    """Tracks the slots of several sequences in a DeviceKVPool; pages are handed out in random order.
+
+    `scatter=True` hands out single slots in random order instead, breaking the page-order invariant
+    (to exercise the slot-by-slot gather).
+    """
+
+    def __init__(self, pool: DeviceKVPool, seed: int = 0, scatter: bool = False):
+        self.pool = pool
+        self.free_pages = list(range(1, pool.num_pages))  # page 0 is reserved
+        self.free_slots = list(range(pool.page_size, pool.num_slots))
+        random.Random(seed).shuffle(self.free_pages)
+        random.Random(seed).shuffle(self.free_slots)
+        self.scatter = scatter
+        self.slots: dict[int, list[int]] = {}
+
+    def _append_slots(self, seq: int, count: int) -> list[int]:
+        slots = self.slots.setdefault(seq, [])
+        page_size = self.pool.page_size
+        new = []
+        for _ in range(count):
+            if self.scatter:
+                slots.append(self.free_slots.pop())
+            elif len(slots) % page_size == 0:
+                page = self.free_pages.pop()
+                slots.append(page * page_size)
+            else:
+                slots.append(slots[-1] + 1)
+            new.append(slots[-1])
+        return new
+
+    def batch(self, chunks: list[tuple[int, list[int]]], logits: str = "all"
+              ) -> tuple[torch.Tensor, torch.Tensor, ForwardMetadata]:
+        """(input_ids, positions, meta) for one forward of `chunks` = [(sequence id, new token ids)].
+
+        `logits`: "all" rows, or "last" row of each sequence.
+        """
+        ids, positions, out_slots, logits_rows = [], [], [], []
+        prefix_lens, extend_lens, kv_slots = [], [], []
+        for seq, tokens in chunks:
+            prefix = len(self.slots.get(seq, []))
+            out_slots += self._append_slots(seq, len(tokens))
+            rows = range(len(ids), len(ids) + len(tokens))
+            logits_rows += list(rows) if logits == "all" else [rows[-1]]
+            ids += tokens
+            positions += range(prefix, prefix + len(tokens))
+            prefix_lens.append(prefix)
+            extend_lens.append(len(tokens))
+            kv_slots.append(torch.tensor(self.slots[seq], dtype=torch.long))
+        meta = ForwardMetadata(extend_lens=extend_lens, prefix_lens=prefix_lens, kv_slots=kv_slots,
+                               out_slots=torch.tensor(out_slots, dtype=torch.long),
+                               logits_indices=torch.tensor(logits_rows, dtype=torch.long))
+        return torch.tensor(ids, dtype=torch.long), torch.tensor(positions, dtype=torch.long), meta
+
+
+def make_pool(model_config, num_pages: int = 64, page_size: int = 4,
+              dtype: torch.dtype = torch.float32) -> DeviceKVPool:
+    """A CPU pool shaped for `model_config`."""
+    return DeviceKVPool(num_pages, page_size, model_config.num_layers, model_config.num_kv_heads,
+                        model_config.head_dim, dtype, "cpu")

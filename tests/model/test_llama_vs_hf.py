@@ -1,0 +1,147 @@
+"""kvstrata's Llama-family models against transformers on tiny random-weight checkpoints.
+
+Prompts of different lengths run together in one kvstrata forward over scattered pool pages; transformers
+runs each prompt alone. Relative error = max|ours - ref| / max|ref|.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import transformers
+
+from kvstrata.model.config import ModelConfig
+from kvstrata.model.loader import load_model
+from tests.model.forward_batch import PagedSequences, make_pool
+from tests.model.hf_ckpt import CASES
+
+TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 2e-2}
+PROMPT_LENS = [5, 19, 1, 12]  # a one-token prompt takes the decode path at prefix 0; 37 rows > UPCAST_MIN_ROWS
+DECODE_STEPS = 4
+
+
+def relative_error(ours: torch.Tensor, ref: torch.Tensor) -> float:
+    """max|ours - ref| / max|ref|."""
+    return ((ours.float() - ref.float()).abs().max() / ref.float().abs().max()).item()
+
+
+def random_prompts(lens: list[int], vocab: int, seed: int = 0) -> list[list[int]]:
+    """Token ids avoiding bos/eos (ids 1..3) so no prompt ends early."""
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randint(4, vocab, (n,), generator=gen).tolist() for n in lens]
+
+
+class Pair:
+    """A kvstrata model and the transformers model loaded from the same folder, in one dtype."""
+
+    _cache: dict[tuple[str, torch.dtype], Pair] = {}
+
+    def __init__(self, path: str, dtype: torch.dtype):
+        self.config = ModelConfig.from_path(path)
+        self.ours = load_model(path, self.config, dtype, torch.device("cpu"))
+        self.hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval()
+        self.dtype = dtype
+
+    @classmethod
+    def get(cls, checkpoint_dir, case: str, dtype: torch.dtype) -> Pair:
+        """Loaded once per (case, dtype) for the whole module."""
+        if (case, dtype) not in cls._cache:
+            cls._cache[(case, dtype)] = Pair(checkpoint_dir(case), dtype)
+        return cls._cache[(case, dtype)]
+
+    @torch.inference_mode()
+    def hf_logits(self, tokens: list[int]) -> torch.Tensor:
+        """transformers' logits `[len, vocab]` for one sequence run alone."""
+        return self.hf(torch.tensor([tokens])).logits[0].float()
+
+    def sequences(self, page_size: int = 4, scatter: bool = False) -> PagedSequences:
+        """A fresh pool (shuffled pages) for this model."""
+        pool = make_pool(self.config, num_pages=256 // page_size, page_size=page_size, dtype=self.dtype)
+        return PagedSequences(pool, seed=1, scatter=scatter)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _drop_loaded_models():
+    yield
+    Pair._cache.clear()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("case", list(CASES))
+def test_batched_prefill_and_decode_logits_match_hf(checkpoint_dir, case, dtype):
+    pair = Pair.get(checkpoint_dir, case, dtype)
+    prompts = random_prompts(PROMPT_LENS, pair.config.vocab_size)
+    seqs = pair.sequences()
+    ids, positions, meta = seqs.batch(list(enumerate(prompts)))
+    waited: list[int] = []
+    meta.layer_wait = waited.append
+    logits = pair.ours(ids, positions, meta, seqs.pool)
+    assert logits.dtype == torch.float32 and logits.shape == (sum(PROMPT_LENS), pair.config.vocab_size)
+    assert waited == list(range(pair.config.num_layers))
+    ref = torch.cat([pair.hf_logits(p) for p in prompts])
+    assert relative_error(logits, ref) < TOLERANCE[dtype]
+
+    # Decode steps, all sequences batched; each step feeds our own greedy token.
+    next_rows = torch.tensor(PROMPT_LENS).cumsum(0) - 1
+    tokens = [p + [int(t)] for p, t in zip(prompts, logits[next_rows].argmax(-1), strict=True)]
+    for _ in range(DECODE_STEPS):
+        ids, positions, meta = seqs.batch([(i, t[-1:]) for i, t in enumerate(tokens)])
+        logits = pair.ours(ids, positions, meta, seqs.pool)
+        ref = torch.stack([pair.hf_logits(t)[-1] for t in tokens])
+        assert relative_error(logits, ref) < TOLERANCE[dtype]
+        tokens = [t + [int(n)] for t, n in zip(tokens, logits.argmax(-1), strict=True)]
+    # Fewer rows than UPCAST_MIN_ROWS (bf16 matmuls take the native path), and a lone sequence (no padding).
+    for subset in ((0, 2), (1,)):
+        ids, positions, meta = seqs.batch([(i, tokens[i][-1:]) for i in subset])
+        logits = pair.ours(ids, positions, meta, seqs.pool)
+        ref = torch.stack([pair.hf_logits(tokens[i])[-1] for i in subset])
+        assert relative_error(logits, ref) < TOLERANCE[dtype]
+        tokens = [t + [int(logits[subset.index(i)].argmax())] if i in subset else t for i, t in enumerate(tokens)]
+
+
+# page_size 4: keys gathered page by page; 1, or 4 with scattered slots: slot by slot.
+@pytest.mark.parametrize("page_size, scatter", [(4, False), (1, False), (4, True)], ids=["pages", "slots", "scattered"])
+@pytest.mark.parametrize("case", list(CASES))
+def test_extend_after_cached_prefix_equals_full_prefill(checkpoint_dir, case, page_size, scatter):
+    pair = Pair.get(checkpoint_dir, case, torch.float32)
+    first, second = random_prompts([13, 9], pair.config.vocab_size, seed=3)
+    seqs = pair.sequences(page_size, scatter)
+    rows: dict[int, list[torch.Tensor]] = {0: [], 1: []}
+
+    def run(chunks):
+        ids, positions, meta = seqs.batch(chunks)
+        logits = pair.ours(ids, positions, meta, seqs.pool)
+        start = 0
+        for seq, tokens in chunks:
+            rows[seq].append(logits[start:start + len(tokens)])
+            start += len(tokens)
+
+    run([(0, first[:6]), (1, second[:4])])          # fresh prefills
+    run([(0, first[6:]), (1, second[4:5])])         # extend after a prefix, mixed with a one-token extend
+    run([(1, second[5:])])                          # extend after a prefix, alone
+    run([(0, [7]), (1, [9])])                       # decode both (padded keys)
+    first, second = first + [7], second + [9]
+    for seq, prompt in ((0, first), (1, second)):
+        assert relative_error(torch.cat(rows[seq]), pair.hf_logits(prompt)) < 1e-4
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_greedy_generation_matches_hf_generate(checkpoint_dir, case):
+    pair = Pair.get(checkpoint_dir, case, torch.float32)
+    prompts = random_prompts([7, 3, 12], pair.config.vocab_size, seed=5)
+    new_tokens = 10
+    seqs = pair.sequences()
+    ids, positions, meta = seqs.batch(list(enumerate(prompts)), logits="last")
+    outputs = [[int(t)] for t in pair.ours(ids, positions, meta, seqs.pool).argmax(-1)]
+    for _ in range(new_tokens - 1):
+        ids, positions, meta = seqs.batch([(i, out[-1:]) for i, out in enumerate(outputs)])
+        for out, token in zip(outputs, pair.ours(ids, positions, meta, seqs.pool).argmax(-1), strict=True):
+            out.append(int(token))
+    for prompt, ours in zip(prompts, outputs, strict=True):
+        with torch.inference_mode():
+            full = pair.hf.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                                    do_sample=False, max_new_tokens=new_tokens, pad_token_id=0)
+        hf_tokens = full[0, len(prompt):].tolist()
+        assert len(hf_tokens) >= 1
+        # transformers stops at eos; everything it produced must equal ours.
+        assert ours[:len(hf_tokens)] == hf_tokens
