@@ -65,6 +65,7 @@ class Engine:
         self._inbox: queue.Queue = queue.Queue()
         self._control: queue.Queue = queue.Queue()
         self._pending: dict[str, _Pending] = {}
+        self._control_lock = threading.Lock()
         self._counter = itertools.count()
         self._loop = SchedulerLoop(self.scheduler, self._recv, self._dispatch)
         self._thread = threading.Thread(target=self._run, name="kvstrata-scheduler", daemon=True)
@@ -112,12 +113,17 @@ class Engine:
         return self._stream(rids[0], aq)
 
     async def _stream(self, rid: str, aq: asyncio.Queue) -> AsyncIterator[dict]:
-        while True:
-            p = await aq.get()
-            yield self._result(rid, False)
-            if p.done.is_set():
-                self._pending.pop(rid, None)
-                return
+        try:
+            while True:
+                p = await aq.get()
+                finished = p.done.is_set()     # read before building the chunk: later tokens come next time
+                yield self._result(rid, False)
+                if finished:
+                    return
+        finally:
+            if rid in self._pending and not self._pending[rid].done.is_set():
+                self.abort_request(rid)        # the consumer walked away: free the request's KV
+            self._pending.pop(rid, None)
 
     def abort_request(self, rid: str) -> None:
         """Abort a running request by id."""
@@ -125,14 +131,18 @@ class Engine:
 
     def flush_cache(self) -> ControlOut:
         """Empty the prefix cache (fails while requests run)."""
-        self._inbox.put(FlushCacheReq())
-        return self._control.get(timeout=60)
+        return self._control_call(FlushCacheReq())
 
     def get_server_info(self) -> dict:
         """Server args and scheduler state (pool occupancy, cache metrics)."""
-        self._inbox.put(GetStateReq())
-        state = self._control.get(timeout=60).state
+        state = self._control_call(GetStateReq()).state
         return {**self.server_args.to_dict(), "internal_states": [state]}
+
+    def _control_call(self, msg: object) -> ControlOut:
+        with self._control_lock:          # one control question at a time: answers carry no id
+            self._check_alive()
+            self._inbox.put(msg)
+            return self._control.get(timeout=60)
 
     def shutdown(self) -> None:
         """Stop the scheduler thread."""
@@ -223,7 +233,10 @@ class Engine:
             if out.finished:
                 pend.done.set()
             for aloop, aq in pend.listeners:
-                aloop.call_soon_threadsafe(aq.put_nowait, pend)
+                try:
+                    aloop.call_soon_threadsafe(aq.put_nowait, pend)
+                except RuntimeError:           # the caller's event loop is gone: nobody is listening
+                    pass
 
     def _result(self, rid: str, text_in_logprobs: bool) -> dict:
         pend = self._pending[rid]
@@ -273,9 +286,9 @@ def _as_token_lists(tokenizer, prompt: Prompt, input_ids: TokenIds) -> tuple[lis
         raise InvalidRequest("give exactly one of prompt (text) and input_ids")
     if prompt is not None:
         if isinstance(prompt, str):
-            return [tokenizer.encode(prompt, add_special_tokens=False)], False
+            return [tokenizer.encode(prompt)], False      # with special tokens (BOS), like /generate
         if isinstance(prompt, list) and prompt and all(isinstance(p, str) for p in prompt):
-            return [tokenizer.encode(p, add_special_tokens=False) for p in prompt], True
+            return [tokenizer.encode(p) for p in prompt], True
         raise InvalidRequest("prompt must be a string or a non-empty list of strings")
     if isinstance(input_ids, list) and input_ids and all(isinstance(t, int) for t in input_ids):
         return [list(input_ids)], False
