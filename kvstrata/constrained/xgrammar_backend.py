@@ -12,6 +12,7 @@ import xgrammar as xgr
 
 from kvstrata.constrained import bitmask as bitmask_ops
 from kvstrata.constrained.base import Grammar, GrammarBackend
+from kvstrata.constrained.utf8_guard import SurrogateGuard
 
 logger = logging.getLogger(__name__)
 
@@ -38,11 +39,14 @@ class XGrammarGrammar(Grammar):
     """
 
     def __init__(self, compiled: xgr.CompiledGrammar, eos_token_ids: list[int],
-                 keep_mask: Optional[torch.Tensor] = None):
+                 keep_mask: Optional[torch.Tensor] = None, guard: Optional[SurrogateGuard] = None):
         self._compiled = compiled
         self._eos_token_ids = eos_token_ids
         self._keep_mask = keep_mask
+        self._guard = guard
         self._matcher = xgr.GrammarMatcher(compiled)
+        # Per accepted token (and one for the start): does the text end with a bare UTF-8 lead byte ED?
+        self._after_lead = [False]
 
     def accept_token(self, token_id: int) -> bool:
         """Advance by one token; False if the grammar does not allow it (or it already ended)."""
@@ -52,7 +56,13 @@ class XGrammarGrammar(Grammar):
             return False
         if self._keep_mask is not None and not _bit_set(self._keep_mask, token_id):
             return False
-        return self._matcher.accept_token(int(token_id))
+        if self._guard is not None and not self._guard.allows(self._after_lead[-1], token_id):
+            return False
+        if not self._matcher.accept_token(int(token_id)):
+            return False
+        if self._guard is not None:
+            self._after_lead.append(self._guard.next_state(self._after_lead[-1], token_id))
+        return True
 
     def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
         """Write the allowed next tokens into `bitmask[row]`; only eos once the grammar has ended."""
@@ -64,6 +74,8 @@ class XGrammarGrammar(Grammar):
         self._matcher.fill_next_token_bitmask(bitmask, row)
         if self._keep_mask is not None:
             bitmask[row] &= self._keep_mask
+        if self._guard is not None:
+            self._guard.restrict(bitmask, row, self._after_lead[-1])
         if not self._matcher.is_completed():
             bitmask_ops.disallow(bitmask, row, self._eos_token_ids)
 
@@ -79,10 +91,12 @@ class XGrammarGrammar(Grammar):
         """Undo the last `num_tokens` accepted tokens."""
         if num_tokens > 0:
             self._matcher.rollback(num_tokens)
+            if self._guard is not None:
+                del self._after_lead[max(1, len(self._after_lead) - num_tokens):]
 
     def copy(self) -> XGrammarGrammar:
         """A fresh matcher of the same compiled grammar."""
-        return XGrammarGrammar(self._compiled, self._eos_token_ids, self._keep_mask)
+        return XGrammarGrammar(self._compiled, self._eos_token_ids, self._keep_mask, self._guard)
 
 
 class XGrammarBackend(GrammarBackend):
@@ -101,7 +115,9 @@ class XGrammarBackend(GrammarBackend):
         # The model's vocab (lm_head rows) may exceed the tokenizer's: xgrammar masks the extra ids.
         self.tokenizer_info = xgr.TokenizerInfo.from_huggingface(
             tokenizer, vocab_size=vocab_size, stop_token_ids=self.eos_token_ids)
-        banned = _special_token_ids(tokenizer, vocab_size, self.eos_token_ids)
+        self._guard = SurrogateGuard(self.tokenizer_info.decoded_vocab, vocab_size)
+        banned = sorted(set(_special_token_ids(tokenizer, vocab_size, self.eos_token_ids))
+                        | set(self._guard.banned_token_ids))
         self._keep_mask = bitmask_ops.keep_mask(vocab_size, banned) if banned else None
         threads = compile_threads or min(8, os.cpu_count() or 1)
         # Our CompileCache does the caching: xgrammar's own cache would hold every grammar twice.
@@ -127,7 +143,7 @@ class XGrammarBackend(GrammarBackend):
         return self._compiler.compile_grammar(text)
 
     def _new_grammar(self, compiled: xgr.CompiledGrammar) -> XGrammarGrammar:
-        return XGrammarGrammar(compiled, self.eos_token_ids, self._keep_mask)
+        return XGrammarGrammar(compiled, self.eos_token_ids, self._keep_mask, self._guard)
 
     def _json_schema_grammar(self, schema: str) -> xgr.Grammar:
         grammar = xgr.Grammar.from_json_schema(schema, **self._json_options())

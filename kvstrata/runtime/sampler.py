@@ -6,6 +6,7 @@ Logprobs returned to clients are those of the model's raw distribution (log_soft
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Optional
 
@@ -32,15 +33,20 @@ class Sampler:
         self.default_generator = torch.Generator(device="cpu").manual_seed(seed)
 
     def sample(self, logits: torch.Tensor, reqs: list[Req], masks: Optional[torch.Tensor] = None,
-               mask_rows: Optional[torch.Tensor] = None) -> SampleOutput:
-        """Pick one token per row of `logits` ([B, V] float32) for `reqs`."""
+               mask_rows: Optional[torch.Tensor] = None, apply_mask: Optional[Callable] = None) -> SampleOutput:
+        """Pick one token per row of `logits` ([B, V] float32) for `reqs`.
+
+        `apply_mask(logits, masks, mask_rows)`: the grammar backend's (fast) kernel; a torch one by default.
+        """
         want_logprobs = any(r.return_logprob for r in reqs)
         raw_logprobs = torch.log_softmax(logits, dim=-1) if want_logprobs else None
         logits = self._apply_penalties(logits, reqs)
         if masks is not None:
-            from kvstrata.constrained.base import GrammarBackend
+            if apply_mask is None:
+                from kvstrata.constrained.base import GrammarBackend
 
-            GrammarBackend.apply_bitmask(logits, masks, mask_rows)
+                apply_mask = GrammarBackend.apply_bitmask
+            apply_mask(logits, masks, mask_rows)
         tokens = self._choose(logits, reqs)
         lp, top = None, None
         if raw_logprobs is not None:

@@ -55,6 +55,7 @@ class Scheduler:
         self.metrics = {"prompt_tokens": 0, "cached_tokens": 0, "generated_tokens": 0, "retractions": 0,
                         "finished_requests": 0, "aborted_requests": 0}
         self._grammar = None
+        self.grammar_backend()   # built now: its vocabulary scan would otherwise stall the first request
 
     # ------------------------------------------------------------------ inputs
     def add_request(self, msg: TokenizedGenerateReq) -> Optional[ReqOutput]:

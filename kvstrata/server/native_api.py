@@ -41,11 +41,14 @@ async def run_request(request: Request, tm: TokenizerManager, req: GenerateReque
             await tm.wait_first(states, disconnected)
             raise_first_error(states)
         else:
+            failed: list[SeqState] = []
             async with contextlib.aclosing(tm.updates(states, disconnected)) as updates:
                 async for changed in updates:
-                    if any(s.error is not None for s in changed):
+                    failed = [s for s in changed if s.error is not None]
+                    if failed:
                         break        # answer the error now; leaving the loop aborts the other sequences
-            raise_first_error(states)
+            # Report the failed sequence, not the 499 "aborted" that leaving the loop gave the others.
+            raise_first_error(failed or states)
     except ClientDisconnected:
         tm.release(states)
         return Response(status_code=CLIENT_CLOSED_STATUS)

@@ -6,6 +6,7 @@ import copy
 import datetime
 import json
 import re
+import zlib
 
 import jsonschema
 import pytest
@@ -104,15 +105,18 @@ def _is_ipv4(value: object) -> bool:
 
 @FORMAT_CHECKER.checks("date-time", raises=ValueError)
 def _is_date_time(value: object) -> bool:
-    # RFC 3339 date-times carry an offset (Z or +hh:mm).
-    return not isinstance(value, str) or datetime.datetime.fromisoformat(value).tzinfo is not None
+    # RFC 3339 date-times carry an offset (Z or +hh:mm) and allow a leap second (:60), which Python rejects.
+    if not isinstance(value, str):
+        return True
+    value = re.sub(r"(T\d\d:\d\d):60", r"\1:59", value)
+    return datetime.datetime.fromisoformat(value).tzinfo is not None
 
 
 @pytest.mark.parametrize("name", sorted(SCHEMAS))
 def test_outputs_validate_against_schema(name, backend, tokenizer, bias):
     schema = SCHEMAS[name]
     walks = run_walks(backend, "json_schema", json.dumps(schema), tokenizer, bias, WALKS_PER_SCHEMA,
-                      seed=hash(name) % 1000)
+                      seed=zlib.crc32(name.encode()) % 1000)
     finished = [w for w in walks if w.terminated]
     assert len(finished) >= WALKS_PER_SCHEMA // 2, f"too few walks ended: {[w.text for w in walks]}"
     for walk in finished:
