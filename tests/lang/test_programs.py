@@ -163,7 +163,7 @@ def test_regex_and_json_schema_gen(backend):
     # Short enough to always finish, even with random weights (which pad JSON objects with whitespace).
     assert re.fullmatch(r"[0-9]{3}-[0-9]{2}", s["ext"])
     assert json.loads(s["color"]) in COLOR_SCHEMA["enum"]
-    assert finished >= 3
+    assert finished >= 2      # ext and color always; number and person when the random model stops
 
 
 def test_seed_example_generate_json(backend):
