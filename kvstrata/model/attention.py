@@ -10,8 +10,9 @@ Two paths, both planned once per forward (`AttentionPlan`, cached in `meta.cache
   * decode (extend_len == 1): every decode sequence in ONE padded SDPA call. K/V are gathered through a
     `[B, max_len]` index padded with slot 0 (reserved page) and a key-padding mask hides the padding.
     The query heads sharing a KV head are laid out as that head's query rows, so no GQA expansion is needed.
-Keys are gathered a whole page at a time where the pages allow it (CPU, page_size > 1): far fewer,
-larger row copies than slot by slot.
+On CPU, a lone sequence whose slots are one ascending range is read in place (no copy), and keys are
+otherwise gathered a whole page at a time where the pages allow it (page_size > 1): far fewer, larger
+row copies than slot by slot.
 """
 
 from __future__ import annotations
@@ -29,10 +30,16 @@ _PLAN_KEY = "paged_attention_plan"
 
 @dataclass
 class KVIndex:
-    """Which pool rows to gather: `index` counts in units of `unit` slots (1 = slots, page_size = pages)."""
+    """Which pool rows hold the keys: a contiguous slot range, or an index to gather by.
 
-    index: torch.Tensor   # flat, long
-    unit: int
+    `index` counts in units of `unit` slots (1 = slots, page_size = pages); None = the slot range
+    `start .. start + length - 1`, read in place.
+    """
+
+    index: Optional[torch.Tensor]   # flat, long
+    unit: int = 1
+    start: int = 0
+    length: int = 0
 
 
 @dataclass
@@ -107,11 +114,16 @@ def _additive(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 def _kv_index(slots: torch.Tensor, lens: list[int], page_size: int) -> tuple[KVIndex, int]:
     """(index, keys per row) for padded slot rows `slots` `[B, L]` (row b real up to lens[b]).
 
-    Gathers whole pages when every row's real slots are its pages in order (slot j at
-    page[j // P] * P + j % P, which the page allocator guarantees); else slot by slot. Checked on CPU
-    only, where the page gather pays and the check costs no device sync.
+    A single row holding one ascending slot range is read in place. Otherwise whole pages are gathered
+    when every row's real slots are its pages in order (slot j at page[j // P] * P + j % P, which the
+    page allocator guarantees); else slot by slot. Checked on CPU only, where these pay and the checks
+    cost no device sync.
     """
     rows, max_len = slots.shape
+    if rows == 1 and slots.device.type == "cpu":
+        first = int(slots[0, 0])
+        if torch.equal(slots[0], torch.arange(first, first + max_len)):
+            return KVIndex(None, start=first, length=max_len), max_len
     if page_size > 1 and slots.device.type == "cpu":
         num_pages = -(-max_len // page_size)
         padded = F.pad(slots, (0, num_pages * page_size - max_len))
@@ -168,13 +180,16 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id:
 
 
 def _gather(buffer: torch.Tensor, kv: KVIndex, dtype: torch.dtype) -> torch.Tensor:
-    """Rows of one layer's K or V buffer `[N, KVH, D]` picked by `kv`, as `[len(index) * unit, KVH, D]`.
+    """Rows of one layer's K or V buffer `[N, KVH, D]` picked by `kv`, as `[keys, KVH, D]`.
 
     index_select on a 2-D view copies whole rows and is several times faster on CPU than advanced
     indexing of the 3-D buffer.
     """
-    rows = buffer.view(buffer.shape[0] // kv.unit, -1).index_select(0, kv.index)
-    rows = rows.view(-1, *buffer.shape[1:])
+    if kv.index is None:
+        rows = buffer[kv.start:kv.start + kv.length]
+    else:
+        rows = buffer.view(buffer.shape[0] // kv.unit, -1).index_select(0, kv.index)
+        rows = rows.view(-1, *buffer.shape[1:])
     return rows if rows.dtype == dtype else rows.to(dtype)
 
 

@@ -31,12 +31,18 @@ class Linear(nn.Linear):
         self.upcast_min_rows = upcast_min_rows
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x `[T, in]` -> `[T, out]`."""
-        if (x.dtype in _LOW_PRECISION and not _CPU_NATIVE_LOW_PRECISION
-                and x.shape[0] >= self.upcast_min_rows and x.device.type == "cpu"):
+        """x `[T, in]` -> `[T, out]` (in the weight's dtype when a float32 weight serves a bf16 model)."""
+        if x.dtype != self.weight.dtype:
+            return F.linear(x.to(self.weight.dtype), self.weight, self.bias)
+        if x.shape[0] >= self.upcast_min_rows and x.device.type == "cpu" and upcasts_on_cpu(x.dtype):
             bias = None if self.bias is None else self.bias.float()
             return F.linear(x.float(), self.weight.float(), bias).to(x.dtype)
         return F.linear(x, self.weight, self.bias)
+
+
+def upcasts_on_cpu(dtype: torch.dtype) -> bool:
+    """Whether CPU matmuls in `dtype` are emulated (bf16/fp16 without AVX-512 BF16 / AMX)."""
+    return dtype in _LOW_PRECISION and not _CPU_NATIVE_LOW_PRECISION
 
 
 class RMSNorm(nn.Module):

@@ -14,7 +14,7 @@ from torch import nn
 from kvstrata.model.attention import paged_attention
 from kvstrata.model.config import ModelConfig
 from kvstrata.model.forward_meta import ForwardMetadata
-from kvstrata.model.layers import GatedMLP, Linear, RMSNorm
+from kvstrata.model.layers import GatedMLP, Linear, RMSNorm, upcasts_on_cpu
 from kvstrata.model.rope import RotaryEmbedding, Rotation, apply_rotary
 
 
@@ -90,7 +90,8 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.config = config
         self.model = LlamaModel(config)
-        # Converting the whole vocabulary matrix to float32 only pays for many rows (prompt logprobs).
+        # A bf16 lm_head left in bf16 (tied; see optimize_layout): converting the whole vocabulary matrix
+        # to float32 only pays for many rows (prompt logprobs).
         self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False, upcast_min_rows=64)
         self.rotary = RotaryEmbedding(config.head_dim, config.rope_theta, config.rope_scaling,
                                       config.max_position_embeddings)
@@ -100,17 +101,22 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head.weight = self.model.embed_tokens.weight
 
     def optimize_layout(self) -> None:
-        """Re-lay weights for the device once loaded (values unchanged).
+        """Re-lay lm_head for the device once loaded (the values it computes are unchanged or more exact).
 
-        On CPU in float32, lm_head's `[vocab, hidden]` matrix is stored column-major: MKL's float32
-        matrix-vector product for a single decode row is ~2x faster reading it that way, and lm_head is the
-        largest matrix a decode step reads. Embedding lookups (tied models) then gather strided rows, a
-        small cost at prefill. (bf16 matmuls are faster row-major, so they keep it.)
+        On CPU, lm_head's `[vocab, hidden]` matrix is stored float32 column-major: MKL's float32 product
+        for a few decode rows is ~2x faster reading it that way, and lm_head is the largest matrix a decode
+        step reads. A bf16 model's untied lm_head is widened to float32 when the CPU has no native bf16
+        (emulated bf16 GEMMs of several rows are several times slower; logits are float32 anyway). A tied
+        bf16 matrix stays as it is (the embedding must stay bf16); tied float32 embedding lookups then
+        gather strided rows, a small cost at prefill.
         """
         weight = self.lm_head.weight
-        if weight.device.type != "cpu" or weight.dtype != torch.float32 or not weight.is_contiguous():
+        if weight.device.type != "cpu" or not weight.is_contiguous():
             return
-        column_major = torch.empty_strided(weight.shape, (1, weight.shape[0]), dtype=weight.dtype)
+        tied = weight is self.model.embed_tokens.weight
+        if weight.dtype != torch.float32 and (tied or not upcasts_on_cpu(weight.dtype)):
+            return
+        column_major = torch.empty_strided(weight.shape, (1, weight.shape[0]), dtype=torch.float32)
         column_major.copy_(weight.data)
         weight.data = column_major
 

@@ -14,14 +14,16 @@ class PagedSequences:
     """Tracks the slots of several sequences in a DeviceKVPool; pages are handed out in random order.
 
     `scatter=True` hands out single slots in random order instead, breaking the page-order invariant
-    (to exercise the slot-by-slot gather).
+    (to exercise the slot-by-slot gather); `shuffle=False` hands out pages in ascending order, so a lone
+    sequence's slots form one range (read in place).
     """
 
-    def __init__(self, pool: DeviceKVPool, seed: int = 0, scatter: bool = False):
+    def __init__(self, pool: DeviceKVPool, seed: int = 0, scatter: bool = False, shuffle: bool = True):
         self.pool = pool
-        self.free_pages = list(range(1, pool.num_pages))  # page 0 is reserved
+        self.free_pages = list(range(pool.num_pages - 1, 0, -1))  # pop() gives ascending ids; page 0 reserved
         self.free_slots = list(range(pool.page_size, pool.num_slots))
-        random.Random(seed).shuffle(self.free_pages)
+        if shuffle:
+            random.Random(seed).shuffle(self.free_pages)
         random.Random(seed).shuffle(self.free_slots)
         self.scatter = scatter
         self.slots: dict[int, list[int]] = {}

@@ -54,10 +54,10 @@ class Pair:
         """transformers' logits `[len, vocab]` for one sequence run alone."""
         return self.hf(torch.tensor([tokens])).logits[0].float()
 
-    def sequences(self, page_size: int = 4, scatter: bool = False) -> PagedSequences:
-        """A fresh pool (shuffled pages) for this model."""
+    def sequences(self, page_size: int = 4, scatter: bool = False, shuffle: bool = True) -> PagedSequences:
+        """A fresh pool (shuffled pages unless told otherwise) for this model."""
         pool = make_pool(self.config, num_pages=256 // page_size, page_size=page_size, dtype=self.dtype)
-        return PagedSequences(pool, seed=1, scatter=scatter)
+        return PagedSequences(pool, seed=1, scatter=scatter, shuffle=shuffle)
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -123,6 +123,22 @@ def test_extend_after_cached_prefix_equals_full_prefill(checkpoint_dir, case, pa
     first, second = first + [7], second + [9]
     for seq, prompt in ((0, first), (1, second)):
         assert relative_error(torch.cat(rows[seq]), pair.hf_logits(prompt)) < 1e-4
+
+
+@pytest.mark.parametrize("case", ["llama", "qwen3_sharded"])
+def test_lone_sequence_in_one_slot_range_is_read_in_place(checkpoint_dir, case):
+    pair = Pair.get(checkpoint_dir, case, torch.float32)
+    prompt = random_prompts([10], pair.config.vocab_size, seed=7)[0]
+    seqs = pair.sequences(page_size=1, shuffle=False)
+    chunks = [prompt[:4], prompt[4:], [11], [12]]   # fresh prefill, extend after prefix, two decodes
+    rows = []
+    for chunk in chunks:
+        ids, positions, meta = seqs.batch([(0, chunk)])
+        rows.append(pair.ours(ids, positions, meta, seqs.pool))
+        plan = meta.cache["paged_attention_plan"]
+        spans = [s.kv for s in plan.extends if s.kv is not None] + ([plan.decode.kv] if plan.decode else [])
+        assert all(kv.index is None for kv in spans)   # no gather
+    assert relative_error(torch.cat(rows), pair.hf_logits(prompt + [11, 12])) < 1e-4
 
 
 @pytest.mark.parametrize("case", list(CASES))

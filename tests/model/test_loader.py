@@ -11,6 +11,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from kvstrata.model.config import ModelConfig, ModelLoadError
+from kvstrata.model.layers import upcasts_on_cpu
 from kvstrata.model.loader import load_model
 
 CPU = torch.device("cpu")
@@ -100,6 +101,14 @@ def test_loads_in_target_dtype_with_tied_embeddings(checkpoint_dir):
     model = load_model(path, ModelConfig.from_path(path), torch.bfloat16, CPU)
     assert all(p.dtype == torch.bfloat16 for p in model.parameters())
     assert model.lm_head.weight is model.model.embed_tokens.weight
+
+
+def test_untied_bf16_lm_head_is_widened_only_where_bf16_is_emulated(checkpoint_dir):
+    path = checkpoint_dir("llama")
+    model = load_model(path, ModelConfig.from_path(path), torch.bfloat16, CPU)
+    assert model.model.embed_tokens.weight.dtype == torch.bfloat16
+    expected = torch.float32 if upcasts_on_cpu(torch.bfloat16) else torch.bfloat16
+    assert model.lm_head.weight.dtype == expected
 
 
 def test_missing_lm_head_falls_back_to_tied(llama_copy):
