@@ -149,9 +149,7 @@ class HiRadixCache(RadixCache):
         num_pages = match.host_tokens // self.page_size
         self.inc_lock_ref(match.last_node)       # keep the device prefix while we make room
         try:
-            short = num_pages - self.allocator.free_pages
-            if short > 0:
-                self.evict(short * self.page_size)
+            self._make_device_room(num_pages)
             pages = self.allocator.alloc(num_pages)
         finally:
             self.dec_lock_ref(match.last_node)
@@ -169,6 +167,17 @@ class HiRadixCache(RadixCache):
         self.stats["load_back_pages"] += num_pages
         full = torch.cat([match.slots, slots.to(match.slots.device)])
         return HiMatchResult(full, nodes[-1], []), handle
+
+    def _make_device_room(self, num_pages: int) -> None:
+        """Evict until `num_pages` device pages are free; nodes locked only by an in-flight backup become
+        evictable once it lands, so wait for those copies (host memcpy, short) before giving up."""
+        for attempt in range(2):
+            short = num_pages - self.allocator.free_pages
+            if short <= 0:
+                return
+            self.evict(short * self.page_size)
+            if attempt == 0 and self.allocator.free_pages < num_pages and self._inflight:
+                self.wait_idle()
 
     # ---- backup -----------------------------------------------------------------------------------------
 

@@ -86,6 +86,25 @@ def test_two_processes_share_a_file_directory(reference, tmp_path):
         other.shutdown()
 
 
+def wait_until_store_accepts_writes(cluster, timeout_s: float = 60.0) -> None:
+    """A restarted master has forgotten every page, and the store service needs a moment to remount."""
+    import time
+
+    import torch
+
+    from kvstrata.storage.base import create_backend
+
+    probe = create_backend("mooncake", 64, cluster.client_config())
+    try:
+        page = torch.zeros(64, dtype=torch.uint8)
+        deadline = time.monotonic() + timeout_s
+        while probe.batch_set([f"probe-{time.monotonic_ns()}"], [page]) != 1:
+            assert time.monotonic() < deadline, probe.stats()
+            time.sleep(0.2)
+    finally:
+        probe.close()
+
+
 @pytest.mark.mooncake
 def test_mooncake_l3_and_master_failure(reference, own_mooncake_cluster):
     cluster = own_mooncake_cluster
@@ -103,6 +122,7 @@ def test_mooncake_l3_and_master_failure(reference, own_mooncake_cluster):
         state = assert_idle_integrity(eng)
         assert state["hicache"]["storage"]["backend"]["errors"] > 0
         cluster.start_master()
+        wait_until_store_accepts_writes(cluster)
     finally:
         eng.shutdown()
     again = make_engine(**kw)
