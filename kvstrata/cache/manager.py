@@ -20,6 +20,7 @@ from typing import Optional
 
 import torch
 
+from kvstrata.cache.integrity import check_slot_accounting
 from kvstrata.memory.allocator import PageAllocator, pages_needed, pages_of_slots, slots_for_extend
 from kvstrata.memory.req_slots import ReqSlotTable
 from kvstrata.runtime.req import Req
@@ -224,26 +225,9 @@ class KVCacheManager:
     def check_integrity(self, running: Iterable[Req]) -> None:
         """Assert that every device page has exactly one owner and every row one request."""
         running = list(running)
-        owned: dict[int, str] = {}
-
-        def claim(page: int, owner: str) -> None:
-            if page in owned:
-                raise AssertionError(f"page {page} owned by both {owned[page]} and {owner}")
-            owned[page] = owner
-
-        for page in self.allocator.free_page_ids():
-            claim(page, "free list")
         if self.tree is not None:
-            self.tree.check_integrity()
-            for page in self.tree.owned_pages():
-                claim(page, "radix tree")
-        for req in running:
-            for page in self.private_pages(req):
-                claim(page, f"request {req.rid}")
-        expected = set(range(self.allocator.reserved_pages, self.allocator.num_pages))
-        missing = expected - set(owned)
-        if missing:
-            raise AssertionError(f"{len(missing)} leaked device pages (no owner): {sorted(missing)[:16]}")
+            self.tree.check_integrity()       # its own structure, and host pages for the tiered trees
+        check_slot_accounting(self.allocator, self.tree, [p for r in running for p in self.private_pages(r)])
         rows_in_use = self.slot_table.max_requests - self.slot_table.free_rows
         if rows_in_use != len(running):
             raise AssertionError(f"{rows_in_use} slot-table rows in use for {len(running)} running requests")

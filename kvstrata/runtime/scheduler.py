@@ -46,8 +46,7 @@ class Scheduler:
                                   device=self.runner.device)
         tree = build_tree(args, allocator, pool, self.runner.model_path)
         self.cache = KVCacheManager(allocator, slot_table, tree, args.hicache_storage_prefetch_policy)
-        self.stop = StopChecker(self.runner.model_path if args.tokenizer_path == args.model_path
-                                else args.tokenizer_path, self.runner.config.eos_token_ids)
+        self.stop = StopChecker(args.tokenizer_path, self.runner.config.eos_token_ids)
         self.waiting: list[Req] = []
         self.running: list[Req] = []
         self.new_token_ratio = INIT_NEW_TOKEN_RATIO
