@@ -30,7 +30,7 @@ KEY_TILE = 256
 ROW_BLOCK = 16
 # Query tokens attended per matmul block in a long extend: bounds the score tile's memory and lets the
 # block skip key tiles that lie wholly after its last query (their effect would be exactly nothing).
-QUERY_BLOCK = 512
+QUERY_BLOCK = 128
 
 
 def attend_sequence(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, first_pos: int,
@@ -38,12 +38,13 @@ def attend_sequence(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, f
     """Causal attention of one sequence's new queries `q` `[n, H, D]` at positions first_pos.. over
     `keys`/`values` `[L, KVH, D]` (positions 0..L-1, L = first_pos + n). Returns `[n, H, D]` in q's dtype."""
     n = q.shape[0]
+    k_tiles, v_tiles = _key_layout(keys[None], values[None])
     out = torch.empty_like(q)
     for start in range(0, n, QUERY_BLOCK):
         end = min(n, start + QUERY_BLOCK)
-        positions = torch.arange(first_pos + start, first_pos + end, device=q.device)
-        k, v = keys[None, :first_pos + end], values[None, :first_pos + end]
-        out[start:end] = _attend(q[None, start:end], k, v, positions[None, :], scale)[0]
+        positions = torch.arange(first_pos + start, first_pos + end, device=q.device)[None, :]
+        num_tiles = -(-(first_pos + end) // KEY_TILE)
+        out[start:end] = _attend(q[None, start:end], k_tiles, v_tiles, num_tiles, positions, scale)[0]
     return out
 
 
@@ -52,17 +53,26 @@ def attend_decodes(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, le
     """Single-token queries `q` `[B, H, D]`; sequence b attends `keys[b, :lens[b]]` of `keys`/`values`
     `[B, max_len, KVH, D]` (the rest is padding). Returns `[B, H, D]`."""
     positions = torch.tensor(lens, device=q.device)[:, None] - 1
-    return _attend(q[:, None], keys, values, positions, scale)[:, 0]
+    k_tiles, v_tiles = _key_layout(keys, values)
+    return _attend(q[:, None], k_tiles, v_tiles, -(-max(lens) // KEY_TILE), positions, scale)[:, 0]
 
 
-def _attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor,
-            scale: float) -> torch.Tensor:
-    """q `[B, n, H, D]` at `positions` `[B, n]`, keys/values `[B, L, KVH, D]` -> `[B, n, H, D]`.
+def _key_layout(keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """float32 keys `[B, KVH, D, P]` and values `[B, KVH, P, D]`, zero-padded to whole tiles (P)."""
+    pad = -keys.shape[1] % KEY_TILE
+    k = F.pad(keys.float(), (0, 0, 0, 0, 0, pad)).permute(0, 2, 3, 1).contiguous()
+    v = F.pad(values.float(), (0, 0, 0, 0, 0, pad)).transpose(1, 2).contiguous()
+    return k, v
+
+
+def _attend(q: torch.Tensor, k_tiles: torch.Tensor, v_tiles: torch.Tensor, num_tiles: int,
+            positions: torch.Tensor, scale: float) -> torch.Tensor:
+    """q `[B, n, H, D]` at `positions` `[B, n]` over the first `num_tiles` key tiles -> `[B, n, H, D]`.
 
     Query row (b, i) sees keys 0..positions[b, i] of sequence b.
     """
     batch, n, num_heads, head_dim = q.shape
-    num_keys, num_kv_heads = keys.shape[1], keys.shape[2]
+    num_kv_heads = k_tiles.shape[1]
     group = num_heads // num_kv_heads
     rows = n * group
     padded_rows = -(-rows // ROW_BLOCK) * ROW_BLOCK
@@ -71,24 +81,24 @@ def _attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, positions
     qg = F.pad(qg.reshape(batch, num_kv_heads, rows, head_dim), (0, 0, 0, padded_rows - rows))
     row_pos = positions.repeat_interleave(group, dim=1)
     row_pos = F.pad(row_pos, (0, padded_rows - rows), value=0)[:, None, :, None]    # [B, 1, R, 1]
-    num_tiles = -(-num_keys // KEY_TILE)
-    pad = num_tiles * KEY_TILE - num_keys
-    k_all = F.pad(keys.float(), (0, 0, 0, 0, 0, pad)).permute(0, 2, 3, 1)            # [B, KVH, D, P]
-    v_all = F.pad(values.float(), (0, 0, 0, 0, 0, pad)).transpose(1, 2)              # [B, KVH, P, D]
     shape = (batch, num_kv_heads, padded_rows, 1)
     m = torch.full(shape, float("-inf"), device=q.device)
     denom = torch.zeros(shape, device=q.device)
-    acc = torch.zeros((batch, num_kv_heads, padded_rows, head_dim), device=q.device)
+    acc = torch.zeros((batch * num_kv_heads, padded_rows, head_dim), device=q.device)
     key_pos = torch.arange(KEY_TILE, device=q.device)
+    lowest_row_pos = int(positions.min())
     for t in range(num_tiles):
         lo = t * KEY_TILE
-        scores = torch.matmul(qg, k_all[..., lo:lo + KEY_TILE])                        # [B, KVH, R, TILE]
-        scores = scores.masked_fill_(lo + key_pos > row_pos, float("-inf"))            # causal; pads masked
+        scores = torch.matmul(qg, k_tiles[..., lo:lo + KEY_TILE])                      # [B, KVH, R, TILE]
+        if lo + KEY_TILE - 1 > lowest_row_pos:   # some key is after some row (or padding): mask it
+            scores.masked_fill_(lo + key_pos > row_pos, float("-inf"))
         m_new = torch.maximum(m, scores.amax(dim=-1, keepdim=True))
-        p = torch.exp(scores - m_new)
-        alpha = torch.exp(m - m_new)
-        denom = denom * alpha + p.sum(dim=-1, keepdim=True)
-        acc = acc * alpha + torch.matmul(p, v_all[:, :, lo:lo + KEY_TILE])
+        p = scores.sub_(m_new).exp_()
+        alpha = m.sub_(m_new).exp_()
+        denom = denom.mul_(alpha).add_(p.sum(dim=-1, keepdim=True))
+        acc = torch.baddbmm(acc.mul_(alpha.flatten(0, 1)), p.flatten(0, 1),
+                            v_tiles[:, :, lo:lo + KEY_TILE].flatten(0, 1))
         m = m_new
-    out = (acc / denom)[:, :, :rows].view(batch, num_kv_heads, n, group, head_dim)
+    out = (acc.view(batch, num_kv_heads, padded_rows, head_dim) / denom)[:, :, :rows]
+    out = out.view(batch, num_kv_heads, n, group, head_dim)
     return out.permute(0, 2, 1, 3, 4).reshape(batch, n, num_heads, head_dim).to(q.dtype)

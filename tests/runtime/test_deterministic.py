@@ -8,13 +8,16 @@ logprobs must be bit-identical every time, in bfloat16 and in float32, whatever 
 
 from __future__ import annotations
 
+import os
 import random
 
 import pytest
 
 from tests.runtime.helpers import assert_idle_integrity, make_engine
 
-TRIALS = 4  # per batch size and dtype; `kvstrata bench determinism` runs many more
+# Trials per dtype and page size (each: alone, then in batches of 2, 8 and 32). The acceptance run
+# uses KVSTRATA_DETERMINISM_TRIALS=40.
+TRIALS = int(os.environ.get("KVSTRATA_DETERMINISM_TRIALS", "3"))
 
 
 def _target(rng: random.Random, vocab: int) -> list[int]:
@@ -42,13 +45,14 @@ def _signature(out: dict) -> tuple:
             tuple(tuple(map(tuple, t)) for t in meta["output_top_logprobs"]))
 
 
+@pytest.mark.parametrize("page_size", [1, 16])
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
-def test_greedy_request_alone_equals_it_in_any_batch(dtype):
+def test_greedy_request_alone_equals_it_in_any_batch(dtype, page_size):
     engine = make_engine(dtype=dtype, enable_deterministic_inference=True, chunked_prefill_size=64,
-                         max_total_tokens=16384)
+                         max_total_tokens=16384, page_size=page_size)
     try:
         vocab = 250   # the tiny model's byte-level ids
-        rng = random.Random(1234)
+        rng = random.Random(1234 + page_size)
         greedy = {"temperature": 0, "max_new_tokens": 16}
         for trial in range(TRIALS):
             target = _target(rng, vocab)
