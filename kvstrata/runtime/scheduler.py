@@ -242,6 +242,7 @@ class Scheduler:
                 break
             if req.admitted_at_step < 0:
                 req.cached_tokens = req.kv_len
+                self.cache.record_hits(req)
                 self.metrics["prompt_tokens"] += len(req.prompt_ids)
                 self.metrics["cached_tokens"] += req.kv_len
             req.admitted_at_step = self.step_count
