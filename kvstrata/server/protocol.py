@@ -34,7 +34,8 @@ class ApiError(Exception):
                           "code": self.status}}
 
 
-_ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
+_ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+                404: "not_found_error",
                 405: "invalid_request_error", 413: "invalid_request_error", 503: "service_unavailable"}
 
 # Seeds seed a 64-bit generator; copy j of an n > 1 request uses seed + j (n <= 128).
