@@ -53,6 +53,9 @@ class ServerArgs:
     random_seed: Optional[int] = field(default=None, metadata=_opt("Seed for unseeded sampling (default: random)."))
     num_threads: Optional[int] = field(default=None, metadata=_opt(
         "torch intra-op threads on CPU (default: torch's choice)."))
+    enable_deterministic_inference: bool = field(default=False, metadata=_opt(
+        "Batch-invariant forward and sampling: a request's logits, tokens and logprobs are bit-identical "
+        "whether it runs alone or in any batch, at any chunked-prefill split, with any cache hits."))
 
     # --- HTTP server ---
     host: str = field(default="127.0.0.1", metadata=_opt("HTTP host to bind."))

@@ -131,6 +131,7 @@ class KVCacheManager:
             return 0
         result = self.tree.match_prefix(req.fill_ids[:limit], namespace=req.namespace)
         device_hit = result.length
+        storage_hit = 0
         host_tokens = getattr(result, "host_tokens", 0)
         if host_tokens >= LOAD_BACK_MIN_TOKENS:
             host_nodes = result.host_nodes
@@ -139,16 +140,24 @@ class KVCacheManager:
                 result, handle = loaded
                 self._loads.append(handle)
                 if self.storage:
-                    self.metrics["storage_hit_tokens"] += self.tree.count_storage_hits(host_nodes)
+                    storage_hit = self.tree.count_storage_hits(host_nodes)
         n = result.length
-        self.metrics["device_hit_tokens"] += device_hit
-        self.metrics["host_hit_tokens"] += n - device_hit
+        req.tier_hits = (device_hit, n - device_hit - storage_hit, storage_hit)
         self.tree.inc_lock_ref(result.last_node)
         req.last_node = result.last_node
         if n:
             self.slot_table.write(req.row, 0, result.slots)
         req.kv_len = req.slot_len = req.tree_len = n
         return n
+
+    def record_hits(self, req: Req) -> None:
+        """Count req's match in the per-tier hit metrics: once, when its admission is final.
+
+        A match that is undone (no pages, retried next step) or repeated after a retraction is not counted,
+        so device + host + storage hits add up to the cached_tokens reported to clients.
+        """
+        for key, tokens in zip(("device_hit_tokens", "host_hit_tokens", "storage_hit_tokens"), req.tier_hits):
+            self.metrics[key] += tokens
 
     def reserve(self, req: Req, num_new: int) -> bool:
         """Assign slots to req's next `num_new` tokens, evicting from the tree if needed. All or nothing."""

@@ -52,6 +52,7 @@ class Req:
     tree_len: int = 0
     last_node: Any = None
     cached_tokens: int = 0          # prompt tokens served from the cache at (first) admission
+    tier_hits: tuple = (0, 0, 0)    # of the last match: (device, host, storage) tokens; sums to its length
     retractions: int = 0
     # Sampling state
     generator: Optional[torch.Generator] = None

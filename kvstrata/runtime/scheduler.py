@@ -22,6 +22,7 @@ from kvstrata.runtime.batch import BatchEntry, ScheduledBatch, StepResult
 from kvstrata.runtime.messages import ControlOut, ReqOutput, TokenizedGenerateReq
 from kvstrata.runtime.model_runner import ModelRunner
 from kvstrata.runtime.req import Req, ReqState, finish_abort
+from kvstrata.runtime.sampler import top_token_ids
 from kvstrata.runtime.sampling_params import InvalidRequest
 from kvstrata.runtime.stop import StopChecker
 
@@ -69,6 +70,9 @@ class Scheduler:
                   stream=msg.stream, namespace=msg.cache_namespace)
         if s.sampling_seed is not None:
             req.generator = torch.Generator().manual_seed(s.sampling_seed)
+        elif self.args.enable_deterministic_inference and not s.is_greedy:
+            # Its own generator, seeded at arrival: its draws never depend on what else is in the batch.
+            req.generator = torch.Generator().manual_seed(self.runner.sampler.next_seed())
         if s.constraint is not None:
             backend = self.grammar_backend()
             if backend is None:
@@ -238,6 +242,7 @@ class Scheduler:
                 break
             if req.admitted_at_step < 0:
                 req.cached_tokens = req.kv_len
+                self.cache.record_hits(req)
                 self.metrics["prompt_tokens"] += len(req.prompt_ids)
                 self.metrics["cached_tokens"] += req.kv_len
             req.admitted_at_step = self.step_count
@@ -325,7 +330,8 @@ class Scheduler:
         req.input_logprobs.extend(zip(chosen, targets.tolist()))
         n = req.top_logprobs_num
         if n > 0:
-            vals, ids = rows.topk(n, dim=-1)
+            ids = top_token_ids(rows, n)
+            vals = rows.gather(1, ids)
             req.input_top_logprobs.extend(list(zip(v, t)) for v, t in zip(vals.tolist(), ids.tolist()))
         else:
             req.input_top_logprobs.extend([] for _ in range(len(chosen)))

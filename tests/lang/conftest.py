@@ -48,7 +48,7 @@ def server_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     port = free_port()
     cmd = [sys.executable, "-m", "kvstrata.launch_server", "--model-path", "tiny", "--host", "127.0.0.1",
            "--port", str(port), "--max-total-tokens", "8192", "--random-seed", "0", "--log-level", "warning",
-           "--api-key", API_KEY]
+           "--api-key", API_KEY, "--enable-deterministic-inference"]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false",
            "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")]))}
     log_path = tmp_path_factory.mktemp("lang-server") / "server.log"
@@ -85,7 +85,8 @@ def http_backend(server_url: str) -> Iterator[sgl.RuntimeEndpoint]:
 @pytest.fixture(scope="package")
 def engine_backend() -> Iterator[sgl.EngineBackend]:
     """EngineBackend owning an in-process engine with the server's settings."""
-    backend = sgl.EngineBackend(model_path="tiny", max_total_tokens=8192, random_seed=0)
+    backend = sgl.EngineBackend(model_path="tiny", max_total_tokens=8192, random_seed=0,
+                                enable_deterministic_inference=True)
     yield backend
     backend.close()
 
