@@ -112,6 +112,16 @@ class ServerArgs:
     constrained_json_disable_any_whitespace: bool = field(default=False, metadata=_opt(
         "In JSON-schema decoding allow only compact whitespace (models that know nothing finish sooner)."))
 
+    # --- hardening: admin actions, request limits, shutdown ---
+    admin_api_key: Optional[str] = field(default=None, metadata=_opt(
+        "Key for admin actions (/abort_request); --api-key does not grant them. Without it, only loopback "
+        "clients may use them."))
+    max_request_body_bytes: int = field(default=16 << 20, metadata=_opt(
+        "Largest accepted request body; larger ones get HTTP 413 before they are read."))
+    graceful_shutdown_timeout: float = field(default=30.0, metadata=_opt(
+        "On SIGTERM, seconds that running requests may take to finish (new ones get 503); what is left "
+        "then ends with finish_reason 'abort'."))
+
     # ------------------------------------------------------------------ CLI
     @staticmethod
     def add_cli_args(parser: argparse.ArgumentParser) -> None:
@@ -156,6 +166,9 @@ class ServerArgs:
                 raise ConfigError(f"--{_flag(f.name)} must be one of {choices}, got {value!r}")
         _positive(self, "page_size", "max_total_tokens", "max_running_requests", "context_length",
                   "max_prefill_tokens", "num_threads")
+        _positive(self, "max_request_body_bytes")
+        if self.graceful_shutdown_timeout < 0:
+            raise ConfigError(f"--graceful-shutdown-timeout must be >= 0, got {self.graceful_shutdown_timeout}")
         if self.port <= 0 or self.port > 65535:
             raise ConfigError(f"--port must be in 1..65535, got {self.port}")
         if self.chunked_prefill_size is not None and self.chunked_prefill_size != -1:
@@ -226,10 +239,11 @@ class ServerArgs:
         return value
 
     def to_dict(self) -> dict:
-        """Plain dict of all settings, with the API key hidden."""
+        """Plain dict of all settings, with the API keys hidden."""
         d = dataclasses.asdict(self)
-        if d.get("api_key"):
-            d["api_key"] = "***"
+        for secret in ("api_key", "admin_api_key"):
+            if d.get(secret):
+                d[secret] = "***"
         return d
 
     @property

@@ -151,9 +151,32 @@ class Scheduler:
         if batch.is_empty():
             time.sleep(0.001)   # waiting on a grammar compile, an L3 prefetch or free pages
             return outputs
-        result = self.runner.forward(batch, self.cache.slot_table)
-        outputs.extend(self._process(batch, result))
+        try:
+            result = self.runner.forward(batch, self.cache.slot_table)
+            outputs.extend(self._process(batch, result))
+        except Exception as e:  # one bad batch (a bug, an odd shape, out of memory) must not end the server
+            outputs.extend(self._fail_batch(batch, e))
         self.step_count += 1
+        return outputs
+
+    def _fail_batch(self, batch: ScheduledBatch, exc: Exception) -> list[ReqOutput]:
+        """End the requests of a batch whose step raised: error outputs, KV freed without caching it."""
+        reqs = list({id(e.req): e.req for e in batch.entries}.values())
+        logger.exception("a step failed (%s); failing its requests %s", type(exc).__name__, [r.rid for r in reqs])
+        message = f"internal error while running this request: {type(exc).__name__}: {exc}"
+        outputs = []
+        for req in reqs:
+            if req.state == ReqState.FINISHED:     # finished (and released) by _process before the failure
+                outputs.append(self._output(req))
+                continue
+            if req in self.running:
+                self.running.remove(req)
+            self.cache.release(req, cache=False)   # what this step wrote may be garbage: never cache it
+            req.finish_reason = finish_abort(message)
+            req.state = ReqState.FINISHED
+            out = self._output(req)
+            out.error, out.error_status = message, 500
+            outputs.append(out)
         return outputs
 
     def _poll_grammars(self) -> list[ReqOutput]:

@@ -34,6 +34,7 @@ async def run_request(request: Request, tm: TokenizerManager, req: GenerateReque
     Errors the scheduler reports before the first output (e.g. an invalid grammar) become HTTP errors,
     for streaming requests too.
     """
+    await tm.tokenize(req)
     states = tm.submit(req)
     disconnected = watch_disconnect(request)
     try:

@@ -26,12 +26,15 @@ async def handle_chat(request: Request, tm: TokenizerManager) -> Response:
     body = parse_json_body(await request.body())
     chat, req, opts = parse_chat(body, tm.args.served_model_name or "")
     cont = chat.continue_final_message
+    tm.check_prompt_chars(sum(len(m["content"]) for m in chat.messages), "messages")
     try:
-        prompt = apply_chat_template(tm.tokenizer, chat.messages, add_generation_prompt=not cont,
-                                     continue_final_message=cont, tools=chat.tools)
+        prompt = await tm.run_blocking(apply_chat_template, tm.tokenizer, chat.messages,
+                                       add_generation_prompt=not cont, continue_final_message=cont,
+                                       tools=chat.tools)
     except Exception as e:  # a template that rejects these messages is the client's problem
         raise ApiError(f"cannot apply the chat template to these messages: {e}", param="messages") from e
-    req.prompts[0].input_ids = prompt if isinstance(prompt, list) else tm.encode(prompt, add_special_tokens=False)
+    req.prompts[0].input_ids = prompt if isinstance(prompt, list) else \
+        await tm.run_blocking(tm.encode, prompt, add_special_tokens=False)
     return await _run(request, tm, req, opts)
 
 

@@ -137,6 +137,7 @@ def _sampling(body: dict, max_tokens: Optional[int]) -> tuple[Any, bool]:
     get_number(body, "presence_penalty", -2.0, 2.0)
     get_number(body, "frequency_penalty", -2.0, 2.0)
     n = get_int(body, "n", 1, lo=1, hi=128)
+    get_int(body, "min_tokens", lo=0)
     seed = body.get("seed")
     if seed is not None:
         check_int(seed, "seed")

@@ -7,6 +7,8 @@ Every problem raises ApiError naming the field, which the app answers with
 from __future__ import annotations
 
 import json
+import math
+import re
 import uuid
 from dataclasses import dataclass, field
 from typing import Any, Optional
@@ -32,7 +34,8 @@ class ApiError(Exception):
                           "code": self.status}}
 
 
-_ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
+_ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+                404: "not_found_error",
                 405: "invalid_request_error", 413: "invalid_request_error", 503: "service_unavailable"}
 
 # Seeds seed a 64-bit generator; copy j of an n > 1 request uses seed + j (n <= 128).
@@ -81,6 +84,8 @@ def parse_json_body(raw: bytes) -> dict:
         raise ApiError(f"the request body is not valid JSON: {e}") from e
     if not isinstance(body, dict):
         raise ApiError(f"the request body must be a JSON object, got {type(body).__name__}")
+    if b"\\u" in raw or b"\xed" in raw:     # a surrogate can only come from an escape or surrogatepass bytes
+        check_no_surrogates(body)
     return body
 
 
@@ -119,7 +124,8 @@ def get_int(body: dict, name: str, default: Optional[int] = None, lo: Optional[i
 
 def check_int(value: Any, name: str, lo: Optional[int] = None, hi: Optional[int] = None) -> int:
     """Validate one integer value and its range."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or int(value) != value:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) \
+            or (isinstance(value, float) and not math.isfinite(value)) or int(value) != value:
         raise ApiError(f"'{name}' must be an integer, got {value!r}", param=name)
     value = int(value)
     if lo is not None and value < lo:
@@ -259,3 +265,23 @@ def _check_unique_rids(prompts: list[PromptSpec]) -> None:
     rids = [p.rid for p in prompts]
     if len(set(rids)) != len(rids):
         raise ApiError("request ids ('rid') must be unique within a batch", param="rid")
+
+
+# ---------------------------------------------------------------------- text validity
+def check_no_surrogates(value: Any, path: str = "") -> None:
+    """Reject a lone UTF-16 surrogate anywhere in a parsed body: it cannot be tokenized or sent back as UTF-8."""
+    if isinstance(value, str):
+        if _SURROGATE.search(value):
+            name = path or "body"
+            raise ApiError(f"'{name}' contains a lone UTF-16 surrogate, which is not valid Unicode text",
+                           param=name.split("[")[0].split(".")[0])
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            check_no_surrogates(key, path or "body")
+            check_no_surrogates(item, f"{path}.{key}" if path else str(key))
+    elif isinstance(value, list):
+        for i, item in enumerate(value):
+            check_no_surrogates(item, f"{path}[{i}]")
+
+
+_SURROGATE = re.compile("[\ud800-\udfff]")

@@ -14,7 +14,8 @@ import asyncio
 import dataclasses
 import logging
 from collections import defaultdict, deque
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Optional
 
 import zmq
@@ -66,6 +67,11 @@ class TokenizerManager:
         self._recv_task: Optional[asyncio.Task] = None
         self._token_texts: dict[int, str] = {}
         self.dead_reason: Optional[str] = None
+        self.draining_reason: Optional[str] = None   # set on SIGTERM: new requests get 503
+        # Tokenizing and rendering chat templates run here, off the event loop, so a huge prompt never
+        # delays other requests' streams or /health.
+        self._cpu_pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="kvstrata-tokenize")
+        self.max_prompt_chars = self.context_length * longest_token_chars(tokenizer)
         self.metrics = {"requests_total": 0, "prompt_tokens_total": 0, "generation_tokens_total": 0,
                         "cached_tokens_total": 0, "aborted_requests_total": 0, "failed_requests_total": 0}
 
@@ -82,6 +88,7 @@ class TokenizerManager:
                 await self._recv_task
             except (asyncio.CancelledError, Exception):
                 pass
+        self._cpu_pool.shutdown(wait=False, cancel_futures=True)
         self._pull.close(0)
         self._push.close(0)
         self._async_ctx.term()
@@ -120,6 +127,26 @@ class TokenizerManager:
             self._token_texts[token_id] = text
         return text
 
+    async def run_blocking(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        """Run CPU-heavy tokenizer work in the tokenizer threads and await it."""
+        return await asyncio.get_running_loop().run_in_executor(self._cpu_pool, lambda: fn(*args, **kwargs))
+
+    def check_prompt_chars(self, chars: int, param: str) -> None:
+        """400 when `chars` characters are already more tokens than the context holds (no tokenizing needed)."""
+        if chars > self.max_prompt_chars:
+            raise ApiError(f"the prompt ({chars} characters) is longer than the model's context length "
+                           f"({self.context_length} tokens) can hold", param=param)
+
+    async def tokenize(self, req: GenerateRequest) -> None:
+        """Fill in `input_ids` of the text prompts of `req`, off the event loop; rejects overlong ones first."""
+        texts = [p for p in req.prompts if p.input_ids is None]
+        for p in texts:
+            self.check_prompt_chars(len(p.text or ""), "text")
+        if texts:
+            ids = await self.run_blocking(lambda: [self.encode(p.text or "", p.add_special_tokens) for p in texts])
+            for p, prompt_ids in zip(texts, ids):
+                p.input_ids = prompt_ids
+
     # ------------------------------------------------------------------ generation
     def submit(self, req: GenerateRequest) -> list[SeqState]:
         """Tokenize, validate and send every sequence of `req`; returns them in response order (i*n+j)."""
@@ -134,6 +161,7 @@ class TokenizerManager:
             states += self._expand(p, i, ids, sampling, wake, first_index=len(states))
         try:
             for state in states:
+                state.stream = req.stream
                 p = req.prompts[state.prompt_index]
                 self._send(TokenizedGenerateReq(
                     rid=state.rid, input_ids=state.input_ids, sampling_params=state.sampling,
@@ -261,16 +289,24 @@ class TokenizerManager:
                 del self.groups[s.group_rid]
 
     def abort_request(self, rid: Optional[str] = None, abort_all: bool = False) -> int:
-        """Abort a request by its user rid (all its sequences) or a sequence rid; returns how many."""
+        """Abort a request by its user rid (all its sequences) or a sequence rid; returns how many were running."""
         if abort_all:
             rids = list(self.states)
         elif rid in self.groups:
-            rids = list(self.groups[rid])
+            rids = [r for r in self.groups[rid] if r in self.states]
         else:
-            rids = [rid] if rid is not None else []
+            rids = [rid] if rid in self.states else []
         for r in rids:
             self._try_send(AbortReq(rid=r))
         return len(rids)
+
+    def end_all(self, message: str) -> int:
+        """End every running sequence now (shutdown): the scheduler frees them, their clients get a clean end."""
+        states = [s for s in self.states.values() if not s.finished]
+        for state in states:
+            self._try_send(AbortReq(rid=state.rid))
+            state.end_now(message, 503)
+        return len(states)
 
     # ------------------------------------------------------------------ control requests
     async def flush_cache(self) -> ControlOut:
@@ -298,6 +334,8 @@ class TokenizerManager:
     def _check_alive(self) -> None:
         if self.dead_reason is not None:
             raise ApiError(self.dead_reason, 503)
+        if self.draining_reason is not None:
+            raise ApiError(self.draining_reason, 503)
 
     def _send(self, msg: Any) -> None:
         try:
@@ -339,3 +377,11 @@ class TokenizerManager:
                     break
         else:
             logger.error("unexpected message from the scheduler: %r", type(msg).__name__)
+
+
+def longest_token_chars(tokenizer: Any) -> int:
+    """An upper bound on the characters one token stands for (its vocabulary spelling is never shorter)."""
+    try:
+        return max(1, max(len(token) for token in tokenizer.get_vocab()))
+    except (AttributeError, TypeError, ValueError):
+        return 1 << 10      # no vocabulary to look at: a loose bound that still stops absurd bodies
