@@ -130,8 +130,6 @@ def _options(body: dict, kind: str, default_model: str, n: int) -> OpenAIOptions
 
 def _sampling(body: dict, max_tokens: Optional[int]) -> tuple[Any, bool]:
     """SamplingParams from OpenAI fields (+ SGLang extras); also whether max_tokens was explicit."""
-    if body.get("logit_bias"):
-        raise ApiError("'logit_bias' is not supported", param="logit_bias")
     get_number(body, "temperature", 0.0, 2.0)
     get_number(body, "top_p", 0.0, 1.0)
     get_number(body, "presence_penalty", -2.0, 2.0)
@@ -144,6 +142,7 @@ def _sampling(body: dict, max_tokens: Optional[int]) -> tuple[Any, bool]:
         "temperature": body.get("temperature"), "top_p": body.get("top_p"),
         "presence_penalty": body.get("presence_penalty"), "frequency_penalty": body.get("frequency_penalty"),
         "n": n, "stop": body.get("stop"), "sampling_seed": seed, "min_new_tokens": body.get("min_tokens"),
+        "logit_bias": body.get("logit_bias") or None,
     }
     for name in _EXTRA_SAMPLING:
         if body.get(name) is not None:
