@@ -264,6 +264,9 @@ class ServerArgs:
             if getattr(self, name) != value:
                 raise ConfigError(f"--{_flag(name)} {getattr(self, name)} cannot be honoured: {why}")
         if self.constrained_json_whitespace_pattern is not None:
+            if self.constrained_json_disable_any_whitespace:
+                raise ConfigError("--constrained-json-whitespace-pattern contradicts "
+                                  "--constrained-json-disable-any-whitespace (compact JSON only)")
             _check_regex("--constrained-json-whitespace-pattern", self.constrained_json_whitespace_pattern)
         if self.chat_template is not None:
             from kvstrata.model.chat_template_flag import ChatTemplateNotFound, resolve_chat_template
