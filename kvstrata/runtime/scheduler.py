@@ -111,7 +111,8 @@ class Scheduler:
             self._grammar = create_grammar_backend(
                 self.args.grammar_backend, self.stop.tokenizer, self.runner.vocab_size,
                 sorted(self.stop.eos_token_ids),
-                any_whitespace=not self.args.constrained_json_disable_any_whitespace)
+                any_whitespace=not self.args.constrained_json_disable_any_whitespace,
+                whitespace_pattern=self.args.constrained_json_whitespace_pattern)
             self.runner.grammar_backend = self._grammar
         return self._grammar
 

@@ -21,7 +21,7 @@ from kvstrata.server import native_api, openai_api
 from kvstrata.server.auth import ApiKeyMiddleware, require_admin
 from kvstrata.server.drain import DrainMiddleware
 from kvstrata.server.limits import BodySizeLimitMiddleware
-from kvstrata.server.metrics import render_prometheus
+from kvstrata.server.metrics import CONTENT_TYPE
 from kvstrata.server.protocol import ApiError, GenerateRequest, PromptSpec, get_bool, new_rid, parse_json_body
 from kvstrata.server.tokenizer_manager import TokenizerManager
 
@@ -89,9 +89,10 @@ def create_app(tm: TokenizerManager, is_scheduler_alive: Callable[[], bool],
 
     @app.get("/metrics")
     async def metrics() -> Response:
+        if not args.enable_metrics:
+            return _error(ApiError("metrics are disabled (--no-enable-metrics)", 404))
         state = await tm.get_state() if tm.dead_reason is None else {}
-        return PlainTextResponse(render_prometheus(tm.metrics, state, args.served_model_name or ""),
-                                 media_type="text/plain; version=0.0.4")
+        return Response(tm.prometheus.render(state), media_type=CONTENT_TYPE)
 
     @app.api_route("/flush_cache", methods=["GET", "POST"])
     async def flush_cache() -> Response:

@@ -33,7 +33,9 @@ from kvstrata.runtime.messages import (
     TokenizedGenerateReq,
 )
 from kvstrata.runtime.sampling_params import SamplingParams
+from kvstrata.server.metrics import ServerMetrics
 from kvstrata.server.protocol import ApiError, GenerateRequest, PromptSpec
+from kvstrata.server.request_log import RequestLog
 from kvstrata.server.seq_state import SeqState
 
 logger = logging.getLogger(__name__)
@@ -74,6 +76,8 @@ class TokenizerManager:
         self.max_prompt_chars = self.context_length * longest_token_chars(tokenizer)
         self.metrics = {"requests_total": 0, "prompt_tokens_total": 0, "generation_tokens_total": 0,
                         "cached_tokens_total": 0, "aborted_requests_total": 0, "failed_requests_total": 0}
+        self.prometheus = ServerMetrics(args.served_model_name or args.model_path)
+        self.request_log = RequestLog(args)
 
     # ------------------------------------------------------------------ life cycle
     def start(self) -> None:
@@ -171,6 +175,7 @@ class TokenizerManager:
             self.release(states)
             raise
         self.metrics["requests_total"] += len(req.prompts)
+        self.request_log.submitted(req, states)
         return states
 
     def _expand(self, p: PromptSpec, prompt_index: int, ids: list[int], sampling: SamplingParams,
@@ -275,6 +280,8 @@ class TokenizerManager:
         for s in states:
             if self.states.pop(s.rid, None) is None:
                 continue
+            self.prometheus.observe(s)
+            self.request_log.released(s)
             if not s.finished:
                 self.metrics["aborted_requests_total"] += 1
                 self._try_send(AbortReq(rid=s.rid))
