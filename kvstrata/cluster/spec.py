@@ -262,8 +262,8 @@ def check_spec(spec: GroupSpec) -> None:
                 raise SpecError(f"{where}.dependencies[{j}]: unknown role {dep!r}")
             if dep == role.name:
                 raise SpecError(f"{where}.dependencies[{j}]: role {role.name!r} depends on itself")
-        if role.kind in SERVER_KINDS:
-            _check_server_args(role, where)
+        if role.kind in SERVER_KINDS or role.kind == "router":
+            _check_role_args(role, where)
     topological_order(spec)   # raises on a cycle
     _check_discovery(spec)
 
@@ -286,22 +286,25 @@ def to_flags(args: dict[str, ArgValue]) -> list[str]:
     return out
 
 
-def _check_server_args(role: RoleSpec, where: str) -> None:
-    """Parse a server role's args as `kvstrata serve` would, so a bad flag fails here, not at start."""
+def _check_role_args(role: RoleSpec, where: str) -> None:
+    """Parse a server's or router's args as `kvstrata serve` / `kvstrata router` would, so that a bad flag
+    fails here rather than at start."""
     import argparse
 
     from kvstrata.args import ConfigError, ServerArgs
+    from kvstrata.router.args import RouterArgs
 
-    if role.kind != "worker" and "disaggregation_mode" not in ServerArgs.__dataclass_fields__:
+    if role.kind in ("prefill", "decode") and "disaggregation_mode" not in ServerArgs.__dataclass_fields__:
         raise SpecError(f"{where}.kind: {role.kind!r} roles need prefill/decode disaggregation, which this "
                         f"build of kvstrata does not have yet; use kind 'worker'")
+    args_cls = RouterArgs if role.kind == "router" else ServerArgs
     parser = argparse.ArgumentParser(add_help=False, exit_on_error=False)
-    ServerArgs.add_cli_args(parser)
+    args_cls.add_cli_args(parser)
     try:
         ns, unknown = parser.parse_known_args(to_flags(role.args))
         if unknown:
-            raise SpecError(f"{where}.args: unknown server argument {unknown[0]!r}")
-        ServerArgs.from_cli_args(ns)
+            raise SpecError(f"{where}.args: unknown {role.kind} argument {unknown[0]!r}")
+        args_cls.from_cli_args(ns)
     except (argparse.ArgumentError, ConfigError) as e:
         raise SpecError(f"{where}.args: {e}") from None
 
