@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Optional
 
 import aiohttp
@@ -34,6 +34,7 @@ logger = logging.getLogger(__name__)
 # Not forwarded in either direction (hop-by-hop, or recomputed by the sending side).
 SKIP_HEADERS = frozenset({"connection", "keep-alive", "transfer-encoding", "content-length", "host", "te",
                           "trailer", "upgrade", "proxy-authorization", "proxy-connection", "date", "server"})
+WORKER_HEADER = "x-kvstrata-worker"     # added to proxied answers: which worker served it
 CONNECT_TIMEOUT_S = 5.0
 ATTEMPTS = 2              # the first try and one retry on another worker
 FAILURES = (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError, asyncio.TimeoutError)
@@ -53,6 +54,7 @@ class Proxy:
         self.metrics = metrics
         self.session: Optional[aiohttp.ClientSession] = None
         self.active = 0
+        self.on_worker_failure: Callable[[Worker], None] = lambda w: None   # the monitor re-checks it
 
     async def start(self) -> None:
         """Open the connection pool (inside the event loop)."""
@@ -121,9 +123,9 @@ class Proxy:
             if upstream.content_type == "text/event-stream":
                 streaming = True
                 return StreamingResponse(self._relay(w, units, upstream), status_code=upstream.status,
-                                         headers=response_headers(upstream))
+                                         headers=response_headers(upstream, w))
             data = await upstream.read()
-            return Response(data, status_code=upstream.status, headers=response_headers(upstream))
+            return Response(data, status_code=upstream.status, headers=response_headers(upstream, w))
         except FAILURES as e:
             self._taken_out(w, e)
             raise _RetryableFailure(f"{w.url}: {type(e).__name__}: {e}") from None
@@ -150,6 +152,7 @@ class Proxy:
                 yield chunk
         except FAILURES as e:
             self.metrics.errors.labels(w.url).inc()
+            self.on_worker_failure(w)
             logger.warning("stream from %s broke: %s: %s", w.url, type(e).__name__, e)
             message = f"the worker {w.url} failed mid-stream: {type(e).__name__}"
             yield (b"" if at_event_end else b"\n\n") + stream_error(message)
@@ -166,10 +169,9 @@ class Proxy:
     def _taken_out(self, w: Worker, err: BaseException) -> None:
         self.metrics.errors.labels(w.url).inc()
         if isinstance(err, aiohttp.ClientConnectorError):   # refused: it is down (a dropped keep-alive is not)
-            if w.healthy:
-                logger.warning("taking %s out: %s", w.url, err)
-            w.healthy = False
-            w.success_streak = 0
+            mark_down(w, err)
+        else:
+            self.on_worker_failure(w)
 
     # ------------------------------------------------------------------ every worker
     async def broadcast(self, request: Request) -> Response:
@@ -193,13 +195,24 @@ class Proxy:
             return 502, {"content-type": "application/json"}, JSONResponse(err.to_dict()).body
 
 
+def mark_down(w: Worker, reason: object) -> None:
+    """Take `w` out at once (its port refuses connections); health checks put it back."""
+    if w.healthy:
+        logger.warning("taking %s out: %s", w.url, reason)
+    w.healthy = False
+    w.success_streak = 0
+
+
 def _least_loaded(workers: list[Worker]) -> Decision:
     return Decision(min(workers, key=lambda w: w.in_flight), "least_loaded")
 
 
-def response_headers(upstream: aiohttp.ClientResponse) -> dict:
-    """The worker's response headers minus hop-by-hop ones."""
-    return {k: v for k, v in upstream.headers.items() if k.lower() not in SKIP_HEADERS}
+def response_headers(upstream: aiohttp.ClientResponse, worker: Optional[Worker] = None) -> dict:
+    """The worker's response headers minus hop-by-hop ones, plus which worker answered."""
+    out = {k: v for k, v in upstream.headers.items() if k.lower() not in SKIP_HEADERS}
+    if worker is not None:
+        out[WORKER_HEADER] = worker.url
+    return out
 
 
 def error_response(message: str, status: int) -> JSONResponse:
