@@ -178,6 +178,8 @@ class Supervisor:
     def upgrade(self, role: RoleSpec, settings: dict[str, Any], progress: Progress) -> None:
         """In place, one member at a time: drain -> replace on the same port -> ready -> re-admit."""
         new_role = self._apply_settings(role, settings)
+        if role.kind == "mooncake-store":
+            progress("note: a replaced store member loses the L3 pages it held (no replication or snapshot yet)")
         router = self.router()
         drains = role.kind in SERVER_KINDS and router is not None
         for m in self.members[role.name]:

@@ -130,3 +130,4 @@ def test_cli_render_to_stdout_and_to_files(tmp_path):
     assert files == ["rolebasedgroup-kvstrata.yaml", "service-kvstrata-mooncake-master.yaml",
                      "service-kvstrata-router.yaml", "service-kvstrata-worker.yaml"]
     assert len(listed.split()) == 4
+
