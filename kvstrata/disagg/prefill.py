@@ -40,6 +40,9 @@ logger = logging.getLogger(__name__)
 
 # Fault injection for tests and demos: seconds each transfer sleeps before it writes.
 FAULT_DELAY_ENV = "KVSTRATA_DISAGG_TRANSFER_DELAY_S"
+# A router sends both halves of a request at once: a decode's room whose request has not arrived after this
+# share of the timeout is unknown here, and the decode hears so before its own timeout fires.
+UNKNOWN_ROOM_SHARE = 0.5
 
 
 @dataclass
@@ -214,13 +217,14 @@ class PrefillHandoff:
     def _expire(self) -> list[ReqOutput]:
         now = time.monotonic()
         outs = []
-        for room in [r for r in self.rooms.values() if now - r.created_at >= self.timeout_s and r.future is None]:
-            if room.req is None:
+        for room in [r for r in self.rooms.values() if r.future is None]:
+            waited = now - room.created_at
+            if room.req is None and waited >= self.timeout_s * UNKNOWN_ROOM_SHARE:
                 reason = f"bootstrap_room {room.room} is unknown to this prefill server"
                 outs.extend(self._give_up(room, reason, 400))
-            else:
-                waited = "the decode server" if room.dst is None else "the prefill to finish"
-                outs.extend(self._give_up(room, f"timed out after {self.timeout_s:g} s waiting for {waited}",
+            elif room.req is not None and waited >= self.timeout_s:
+                what = "the decode server" if room.dst is None else "the prefill to finish"
+                outs.extend(self._give_up(room, f"timed out after {self.timeout_s:g} s waiting for {what}",
                                           504, timeout=True))
         return outs
 
