@@ -59,6 +59,8 @@ _SINGLE_VALUE = {
     "kv_cache_dtype": ("auto", "the KV cache uses the model dtype (--dtype)"),
     "lora_paths": (None, "LoRA adapters are not supported"),
 }
+DISAGGREGATION_MODES = ["null", "prefill", "decode"]
+TRANSFER_BACKENDS = ["mooncake"]
 
 
 @dataclass(frozen=True)
@@ -209,6 +211,19 @@ class ServerArgs:
         "On SIGTERM, seconds that running requests may take to finish (new ones get 503); what is left "
         "then ends with finish_reason 'abort'."))
 
+    # --- prefill/decode disaggregation (kvstrata/disagg) ---
+    disaggregation_mode: str = field(default="null", metadata=_opt(
+        "PD disaggregation role: null (co-located), prefill or decode.", DISAGGREGATION_MODES))
+    disaggregation_transfer_backend: str = field(default="mooncake", metadata=_opt(
+        "KV transfer engine between prefill and decode servers.", TRANSFER_BACKENDS))
+    disaggregation_bootstrap_port: int = field(default=8998, metadata=_opt(
+        "Prefill side: port of the bootstrap service decode servers connect to."))
+    disaggregation_ib_device: Optional[str] = field(default=None, metadata=_opt(
+        "RDMA device(s) for the transfer engine (accepted; TCP is used where no RDMA device exists)."))
+    disaggregation_bootstrap_timeout: float = field(default=30.0, metadata=_opt(
+        "Seconds either side waits for its peer (SGLang: SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT) before it "
+        "frees the request's KV and fails it."))
+
     # ------------------------------------------------------------------ CLI
     @staticmethod
     def add_cli_args(parser: argparse.ArgumentParser) -> None:
@@ -279,6 +294,11 @@ class ServerArgs:
                 resolve_chat_template(self.chat_template)
             except ChatTemplateNotFound as e:
                 raise ConfigError(str(e)) from None
+        if not 0 < self.disaggregation_bootstrap_port <= 65535:
+            raise ConfigError(f"--disaggregation-bootstrap-port must be in 1..65535, got "
+                              f"{self.disaggregation_bootstrap_port}")
+        if self.disaggregation_bootstrap_timeout <= 0:
+            raise ConfigError("--disaggregation-bootstrap-timeout must be positive")
 
     def no_effect_notes(self) -> list[str]:
         """One line per SGLang flag that was set but means nothing on this engine (logged once at start)."""

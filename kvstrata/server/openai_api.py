@@ -13,6 +13,7 @@ from typing import Any, Optional
 from starlette.requests import Request
 from starlette.responses import Response
 
+from kvstrata.server.disagg_fields import attach_bootstrap
 from kvstrata.server.native_api import finite_logprob, run_request
 from kvstrata.server.openai_protocol import ChatPrompt, OpenAIOptions, parse_chat, parse_completion
 from kvstrata.server.protocol import ApiError, GenerateRequest, parse_json_body
@@ -28,6 +29,7 @@ async def handle_chat(request: Request, tm: TokenizerManager) -> Response:
 
     body = parse_json_body(await request.body())
     chat, req, opts = parse_chat(body, tm.args.served_model_name or "")
+    attach_bootstrap(body, req)
     cont = chat.continue_final_message
     tm.check_prompt_chars(sum(len(m["content"]) for m in chat.messages), "messages")
     try:
@@ -61,6 +63,7 @@ async def handle_completion(request: Request, tm: TokenizerManager) -> Response:
     """POST /v1/completions."""
     body = parse_json_body(await request.body())
     req, opts = parse_completion(body, tm.args.served_model_name or "")
+    attach_bootstrap(body, req)
     return await _run(request, tm, req, opts)
 
 
