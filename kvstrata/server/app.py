@@ -31,7 +31,8 @@ HEALTH_GENERATE_TIMEOUT_S = 30.0
 
 
 class ApiKeyMiddleware:
-    """Reject requests without `Authorization: Bearer <api key>` (401); /health* and /metrics stay open."""
+    """Reject requests without `Authorization: Bearer <api key>` (401); /health*, /metrics and the static
+    /dashboard page (its data at /dashboard/data needs the key) stay open."""
 
     def __init__(self, app: ASGIApp, api_key: str):
         self.app = app
@@ -48,7 +49,7 @@ class ApiKeyMiddleware:
 
 
 def _is_open_path(path: str) -> bool:
-    return path.startswith("/health") or path == "/metrics"
+    return path.startswith("/health") or path in ("/metrics", "/dashboard")
 
 
 def create_app(tm: TokenizerManager, is_scheduler_alive: Callable[[], bool],
@@ -157,6 +158,8 @@ def create_app(tm: TokenizerManager, is_scheduler_alive: Callable[[], bool],
     async def chat_completions(request: Request) -> Response:
         return await openai_api.handle_chat(request, tm)
 
+    from kvstrata.server.dashboard import register_dashboard
+    register_dashboard(app, tm)
     return app
 
 

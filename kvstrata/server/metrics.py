@@ -36,7 +36,8 @@ def _sglang_aliases(state: dict[str, Any]) -> list[tuple[str, str, float]]:
              ("sglang:cache_hit_rate", "gauge", state.get("cache_hit_rate", 0.0)),
              ("sglang:prompt_tokens_total", "counter", state.get("prompt_tokens", 0)),
              ("sglang:generation_tokens_total", "counter", state.get("generated_tokens", 0)),
-             ("sglang:cached_tokens_total", "counter", state.get("cached_tokens", 0))]
+             ("sglang:cached_tokens_total", "counter", state.get("cached_tokens", 0)),
+             ("kvstrata:engine_utilization", "gauge", state.get("engine_utilization", 0.0))]
     return pairs
 
 
