@@ -176,3 +176,14 @@ def test_browser_shows_device_and_host_hits_equal_to_metrics(tiered, tmp_path):
 
 def _js_json(d: dict) -> str:
     return "{" + ",".join(f'"{k}":"{v}"' for k, v in d.items()) + "}"
+
+
+def test_bench_dashboard_runs_both_modes(tiered):
+    from kvstrata.bench import dashboard_overhead
+
+    args = dashboard_overhead.build_parser().parse_args(
+        ["--streams", "2", "--output-len", "8", "--repeat", "1", "--api-key", API_KEY])
+    result = dashboard_overhead.run(args, tiered.url)
+    assert all(r > 0 for rates in result["rates"].values() for r in rates)
+    assert result["polls"] > 0 and result["poll_errors"] == 0 and len(result["sample_s"]) == 50
+    assert "poller at 10 Hz" in dashboard_overhead.report(result, args)
