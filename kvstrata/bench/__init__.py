@@ -11,6 +11,7 @@ BENCHMARKS["grammar"] = "kvstrata.bench.grammar_bench"
 BENCHMARKS["router"] = "kvstrata.bench.router_bench"
 BENCHMARKS["upgrade"] = "kvstrata.bench.upgrade_bench"
 BENCHMARKS["pd"] = "kvstrata.bench.pd_bench"
+BENCHMARKS["dashboard"] = "kvstrata.bench.dashboard_overhead"
 
 
 def main(argv: list[str]) -> int:

@@ -26,6 +26,7 @@ from kvstrata.runtime.req import Req, ReqState, finish_abort
 from kvstrata.runtime.sampler import top_token_ids
 from kvstrata.runtime.sampling_params import InvalidRequest
 from kvstrata.runtime.stop import StopChecker
+from kvstrata.runtime.utilization import UtilizationMeter
 
 logger = logging.getLogger(__name__)
 
@@ -55,6 +56,7 @@ class Scheduler:
         self.step_count = 0
         self.metrics = {"prompt_tokens": 0, "cached_tokens": 0, "generated_tokens": 0, "retractions": 0,
                         "finished_requests": 0, "aborted_requests": 0}
+        self.engine_meter = UtilizationMeter()   # share of wall clock spent in forwards
         self._grammar = None
         self.grammar_backend()   # built now: its vocabulary scan would otherwise stall the first request
         self.handoff = create_handoff(self)   # PD disaggregation (None when co-located)
@@ -162,7 +164,8 @@ class Scheduler:
             time.sleep(0.001)   # waiting on a grammar compile, an L3 prefetch or free pages
             return outputs
         try:
-            result = self.runner.forward(batch, self.cache.slot_table)
+            with self.engine_meter.measure():
+                result = self.runner.forward(batch, self.cache.slot_table)
             outputs.extend(self._process(batch, result))
         except Exception as e:  # one bad batch (a bug, an odd shape, out of memory) must not end the server
             outputs.extend(self._fail_batch(batch, e))
@@ -419,6 +422,8 @@ class Scheduler:
         state = {"running_requests": len(self.running), "waiting_requests": len(self.waiting),
                  "max_total_tokens": self.runner.max_total_tokens, "context_length": self.context_len,
                  "step": self.step_count, "new_token_ratio": self.new_token_ratio, **self.cache.stats(), **m}
+        state["engine_utilization"] = self.engine_meter.utilization()
+        state["forward_busy_s"] = self.engine_meter.busy_s
         if self.cache.tree is not None:
             state["radix_cache"] = self.cache.tree.metrics()
         if self.handoff is not None:

@@ -143,6 +143,8 @@ def create_app(tm: TokenizerManager, is_scheduler_alive: Callable[[], bool],
     async def chat_completions(request: Request) -> Response:
         return await openai_api.handle_chat(request, tm)
 
+    from kvstrata.server.dashboard import register_dashboard
+    register_dashboard(app, tm)
     return app
 
 

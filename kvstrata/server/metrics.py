@@ -76,6 +76,8 @@ _TIER_GAUGES = (
      ("tree", "ops_in_flight")),
     ("integrity_ok", "1 if the last idle-time page accounting check passed, 0 if it failed.",
      ("integrity_ok",)),
+    ("engine_utilization", "Share of wall-clock time the model spent in forward passes (recent window).",
+     ("engine_utilization",)),
 )
 
 

@@ -68,6 +68,7 @@ class TokenizerManager:
         self.groups: dict[str, list[str]] = {}     # user rid → the rids of its output sequences
         self._control: dict[str, deque[asyncio.Future]] = defaultdict(deque)
         self._recv_task: Optional[asyncio.Task] = None
+        self.release_hooks: list[Callable[[SeqState], None]] = []   # each sees every sequence once, at its end
         self._token_texts: dict[int, str] = {}
         self.dead_reason: Optional[str] = None
         self.draining_reason: Optional[str] = None   # set on SIGTERM: new requests get 503
@@ -293,6 +294,8 @@ class TokenizerManager:
             self.metrics["prompt_tokens_total"] += s.prompt_tokens
             self.metrics["generation_tokens_total"] += s.completion_tokens
             self.metrics["cached_tokens_total"] += s.cached_tokens
+            for hook in self.release_hooks:
+                hook(s)
             members = self.groups.get(s.group_rid)
             if members is not None and not any(m in self.states for m in members):
                 del self.groups[s.group_rid]
