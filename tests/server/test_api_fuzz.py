@@ -1,7 +1,7 @@
 """Property-based fuzzing of the whole HTTP API from its own /openapi.json (schemathesis), bounded in
 examples and time: no 5xx, no hang, /health answering throughout, page accounting back to its start.
 
-The server runs with a small context so that any generated max_tokens finishes in well under a second.
+The server runs with a small context (128 tokens) so that any generated request finishes quickly.
 """
 
 from __future__ import annotations
@@ -17,11 +17,12 @@ from tests.server.test_limits_and_auth import HealthProbe
 
 EXAMPLES_PER_OPERATION = 30
 CALL_TIMEOUT_S = 30.0
+pytestmark = pytest.mark.timeout(240)      # per test: the fuzzing of one operation in one mode
 
 
 @pytest.fixture(scope="module")
 def fuzz_server(tmp_path_factory):
-    handle = launch_server(tmp_path_factory.mktemp("fuzz"), "--context-length", "192", "--max-running-requests",
+    handle = launch_server(tmp_path_factory.mktemp("fuzz"), "--context-length", "128", "--max-running-requests",
                            "16")
     probe = HealthProbe(handle.url).__enter__()
     handle.health_probe = probe
