@@ -8,9 +8,12 @@ USAGE = """usage: kvstrata <command> [flags]
 
 commands:
   serve         start the HTTP server (same flags as python -m kvstrata.launch_server; --help lists them)
+  router        route requests across workers (same flags as python -m kvstrata.router; --help lists them)
   bench NAME    run a benchmark: engine (prefill/decode speed vs transformers), multiturn (multi-turn
                 cache benchmark against a server), compare (L1 vs L1+L2 vs L1+L2+L3), grammar
                 (structured-output overhead); `kvstrata bench NAME --help` for flags
+  cluster CMD   role-based deployment: spec, render (Kubernetes RoleBasedGroup), up, status, down, logs,
+                upgrade; `kvstrata cluster --help` for details
 """
 
 
@@ -25,10 +28,18 @@ def main(argv: list[str] | None = None) -> int:
         from kvstrata.server.launch import run_and_exit
 
         run_and_exit(rest)   # exits the process (skipping slow interpreter teardown)
+    if command == "router":
+        from kvstrata.router.launch import main as router_main
+
+        return router_main(rest)
     if command == "bench":
         from kvstrata.bench import main as bench_main
 
         return bench_main(rest) or 0
+    if command == "cluster":
+        from kvstrata.cluster.cli import main as cluster_main
+
+        return cluster_main(rest)
     print(f"kvstrata: unknown command {command!r}\n\n{USAGE}", file=sys.stderr)
     return 2
 

@@ -1,11 +1,14 @@
 #!/usr/bin/env bash
 # Install the shared libraries the Mooncake wheel (mooncake-transfer-engine-non-cuda) links against:
-# libibverbs.so.1, librdmacm.so.1, libnuma.so.1 (Debian/Ubuntu: libibverbs1 librdmacm1 libnuma1).
-# Idempotent: does nothing when the libraries are already there. Used by scripts/install.sh and CI.
+# libibverbs.so.1, librdmacm.so.1, libnuma.so.1 (Debian/Ubuntu: libibverbs1 librdmacm1 libnuma1), and
+# Debian's chromium, the headless browser the dashboard test drives through Playwright (never
+# `playwright install`: nothing is downloaded at test time).
+# Idempotent: does nothing when everything is already there. Used by scripts/install.sh and CI.
 set -euo pipefail
 
-PACKAGES=(libibverbs1 librdmacm1 libnuma1)
+PACKAGES=(libibverbs1 librdmacm1 libnuma1 chromium)
 LIBS=(libibverbs.so.1 librdmacm.so.1 libnuma.so.1)
+BROWSER=/usr/bin/chromium
 
 have_all_libs() {
     command -v ldconfig >/dev/null 2>&1 || return 1
@@ -16,13 +19,17 @@ have_all_libs() {
     done
 }
 
-if have_all_libs; then
-    echo "install_system_deps: Mooncake's libraries are present (${LIBS[*]})"
+have_all() {
+    have_all_libs && [ -x "$BROWSER" ]
+}
+
+if have_all; then
+    echo "install_system_deps: Mooncake's libraries (${LIBS[*]}) and $BROWSER are present"
     exit 0
 fi
 
 if ! command -v apt-get >/dev/null 2>&1; then
-    echo "install_system_deps: no apt-get here; install ${LIBS[*]} with your package manager" >&2
+    echo "install_system_deps: no apt-get here; install ${LIBS[*]} and chromium with your package manager" >&2
     exit 1
 fi
 
@@ -40,4 +47,4 @@ echo "install_system_deps: installing ${PACKAGES[*]}"
 export DEBIAN_FRONTEND=noninteractive
 "${SUDO[@]}" apt-get update -qq
 "${SUDO[@]}" apt-get install -y -qq --no-install-recommends "${PACKAGES[@]}"
-have_all_libs || { echo "install_system_deps: libraries still missing after install" >&2; exit 1; }
+have_all || { echo "install_system_deps: libraries or $BROWSER still missing after install" >&2; exit 1; }

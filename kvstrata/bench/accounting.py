@@ -12,6 +12,8 @@ Definitions (kept here, in one place, because the report and the tests depend on
   round r-1 to the first send of round r, when nothing of the workload is in flight because of the barrier).
   Throughputs divide by it.
 - percentiles interpolate linearly between order statistics (numpy's default).
+- engine utilisation = the server's seconds in forward passes (`forward_busy_s`) during the run / wall-clock
+  seconds between the /server_info snapshots taken before and after it (NaN if the server lacks the counter).
 """
 
 from __future__ import annotations
@@ -175,6 +177,18 @@ def summarize(records: Sequence[RequestRecord], round_barrier: bool, skipped: in
         "output_throughput": output / duration if duration > 0 else 0.0,
         "request_throughput": len(ok) / duration if duration > 0 else 0.0,
     }
+
+
+def engine_utilization(before: Optional[dict], after: Optional[dict], wall_s: float) -> float:
+    """Share of `wall_s` the server spent in forward passes between two /server_info answers."""
+    def busy(info: Optional[dict]) -> Optional[float]:
+        value = ((info or {}).get("internal_states") or [{}])[0].get("forward_busy_s")
+        return value if isinstance(value, (int, float)) else None
+
+    b0, b1 = busy(before), busy(after)
+    if b0 is None or b1 is None or wall_s <= 0:
+        return math.nan
+    return (b1 - b0) / wall_s
 
 
 def per_round(records: Sequence[RequestRecord]) -> list[dict[str, Any]]:

@@ -22,6 +22,7 @@ import os
 import random
 import sys
 import tempfile
+import time
 from typing import Any, Optional
 
 import requests
@@ -156,6 +157,7 @@ def run(args: argparse.Namespace, url: str) -> dict:
     if not getattr(args, "no_flush_cache", False):
         flush_cache(url, headers)
     before = get_json(url, "/server_info", headers)
+    snapshot_at = time.monotonic()
     cfg = RunConfig(output_length=args.output_length, max_parallel=args.max_parallel,
                     request_rate=args.request_rate, distribution=args.distribution,
                     ready_queue_policy=args.ready_queue_policy, enable_round_barrier=args.enable_round_barrier,
@@ -163,10 +165,12 @@ def run(args: argparse.Namespace, url: str) -> dict:
                     progress=not getattr(args, "no_progress", False))
     outcome = asyncio.run(MultiTurnRunner(url + "/generate", convs, cfg, headers).run())
     after = get_json(url, "/server_info", headers)
+    between_snapshots_s = time.monotonic() - snapshot_at
     page_size = int((after or info).get("page_size") or 1)
     accounting.ideal_cached_tokens(outcome.records, page_size)
     summary = accounting.summarize(outcome.records, args.enable_round_barrier, outcome.skipped)
     summary["wall_s"] = outcome.wall_s
+    summary["engine_utilization"] = accounting.engine_utilization(before, after, between_snapshots_s)
     return {
         "timestamp": datetime.datetime.now().isoformat(timespec="seconds"),
         "tag": getattr(args, "tag", ""),

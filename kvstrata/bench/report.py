@@ -53,6 +53,7 @@ def format_run(result: dict) -> str:
         f"Throughput: input {s['input_throughput']:.1f} tok/s, output {s['output_throughput']:.1f} tok/s, "
         f"{s['request_throughput']:.2f} req/s over {s['duration_s']:.1f} s "
         f"(barrier pauses excluded: {s['barrier_pause_s']:.1f} s)",
+        f"Engine utilisation (share of wall clock in forward passes): {_pct(s.get('engine_utilization'))}",
         "",
         round_table(result["rounds"]),
     ]
@@ -76,19 +77,20 @@ def compare_table(rows: list[dict]) -> str:
     """The seed-shaped comparison: config, hit rate, mean/P90 TTFT, input tok/s, change vs L1 only."""
     base = next((r["summary"] for r in rows if r.get("key") == "l1" and r.get("summary")), None)
     header = ["Config", "KV cache hit rate", "Hit rate / ideal", "Mean TTFT (s)", "P90 TTFT (s)",
-              "Input tok/s", "Failed"]
+              "Input tok/s", "Failed", "Engine utilisation"]
     out = []
     for row in rows:
         s = row.get("summary")
         if not s:
-            out.append([row["name"], f"did not complete: {row.get('error', 'unknown error')}", "", "", "", "", ""])
+            out.append([row["name"], f"did not complete: {row.get('error', 'unknown error')}", "", "", "", "", "",
+                        ""])
             continue
         b = None if s is base else base
         out.append([row["name"], _pct(s["cache_hit_rate"]), _pct(s["hit_rate_vs_ideal"]),
                     _sec(s["mean_ttft"]) + _change(s["mean_ttft"], b and b["mean_ttft"]),
                     _sec(s["p90_ttft"]) + _change(s["p90_ttft"], b and b["p90_ttft"]),
                     f"{s['input_throughput']:,.1f}" + _change(s["input_throughput"], b and b["input_throughput"]),
-                    str(s["failed"])])
+                    str(s["failed"]), _pct(s.get("engine_utilization"))])
     return markdown_table(header, out)
 
 

@@ -19,12 +19,14 @@ from kvstrata.cache.manager import KVCacheManager, build_tree
 from kvstrata.memory.allocator import PageAllocator
 from kvstrata.memory.req_slots import ReqSlotTable
 from kvstrata.runtime.batch import BatchEntry, ScheduledBatch, StepResult
+from kvstrata.runtime.disagg_hooks import add_bootstrapped, create_handoff
 from kvstrata.runtime.messages import ControlOut, ReqOutput, TokenizedGenerateReq
 from kvstrata.runtime.model_runner import ModelRunner
 from kvstrata.runtime.req import Req, ReqState, finish_abort
 from kvstrata.runtime.sampler import top_token_ids
 from kvstrata.runtime.sampling_params import InvalidRequest
 from kvstrata.runtime.stop import StopChecker
+from kvstrata.runtime.utilization import UtilizationMeter
 
 logger = logging.getLogger(__name__)
 
@@ -54,8 +56,10 @@ class Scheduler:
         self.step_count = 0
         self.metrics = {"prompt_tokens": 0, "cached_tokens": 0, "generated_tokens": 0, "retractions": 0,
                         "finished_requests": 0, "aborted_requests": 0}
+        self.engine_meter = UtilizationMeter()   # share of wall clock spent in forwards
         self._grammar = None
         self.grammar_backend()   # built now: its vocabulary scan would otherwise stall the first request
+        self.handoff = create_handoff(self)   # PD disaggregation (None when co-located)
 
     # ------------------------------------------------------------------ inputs
     def add_request(self, msg: TokenizedGenerateReq) -> Optional[ReqOutput]:
@@ -73,6 +77,8 @@ class Scheduler:
         elif self.args.enable_deterministic_inference and not s.is_greedy:
             # Its own generator, seeded at arrival: its draws never depend on what else is in the batch.
             req.generator = torch.Generator().manual_seed(self.runner.sampler.next_seed())
+        if msg.bootstrap is not None:
+            return add_bootstrapped(self, req, msg.bootstrap)
         if s.constraint is not None:
             backend = self.grammar_backend()
             if backend is None:
@@ -111,13 +117,14 @@ class Scheduler:
             self._grammar = create_grammar_backend(
                 self.args.grammar_backend, self.stop.tokenizer, self.runner.vocab_size,
                 sorted(self.stop.eos_token_ids),
-                any_whitespace=not self.args.constrained_json_disable_any_whitespace)
+                any_whitespace=not self.args.constrained_json_disable_any_whitespace,
+                whitespace_pattern=self.args.constrained_json_whitespace_pattern)
             self.runner.grammar_backend = self._grammar
         return self._grammar
 
     def abort(self, rid: str) -> list[ReqOutput]:
         """Abort a waiting or running request (and its n-copies' prefixed rids); frees its KV."""
-        outs = []
+        outs = self.handoff.abort(rid) if self.handoff is not None else []
         for queue in (self.waiting, self.running):
             for req in [r for r in queue if r.rid == rid]:
                 queue.remove(req)
@@ -131,7 +138,7 @@ class Scheduler:
 
     def flush_cache(self) -> ControlOut:
         """Empty the radix tree; refused while requests are queued or running."""
-        if self.waiting or self.running:
+        if self.waiting or self.running or self._handoff_busy():
             return ControlOut("flush_cache", False, f"cannot flush the cache while {len(self.running)} requests "
                               f"run and {len(self.waiting)} wait")
         self.cache.flush()
@@ -139,20 +146,26 @@ class Scheduler:
 
     def has_work(self) -> bool:
         """Whether step() would do anything."""
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running) or self._handoff_busy()
+
+    def _handoff_busy(self) -> bool:
+        return self.handoff is not None and self.handoff.has_work()
 
     # ------------------------------------------------------------------ one step
     def step(self) -> list[ReqOutput]:
         """Schedule, run one forward, process results. Returns outputs to send."""
         outputs = self._poll_grammars()
         self.cache.begin_step()
+        if self.handoff is not None:
+            outputs.extend(self.handoff.poll())
         batch = self._schedule()
         batch.layer_wait = self.cache.take_layer_wait()
         if batch.is_empty():
             time.sleep(0.001)   # waiting on a grammar compile, an L3 prefetch or free pages
             return outputs
         try:
-            result = self.runner.forward(batch, self.cache.slot_table)
+            with self.engine_meter.measure():
+                result = self.runner.forward(batch, self.cache.slot_table)
             outputs.extend(self._process(batch, result))
         except Exception as e:  # one bad batch (a bug, an odd shape, out of memory) must not end the server
             outputs.extend(self._fail_batch(batch, e))
@@ -327,6 +340,8 @@ class Scheduler:
             if e.extend_len > 1 and not req.finished:
                 self.cache.commit(req)           # share the prompt with other requests right away
             if req.finished:
+                if self.handoff is not None and self.handoff.hold(req):
+                    continue                     # a prefill's KV goes to its decode server first
                 self._finish(req)
                 outputs.append(self._output(req))
             elif req.stream and len(req.output_ids) > req.sent_tokens:
@@ -334,12 +349,17 @@ class Scheduler:
         return outputs
 
     def _append_token(self, req: Req, result: StepResult, k: int) -> None:
-        token = result.next_token_ids[k]
+        logprobs = req.return_logprob and result.next_logprobs is not None
+        self.accept_token(req, result.next_token_ids[k], result.next_logprobs[k] if logprobs else None,
+                          result.next_top_logprobs[k] if logprobs else None)
+
+    def accept_token(self, req: Req, token: int, logprob: Optional[float], top: Optional[list]) -> None:
+        """Append one sampled token (and its logprobs when given) to req, then check its stop conditions."""
         req.output_ids.append(token)
         self.metrics["generated_tokens"] += 1
-        if req.return_logprob and result.next_logprobs is not None:
-            req.output_logprobs.append((result.next_logprobs[k], token))
-            req.output_top_logprobs.append(result.next_top_logprobs[k])
+        if logprob is not None:
+            req.output_logprobs.append((logprob, token))
+            req.output_top_logprobs.append(top)
         if req.grammar is not None:
             req.grammar.accept_token(token)
         req.finish_reason = self.stop.check(req, self.context_len)
@@ -384,13 +404,16 @@ class Scheduler:
     def close(self) -> None:
         """Release background resources (copy workers, grammar compile threads)."""
         self.cache.close()
+        if self.handoff is not None:
+            self.handoff.close()
         if self._grammar is not None:
             self._grammar.close()
 
     # ------------------------------------------------------------------ introspection
     def check_integrity(self) -> None:
         """Assert page and row accounting (callable between steps)."""
-        self.cache.check_integrity(self.running)
+        held = self.handoff.held() if self.handoff is not None else []
+        self.cache.check_integrity(self.running + held)
 
     def get_state(self) -> dict:
         """Internal state and metrics for /server_info."""
@@ -399,9 +422,13 @@ class Scheduler:
         state = {"running_requests": len(self.running), "waiting_requests": len(self.waiting),
                  "max_total_tokens": self.runner.max_total_tokens, "context_length": self.context_len,
                  "step": self.step_count, "new_token_ratio": self.new_token_ratio, **self.cache.stats(), **m}
+        state["engine_utilization"] = self.engine_meter.utilization()
+        state["forward_busy_s"] = self.engine_meter.busy_s
         if self.cache.tree is not None:
             state["radix_cache"] = self.cache.tree.metrics()
-        if not self.running and not self.waiting:
+        if self.handoff is not None:
+            state["disaggregation"] = self.handoff.state()
+        if not self.running and not self.waiting and not self._handoff_busy():
             try:
                 self.check_integrity()
                 state["integrity_ok"] = True
@@ -409,6 +436,14 @@ class Scheduler:
                 state["integrity_ok"] = False
                 state["integrity_error"] = str(e)
         return state
+
+    def get_load(self) -> dict:
+        """Queue lengths, pool occupancy and hits per tier from counters kept anyway (no walk, no check)."""
+        allocator = self.cache.allocator
+        return {"running_requests": len(self.running), "waiting_requests": len(self.waiting),
+                "free_pages": allocator.free_pages, "capacity_pages": allocator.capacity_pages,
+                "prompt_tokens": self.metrics["prompt_tokens"], "cached_tokens": self.metrics["cached_tokens"],
+                **self.cache.metrics}
 
 
 def _match_len(result) -> int:

@@ -21,7 +21,8 @@ from kvstrata.server import native_api, openai_api
 from kvstrata.server.auth import ApiKeyMiddleware, require_admin
 from kvstrata.server.drain import DrainMiddleware
 from kvstrata.server.limits import BodySizeLimitMiddleware
-from kvstrata.server.metrics import render_prometheus
+from kvstrata.server.load_api import register_load_api
+from kvstrata.server.metrics import CONTENT_TYPE
 from kvstrata.server.openapi_schema import install_openapi
 from kvstrata.server.protocol import ApiError, GenerateRequest, PromptSpec, get_bool, new_rid, parse_json_body
 from kvstrata.server.tokenizer_manager import TokenizerManager
@@ -59,6 +60,7 @@ def create_app(tm: TokenizerManager, is_scheduler_alive: Callable[[], bool],
     app.add_middleware(DrainMiddleware, tm=tm)     # outermost: a draining server answers 503 to everything
     _add_error_handlers(app)
     install_openapi(app)
+    register_load_api(app, tm)
 
     # ------------------------------------------------------------------ health and info
     @app.get("/health")
@@ -91,9 +93,10 @@ def create_app(tm: TokenizerManager, is_scheduler_alive: Callable[[], bool],
 
     @app.get("/metrics")
     async def metrics() -> Response:
+        if not args.enable_metrics:
+            return _error(ApiError("metrics are disabled (--no-enable-metrics)", 404))
         state = await tm.get_state() if tm.dead_reason is None else {}
-        return PlainTextResponse(render_prometheus(tm.metrics, state, args.served_model_name or ""),
-                                 media_type="text/plain; version=0.0.4")
+        return Response(tm.prometheus.render(state), media_type=CONTENT_TYPE)
 
     @app.api_route("/flush_cache", methods=["GET", "POST"])
     async def flush_cache() -> Response:
@@ -142,6 +145,8 @@ def create_app(tm: TokenizerManager, is_scheduler_alive: Callable[[], bool],
     async def chat_completions(request: Request) -> Response:
         return await openai_api.handle_chat(request, tm)
 
+    from kvstrata.server.dashboard import register_dashboard
+    register_dashboard(app, tm)
     return app
 
 

@@ -20,7 +20,8 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from kvstrata.server.protocol import ApiError
 
-OPEN_PATHS = frozenset({"/health", "/metrics"})
+# The static dashboard page is open; its data (/dashboard/data) needs the key like every endpoint.
+OPEN_PATHS = frozenset({"/health", "/metrics", "/dashboard"})
 ADMIN_PATHS = frozenset({"/abort_request"})
 
 

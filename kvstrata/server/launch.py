@@ -44,6 +44,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     except ConfigError as e:
         parser.error(str(e))
     logging.basicConfig(level=args.log_level.upper(), format="[%(asctime)s] %(levelname)s %(name)s: %(message)s")
+    for note in args.no_effect_notes():
+        logger.warning("%s", note)
     signal.signal(signal.SIGTERM, _raise_shutdown)
     try:
         return serve(args)
@@ -78,7 +80,7 @@ def serve(args: ServerArgs) -> int:
         tokenizer_dir = resolve_model_path(args.tokenizer_path or args.model_path)
         resolve_model_path(args.model_path)
         proc, ready_conn = spawn_scheduler(args, recv_addr, send_addr)
-        tokenizer = load_tokenizer(tokenizer_dir)        # while the scheduler loads the model
+        tokenizer = load_tokenizer(tokenizer_dir, args.chat_template)   # while the scheduler loads the model
         info = wait_scheduler_ready(proc, ready_conn)
         tm = TokenizerManager(args, tokenizer, info, recv_addr, send_addr)
         exit_code = {"value": 0}

@@ -44,6 +44,23 @@ MAX_SEED = 2 ** 63 - 1 - 128
 # Native fields that we cannot honour: rejecting them beats silently ignoring them.
 _UNSUPPORTED_FIELDS = ("input_embeds", "image_data", "audio_data", "video_data", "lora_path", "lora_id",
                        "session_params", "custom_logit_processor", "token_ids_logprob")
+# Flags SGLang's clients send as false; only true asks for something we do not have.
+_UNSUPPORTED_FLAGS = ("return_hidden_states", "return_routed_experts")
+
+
+def is_neutral(value: Any) -> bool:
+    """A value that asks for nothing: null, "", false, or an empty / all-neutral list or object.
+
+    SGLang's own clients always send some fields (`"lora_path": ""` in bench_multiturn.py, `null` in
+    bench_serving.py); those must be accepted, and only a real value rejected.
+    """
+    if value is None or value == "" or value is False:
+        return True
+    if isinstance(value, list):
+        return all(is_neutral(v) for v in value)
+    if isinstance(value, dict):
+        return all(is_neutral(v) for v in value.values())
+    return False
 
 
 @dataclass
@@ -174,11 +191,10 @@ def new_rid() -> str:
 # ---------------------------------------------------------------------- native /generate
 def parse_generate(body: dict) -> GenerateRequest:
     """Validate a native `/generate` body (SGLang's GenerateReqInput)."""
-    for name in _UNSUPPORTED_FIELDS:
-        if body.get(name) not in (None, [], {}):
-            raise ApiError(f"'{name}' is not supported by this server", param=name)
-    if body.get("return_hidden_states"):
-        raise ApiError("'return_hidden_states' is not supported by this server", param="return_hidden_states")
+    for name in _UNSUPPORTED_FIELDS + _UNSUPPORTED_FLAGS:
+        if not is_neutral(body.get(name)):
+            raise ApiError(f"'{name}' is not supported by this server (got {repr(body[name])[:60]}; only an "
+                           f"empty value is accepted)", param=name)
     texts, ids, is_batch = _native_prompts(body)
     count = len(texts) if texts is not None else len(ids)
     sp_dicts = _per_prompt(body.get("sampling_params"), count, "sampling_params", dict)

@@ -82,12 +82,26 @@ class SeqState:
         self.sent_input_logprobs = False
         self._failed_unseen = False         # fail() happened and no drain() has reported it yet
         self.stream = False                 # the client reads a stream (set by the TokenizerManager)
+        # Arrival times of token deltas (receive loop), for the latency histograms.
+        self.first_token_at: Optional[float] = None
+        self.last_token_at: Optional[float] = None
+        self.inter_token_s: list[float] = []   # per delta after the first: its gap / its token count
 
     # ------------------------------------------------------------------ receive side
     def push(self, out: ReqOutput) -> None:
         """Queue one scheduler delta and wake the consumer (called by the receive loop)."""
+        if out.new_token_ids:
+            self._record_arrival(len(out.new_token_ids))
         self.pending.append(out)
         self.wake.set()
+
+    def _record_arrival(self, num_tokens: int) -> None:
+        now = time.monotonic()
+        if self.first_token_at is None:
+            self.first_token_at = now
+        elif self.last_token_at is not None:
+            self.inter_token_s.append((now - self.last_token_at) / num_tokens)
+        self.last_token_at = now
 
     def fail(self, message: str, status: int) -> None:
         """End the sequence with an error (e.g. the scheduler process died)."""

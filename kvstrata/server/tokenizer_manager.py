@@ -28,12 +28,15 @@ from kvstrata.runtime.messages import (
     BatchOutput,
     ControlOut,
     FlushCacheReq,
+    GetLoadReq,
     GetStateReq,
     SchedulerReady,
     TokenizedGenerateReq,
 )
 from kvstrata.runtime.sampling_params import SamplingParams
+from kvstrata.server.metrics import ServerMetrics
 from kvstrata.server.protocol import ApiError, GenerateRequest, PromptSpec
+from kvstrata.server.request_log import RequestLog
 from kvstrata.server.seq_state import SeqState
 
 logger = logging.getLogger(__name__)
@@ -65,6 +68,7 @@ class TokenizerManager:
         self.groups: dict[str, list[str]] = {}     # user rid → the rids of its output sequences
         self._control: dict[str, deque[asyncio.Future]] = defaultdict(deque)
         self._recv_task: Optional[asyncio.Task] = None
+        self.release_hooks: list[Callable[[SeqState], None]] = []   # each sees every sequence once, at its end
         self._token_texts: dict[int, str] = {}
         self.dead_reason: Optional[str] = None
         self.draining_reason: Optional[str] = None   # set on SIGTERM: new requests get 503
@@ -74,6 +78,8 @@ class TokenizerManager:
         self.max_prompt_chars = self.context_length * longest_token_chars(tokenizer)
         self.metrics = {"requests_total": 0, "prompt_tokens_total": 0, "generation_tokens_total": 0,
                         "cached_tokens_total": 0, "aborted_requests_total": 0, "failed_requests_total": 0}
+        self.prometheus = ServerMetrics(args.served_model_name or args.model_path)
+        self.request_log = RequestLog(args)
 
     # ------------------------------------------------------------------ life cycle
     def start(self) -> None:
@@ -166,11 +172,13 @@ class TokenizerManager:
                 self._send(TokenizedGenerateReq(
                     rid=state.rid, input_ids=state.input_ids, sampling_params=state.sampling,
                     return_logprob=p.return_logprob, logprob_start_len=p.logprob_start_len if p.return_logprob else -1,
-                    top_logprobs_num=p.top_logprobs_num, stream=req.stream, cache_namespace=req.cache_salt))
+                    top_logprobs_num=p.top_logprobs_num, stream=req.stream, cache_namespace=req.cache_salt,
+                    bootstrap=req.extra.get("bootstrap")))
         except ApiError:
             self.release(states)
             raise
         self.metrics["requests_total"] += len(req.prompts)
+        self.request_log.submitted(req, states)
         return states
 
     def _expand(self, p: PromptSpec, prompt_index: int, ids: list[int], sampling: SamplingParams,
@@ -275,6 +283,8 @@ class TokenizerManager:
         for s in states:
             if self.states.pop(s.rid, None) is None:
                 continue
+            self.prometheus.observe(s)
+            self.request_log.released(s)
             if not s.finished:
                 self.metrics["aborted_requests_total"] += 1
                 self._try_send(AbortReq(rid=s.rid))
@@ -284,6 +294,8 @@ class TokenizerManager:
             self.metrics["prompt_tokens_total"] += s.prompt_tokens
             self.metrics["generation_tokens_total"] += s.completion_tokens
             self.metrics["cached_tokens_total"] += s.cached_tokens
+            for hook in self.release_hooks:
+                hook(s)
             members = self.groups.get(s.group_rid)
             if members is not None and not any(m in self.states for m in members):
                 del self.groups[s.group_rid]
@@ -316,6 +328,10 @@ class TokenizerManager:
     async def get_state(self) -> dict:
         """The scheduler's internal state and metrics."""
         return (await self._control_call(GetStateReq(), "state")).state
+
+    async def get_load(self) -> dict:
+        """The scheduler's O(1) load report (queues, pool, hits per tier)."""
+        return (await self._control_call(GetLoadReq(), "load")).state
 
     async def _control_call(self, msg: Any, kind: str, timeout: float = 20.0) -> ControlOut:
         self._check_alive()

@@ -3,18 +3,20 @@
 from __future__ import annotations
 
 import argparse
+import math
 
-from kvstrata.bench import compare, report
+from kvstrata.bench import accounting, compare, report
 
 
-def summary(hit, ideal, mean_ttft, p90_ttft, tput, failed=0):
+def summary(hit, ideal, mean_ttft, p90_ttft, tput, failed=0, util=float("nan")):
     return {"cache_hit_rate": hit, "ideal_hit_rate": ideal, "hit_rate_vs_ideal": hit / ideal,
-            "mean_ttft": mean_ttft, "p90_ttft": p90_ttft, "input_throughput": tput, "failed": failed}
+            "mean_ttft": mean_ttft, "p90_ttft": p90_ttft, "input_throughput": tput, "failed": failed,
+            "engine_utilization": util}
 
 
 ROWS = [
     {"key": "l1", "name": "L1 only (device)", "summary": summary(0.12, 0.80, 6.0, 12.0, 1000.0)},
-    {"key": "l2", "name": "L1+L2 (host DRAM)", "summary": summary(0.40, 0.80, 3.0, 9.0, 1500.0)},
+    {"key": "l2", "name": "L1+L2 (host DRAM)", "summary": summary(0.40, 0.80, 3.0, 9.0, 1500.0, util=0.654)},
     {"key": "l3", "name": "L1+L2+L3 (file)", "summary": summary(0.78, 0.80, 2.0, 6.0, 2500.0)},
     {"key": "mooncake", "name": "L1+L2+L3 (Mooncake)", "error": "Mooncake not available: no module"},
 ]
@@ -23,10 +25,10 @@ ROWS = [
 def test_compare_table_has_the_seed_shape_and_changes_against_l1():
     table = report.compare_table(ROWS).splitlines()
     assert table[0] == ("| Config | KV cache hit rate | Hit rate / ideal | Mean TTFT (s) | P90 TTFT (s) | "
-                        "Input tok/s | Failed |")
-    assert table[2] == "| L1 only (device) | 12.0% | 15.0% | 6.000 | 12.000 | 1,000.0 | 0 |"
+                        "Input tok/s | Failed | Engine utilisation |")
+    assert table[2] == "| L1 only (device) | 12.0% | 15.0% | 6.000 | 12.000 | 1,000.0 | 0 | n/a |"
     assert table[3] == ("| L1+L2 (host DRAM) | 40.0% | 50.0% | 3.000 (-50.0%) | 9.000 (-25.0%) | "
-                        "1,500.0 (+50.0%) | 0 |")
+                        "1,500.0 (+50.0%) | 0 | 65.4% |")
     assert "did not complete: Mooncake not available" in table[5]
 
 
@@ -63,3 +65,12 @@ def test_repeated_runs_merge_into_medians():
     assert merged["rounds"][0]["mean_ttft"] == 0.7 and merged["tiers"]["device_hit_tokens"] == 150
     failed = [{"key": "l2", "name": "L2", "error": "did not start"}]
     assert compare.merge_runs(failed) is failed[0]
+
+
+def test_engine_utilization_is_forward_seconds_over_wall_seconds():
+    def info(busy):
+        return {"internal_states": [{"forward_busy_s": busy}]}
+
+    assert accounting.engine_utilization(info(1.5), info(4.0), 5.0) == 0.5
+    assert math.isnan(accounting.engine_utilization({"internal_states": [{}]}, info(4.0), 5.0))
+    assert math.isnan(accounting.engine_utilization(None, None, 5.0))

@@ -45,7 +45,8 @@ OPERATIONS = [
     ("GET", "/server_info"), ("GET", "/get_server_info"), ("GET", "/metrics"), ("GET", "/flush_cache"),
     ("POST", "/flush_cache"), ("POST", "/generate"), ("POST", "/abort_request"),
     ("POST", "/concate_and_append_request"), ("GET", "/v1/models"), ("GET", "/v1/models/{model_id}"),
-    ("POST", "/v1/completions"), ("POST", "/v1/chat/completions"),
+    ("POST", "/v1/completions"), ("POST", "/v1/chat/completions"), ("GET", "/load"), ("GET", "/dashboard"),
+    ("GET", "/dashboard/data"),
 ]
 MODES = [schemathesis.GenerationMode.POSITIVE, schemathesis.GenerationMode.NEGATIVE]
 
