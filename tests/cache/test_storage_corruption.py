@@ -126,6 +126,15 @@ def test_corrupted_pages_are_recomputed_not_served(store, tmp_path):
         assert storage["corrupt_pages"] > 0 and storage["corrupt_pages"] == storage["backend"]["corrupt"]
         assert again["meta_info"]["cached_tokens"] < PAGE, again["meta_info"]   # nothing came from bad pages
         assert state["integrity_ok"]
+        assert prometheus_value(tiered.get("/metrics").text, "kvstrata:storage_corrupt_pages_total") > 0
     finally:
         stop_server(tiered)
         stop_server(plain)
+
+
+def prometheus_value(text: str, name: str) -> float:
+    """The value of an unlabelled sample (or the sum over its label sets) in a Prometheus exposition."""
+    values = [float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+              if line.startswith(name) and line[len(name):len(name) + 1] in (" ", "{")]
+    assert values, f"{name} not in /metrics"
+    return sum(values)
