@@ -23,6 +23,7 @@ from kvstrata.server.drain import DrainMiddleware
 from kvstrata.server.limits import BodySizeLimitMiddleware
 from kvstrata.server.load_api import register_load_api
 from kvstrata.server.metrics import CONTENT_TYPE
+from kvstrata.server.openapi_schema import install_openapi
 from kvstrata.server.protocol import ApiError, GenerateRequest, PromptSpec, get_bool, new_rid, parse_json_body
 from kvstrata.server.tokenizer_manager import TokenizerManager
 
@@ -58,6 +59,7 @@ def create_app(tm: TokenizerManager, is_scheduler_alive: Callable[[], bool],
     app.add_middleware(BodySizeLimitMiddleware, max_bytes=args.max_request_body_bytes)
     app.add_middleware(DrainMiddleware, tm=tm)     # outermost: a draining server answers 503 to everything
     _add_error_handlers(app)
+    install_openapi(app)
     register_load_api(app, tm)
 
     # ------------------------------------------------------------------ health and info
