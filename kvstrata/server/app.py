@@ -18,6 +18,7 @@ from starlette.responses import JSONResponse, PlainTextResponse, Response
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 import kvstrata
+from kvstrata.model.builtin import resolve_model_path
 from kvstrata.runtime.sampling_params import SamplingParams
 from kvstrata.server import native_api, openai_api
 from kvstrata.server.metrics import CONTENT_TYPE
@@ -91,7 +92,10 @@ def create_app(tm: TokenizerManager, is_scheduler_alive: Callable[[], bool],
     @app.get("/get_model_info")
     @app.get("/model_info")
     async def model_info() -> dict:
-        return {"model_path": args.model_path, "tokenizer_path": args.tokenizer_path, "is_generation": True,
+        # The resolved folders (built-in and GGUF models live in the cache): SGLang's scripts load the
+        # tokenizer from `model_path`.
+        return {"model_path": resolve_model_path(args.model_path),
+                "tokenizer_path": resolve_model_path(args.tokenizer_path or args.model_path), "is_generation": True,
                 "served_model_name": args.served_model_name, "context_length": tm.context_length,
                 "preferred_sampling_params": None}
 
