@@ -15,7 +15,8 @@ from starlette.responses import Response
 
 from kvstrata.server.native_api import finite_logprob, run_request
 from kvstrata.server.openai_protocol import ChatPrompt, OpenAIOptions, parse_chat, parse_completion
-from kvstrata.server.protocol import ApiError, GenerateRequest, parse_json_body
+from kvstrata.server.protocol import ApiError, GenerateRequest, get_bool, parse_json_body
+from kvstrata.server.reasoning import ReasoningStreamer, split_reasoning
 from kvstrata.server.seq_state import SeqState
 from kvstrata.server.streaming import SSE_DONE, sse_event
 from kvstrata.server.tokenizer_manager import TokenizerManager
@@ -36,6 +37,8 @@ async def handle_chat(request: Request, tm: TokenizerManager) -> Response:
         raise ApiError(f"cannot apply the chat template to these messages: {e}", param="messages") from e
     req.prompts[0].input_ids = prompt if isinstance(prompt, list) else tm.encode(prompt, add_special_tokens=False)
     _set_up_tool_calls(tm, chat, req, opts)
+    if get_bool(body, "separate_reasoning", default=True):     # SGLang's per-request switch
+        opts.reasoning_parser = tm.args.reasoning_parser
     return await _run(request, tm, req, opts)
 
 
@@ -105,9 +108,14 @@ def openai_response(tm: TokenizerManager, req: GenerateRequest, states: list[Seq
         choice: dict[str, Any] = {"index": s.index, "logprobs": None, "finish_reason": finish_reason(s),
                                   "matched_stop": matched_stop(s)}
         if opts.kind == "chat":
+            reasoning = None
+            if opts.reasoning_parser:
+                reasoning, text = split_reasoning(opts.reasoning_parser, text)
             content, calls = _split_tool_calls(opts, text)
             choice["message"] = {"role": "assistant", "content": content,
                                  "tool_calls": [c.to_openai() for c in calls] or None}
+            if opts.reasoning_parser:
+                choice["message"]["reasoning_content"] = reasoning or None
             if calls:
                 choice["finish_reason"] = "tool_calls"
             if opts.logprobs:
@@ -139,6 +147,8 @@ async def openai_stream(tm: TokenizerManager, req: GenerateRequest, states: list
     streamers = {s.index: new_streamer(opts.tool_parser, opts.forced_tool_call)
                  for s in states} if opts.tool_parser else {}
     call_counts = {s.index: 0 for s in states}
+    reasoners = {s.index: ReasoningStreamer(opts.reasoning_parser)
+                 for s in states} if opts.reasoning_parser else {}
     for s in states:
         if opts.kind == "chat":
             yield chunk([{"index": s.index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
@@ -158,6 +168,8 @@ async def openai_stream(tm: TokenizerManager, req: GenerateRequest, states: list
                 if s.index in finish_sent:
                     continue
                 choice, changed_ = _delta_choice(tm, s, opts, text_offsets)
+                if s.index in reasoners:
+                    changed_ = _stream_reasoning(choice, reasoners[s.index], s.finished)
                 if s.index in streamers:
                     changed_ = _stream_tool_calls(choice, streamers[s.index], s.finished, call_counts, s.index,
                                                   opts.parallel_tool_calls)
@@ -207,6 +219,20 @@ def _split_tool_calls(opts: OpenAIOptions, text: str) -> tuple[Optional[str], li
     if not opts.parallel_tool_calls:
         calls = calls[:1]
     return (content if content.strip() or not calls else None), calls
+
+
+def _stream_reasoning(choice: dict, reasoner: ReasoningStreamer, finished: bool) -> bool:
+    """Move a chat chunk's reasoning text into `delta.reasoning_content`; whether anything is left to send."""
+    delta = choice["delta"]
+    reasoning, content = reasoner.feed(delta.pop("content", ""))
+    if finished:
+        more_reasoning, more_content = reasoner.finish()
+        reasoning, content = reasoning + more_reasoning, content + more_content
+    if reasoning:
+        delta["reasoning_content"] = reasoning
+    if content:
+        delta["content"] = content
+    return bool(reasoning or content or choice.get("logprobs"))
 
 
 def _stream_tool_calls(choice: dict, streamer: Any, finished: bool, counts: dict[int, int], index: int,

@@ -47,6 +47,7 @@ class OpenAIOptions:
     tool_parser: Any = None        # a ToolCallParser when the chat request has tools
     forced_tool_call: bool = False  # tool_choice required / named: the reply is one JSON call
     parallel_tool_calls: bool = True
+    reasoning_parser: Optional[str] = None   # chat: split <think>...</think> into reasoning_content
 
 
 @dataclass
