@@ -64,6 +64,7 @@ def serve(args: ServerArgs) -> int:
     import uvicorn
 
     from kvstrata.model.builtin import resolve_model_path
+    from kvstrata.model.config import ModelLoadError
     from kvstrata.model.tokenizer import TokenizerLoadError, load_tokenizer
     from kvstrata.server.app import create_app
     from kvstrata.server.tokenizer_manager import TokenizerManager
@@ -93,7 +94,7 @@ def serve(args: ServerArgs) -> int:
         server = uvicorn.Server(config)
         server.run(sockets=[sock])
         return exit_code["value"]
-    except (SchedulerStartError, TokenizerLoadError) as e:
+    except (SchedulerStartError, TokenizerLoadError, ModelLoadError) as e:
         logger.error("%s", e)
         return 1
     finally:
