@@ -19,6 +19,7 @@ from kvstrata.server.protocol import (
     get_cache_salt,
     get_int,
     get_number,
+    is_neutral,
     is_token_list,
     new_rid,
     sampling_from_dict,
@@ -122,7 +123,17 @@ def parse_completion(body: dict, default_model: str) -> tuple[GenerateRequest, O
 
 
 # ---------------------------------------------------------------------- pieces
+# OpenAI fields asking for something this server does not do: a 400 unless neutral (null, empty, false).
+_UNSUPPORTED_OPENAI = ("audio", "prediction", "web_search_options")
+
+
 def _options(body: dict, kind: str, default_model: str, n: int) -> OpenAIOptions:
+    for name in _UNSUPPORTED_OPENAI:
+        if not is_neutral(body.get(name)):
+            raise ApiError(f"'{name}' is not supported by this server", param=name)
+    modalities = body.get("modalities")
+    if modalities is not None and modalities != ["text"]:
+        raise ApiError("only text output is supported ('modalities': ['text'])", param="modalities")
     model = body.get("model")
     if model is not None and not isinstance(model, str):
         raise ApiError("'model' must be a string", param="model")

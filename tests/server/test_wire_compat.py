@@ -80,3 +80,14 @@ def test_stop_regex_match_is_trimmed_like_a_stop_string(server):
         "temperature": 0, "max_new_tokens": 12, "stop_regex": [f"{piece[0]}[{piece[1]}]"]}}).json()
     assert r["meta_info"]["finish_reason"] == {"type": "stop", "matched": piece}
     assert r["text"] == base[:base.find(piece)]
+
+
+@pytest.mark.parametrize("field,value", [("audio", {"voice": "alloy", "format": "wav"}),
+                                         ("prediction", {"type": "content", "content": "x"}),
+                                         ("modalities", ["text", "audio"])])
+def test_openai_fields_we_cannot_honour_are_400(server, field, value):
+    body = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1, field: value}
+    r = server.post("/v1/chat/completions", json=body)
+    assert r.status_code == 400 and r.json()["error"]["param"] == field
+    ok = {**body, field: None if field != "modalities" else ["text"]}
+    assert server.post("/v1/chat/completions", json=ok).status_code == 200
