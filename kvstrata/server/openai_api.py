@@ -169,10 +169,12 @@ async def openai_stream(tm: TokenizerManager, req: GenerateRequest, states: list
                     continue
                 choice, changed_ = _delta_choice(tm, s, opts, text_offsets)
                 if s.index in reasoners:
-                    changed_ = _stream_reasoning(choice, reasoners[s.index], s.finished)
+                    _stream_reasoning(choice, reasoners[s.index], s.finished)
                 if s.index in streamers:
-                    changed_ = _stream_tool_calls(choice, streamers[s.index], s.finished, call_counts, s.index,
-                                                  opts.parallel_tool_calls)
+                    _stream_tool_calls(choice, streamers[s.index], s.finished, call_counts, s.index,
+                                       opts.parallel_tool_calls)
+                if reasoners or streamers:     # they may hold text back, or complete a call
+                    changed_ = bool(choice["delta"] or choice.get("logprobs"))
                 if s.finished:
                     finish_sent.add(s.index)
                     choice["finish_reason"] = "tool_calls" if call_counts[s.index] else finish_reason(s)
@@ -210,19 +212,21 @@ def _delta_choice(tm: TokenizerManager, s: SeqState, opts: OpenAIOptions,
 
 def _split_tool_calls(opts: OpenAIOptions, text: str) -> tuple[Optional[str], list[ToolCall]]:
     """(message content, tool calls) of a whole reply; content is None when only calls were written."""
-    if opts.tool_parser is None:
+    parser = opts.tool_parser
+    if parser is None:
         return text, []
-    streamer = new_streamer(opts.tool_parser, opts.forced_tool_call)
-    content, calls = streamer.feed(text)
-    rest, more = streamer.finish()
-    content, calls = content + rest, calls + more
+    if opts.forced_tool_call:
+        calls = parser.parse_forced(text)
+        content = "" if calls else text
+    else:
+        content, calls = parser.parse(text)
     if not opts.parallel_tool_calls:
         calls = calls[:1]
     return (content if content.strip() or not calls else None), calls
 
 
-def _stream_reasoning(choice: dict, reasoner: ReasoningStreamer, finished: bool) -> bool:
-    """Move a chat chunk's reasoning text into `delta.reasoning_content`; whether anything is left to send."""
+def _stream_reasoning(choice: dict, reasoner: ReasoningStreamer, finished: bool) -> None:
+    """Move a chat chunk's reasoning text into `delta.reasoning_content` (markers held back)."""
     delta = choice["delta"]
     reasoning, content = reasoner.feed(delta.pop("content", ""))
     if finished:
@@ -232,12 +236,11 @@ def _stream_reasoning(choice: dict, reasoner: ReasoningStreamer, finished: bool)
         delta["reasoning_content"] = reasoning
     if content:
         delta["content"] = content
-    return bool(reasoning or content or choice.get("logprobs"))
 
 
 def _stream_tool_calls(choice: dict, streamer: Any, finished: bool, counts: dict[int, int], index: int,
-                       parallel: bool) -> bool:
-    """Route a chat chunk's content through the tool-call streamer; whether the chunk has anything new."""
+                       parallel: bool) -> None:
+    """Route a chat chunk's content through the tool-call streamer: content deltas and complete calls."""
     delta = choice["delta"]
     content, calls = streamer.feed(delta.pop("content", ""))
     if finished:
@@ -251,7 +254,6 @@ def _stream_tool_calls(choice: dict, streamer: Any, finished: bool, counts: dict
         first = counts[index]
         delta["tool_calls"] = [c.to_openai(first + k) for k, c in enumerate(calls)]
         counts[index] += len(calls)
-    return bool(content or calls or choice.get("logprobs"))
 
 
 def finish_reason(s: SeqState) -> Optional[str]:

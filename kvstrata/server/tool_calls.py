@@ -56,9 +56,9 @@ class ToolCallParser:
 
     def parse_forced(self, text: str) -> list[ToolCall]:
         """The call of a reply generated under `forced_call_schema` (empty if it did not complete)."""
-        return self._calls_in(text)
+        return self.calls_in(text)
 
-    def _calls_in(self, body: str) -> list[ToolCall]:
+    def calls_in(self, body: str) -> list[ToolCall]:
         """The calls of one call's text (llama3: possibly several joined by ';'); [] if any is malformed."""
         calls = []
         for piece in self._pieces(body):
@@ -165,7 +165,7 @@ class ToolCallStreamer:
                 pos = self.buffer.find(end) if end else -1
                 if pos < 0:
                     return content, calls
-                found = self.parser._calls_in(self.buffer[:pos])
+                found = self.parser.calls_in(self.buffer[:pos])
                 if not found:       # not a call after all: show it as it was written
                     content += self.parser.start + self.buffer[:pos + len(end)]
                 calls += found
@@ -192,7 +192,7 @@ class ToolCallStreamer:
         body = rest
         if self.parser.end:       # cut short inside its closing tag: the call itself may be whole
             body = rest[:len(rest) - partial_marker_len(rest, self.parser.end)]
-        calls = self.parser._calls_in(self.parser.start + body if self.parser.start == "{" else body)
+        calls = self.parser.calls_in(self.parser.start + body if self.parser.start == "{" else body)
         return ("", calls) if calls else (self.parser.start + rest, [])
 
     def _visible(self, text: str) -> str:
