@@ -93,3 +93,19 @@ def test_required_tool_call_and_parse_with_pydantic(client):
                         WEATHER_TOOL["function"]["parameters"])
     city = parsed.result().choices[0].message.parsed
     assert isinstance(city, City) and city.name and city.country
+
+
+def test_the_seeds_dsl_program_runs_on_a_real_model(smollm2):
+    """The README's frontend program (SGLang's DSL, regex-constrained JSON) against this server."""
+    import kvstrata.lang as sgl
+
+    @sgl.function
+    def generate_json(s):
+        s += sgl.user("Generate an object with a name, an age and a city")
+        s += sgl.assistant(sgl.gen("json_output", max_tokens=100, regex=r"\{.*\}"))
+
+    state = generate_json.run(backend=sgl.RuntimeEndpoint(smollm2.url, timeout=600), temperature=0)
+    out = state["json_output"]
+    assert out.startswith("{")
+    if state.get_meta_info("json_output")["finish_reason"]["type"] == "stop":
+        assert out.endswith("}")
