@@ -32,7 +32,8 @@ async def handle_chat(request: Request, tm: TokenizerManager) -> Response:
     cont = chat.continue_final_message
     try:
         prompt = apply_chat_template(tm.tokenizer, chat.messages, add_generation_prompt=not cont,
-                                     continue_final_message=cont, tools=chat.tools)
+                                     continue_final_message=cont, tools=chat.tools,
+                                     template_kwargs=chat.template_kwargs)
     except Exception as e:  # a template that rejects these messages is the client's problem
         raise ApiError(f"cannot apply the chat template to these messages: {e}", param="messages") from e
     req.prompts[0].input_ids = prompt if isinstance(prompt, list) else tm.encode(prompt, add_special_tokens=False)

@@ -58,6 +58,7 @@ class ChatPrompt:
     messages: list[dict]
     tools: Optional[list[dict]]
     continue_final_message: bool
+    template_kwargs: Optional[dict] = None   # `chat_template_kwargs`: extra template variables
     tool_choice: str = "auto"            # "auto" | "required" | "function" (a named one: `tool_name`)
     tool_name: Optional[str] = None
     parallel_tool_calls: bool = True
@@ -89,7 +90,7 @@ def parse_chat(body: dict, default_model: str) -> tuple[ChatPrompt, GenerateRequ
     if tool_choice != "auto" and sampling.constraint is not None:
         raise ApiError("a forced tool call (tool_choice) cannot be combined with response_format, regex, ebnf "
                        "or json_schema", param="tool_choice")
-    chat = ChatPrompt(messages, tools, cont, tool_choice, tool_name,
+    chat = ChatPrompt(messages, tools, cont, _template_kwargs(body), tool_choice, tool_name,
                       get_bool(body, "parallel_tool_calls", default=True))
     return chat, req, opts
 
@@ -272,6 +273,17 @@ def _parse_tools(body: dict) -> tuple[Optional[list[dict]], str, Optional[str]]:
     if name is not None and name not in {t["function"]["name"] for t in tools or []}:
         raise ApiError(f"tool_choice names the function {name!r}, which is not in 'tools'", param="tool_choice")
     return tools or None, choice, name
+
+
+def _template_kwargs(body: dict) -> Optional[dict]:
+    kwargs = body.get("chat_template_kwargs")
+    if kwargs is None:
+        return None
+    reserved = {"messages", "tools", "add_generation_prompt", "continue_final_message", "tokenize"}
+    if not isinstance(kwargs, dict) or reserved & set(kwargs):
+        raise ApiError(f"'chat_template_kwargs' must be an object of template variables (not {sorted(reserved)})",
+                       param="chat_template_kwargs")
+    return kwargs
 
 
 def _tool_choice(choice: Any) -> tuple[str, Optional[str]]:

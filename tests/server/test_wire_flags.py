@@ -59,13 +59,37 @@ def test_values_we_cannot_honour_stop_the_start_with_a_clear_error(capsys, argv,
     assert named in err and "unrecognized arguments" not in err
 
 
+TEMPLATE_WITH_VARIABLE = (
+    "{% if greeting is defined %}{{ greeting }}\n{% endif %}"
+    "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+def test_chat_template_flag_values(tmp_path):
+    from kvstrata.model.chat_template_flag import ChatTemplateNotFound, resolve_chat_template
+    from kvstrata.model.chat_templates import CHATML_TEMPLATE
+
+    assert resolve_chat_template("chatml") == CHATML_TEMPLATE
+    (tmp_path / "t.json").write_text(json.dumps({"chat_template": "{{ messages }}"}))
+    assert resolve_chat_template(str(tmp_path / "t.json")) == "{{ messages }}"
+    (tmp_path / "bad.json").write_text("[]")
+    with pytest.raises(ChatTemplateNotFound, match="chat_template"):
+        resolve_chat_template(str(tmp_path / "bad.json"))
+
+
 def test_server_starts_with_all_accepted_flags_and_logs_each_no_op_once(tmp_path):
+    template = tmp_path / "template.jinja"
+    template.write_text(TEMPLATE_WITH_VARIABLE)
     flags = [arg for f in ACCEPTED for arg in f]
+    flags[flags.index("chatml")] = str(template)          # --chat-template FILE
     handle = launch_server(tmp_path, *flags)
     try:
-        r = handle.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}],
-                                                      "max_tokens": 2})
+        body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+        r = handle.post("/v1/chat/completions", json=body)
         assert r.status_code == 200, r.text
+        greeted = handle.post("/v1/chat/completions", json={**body, "chat_template_kwargs": {
+            "greeting": "Hello there, dear friend"}})
+        assert greeted.json()["usage"]["prompt_tokens"] > r.json()["usage"]["prompt_tokens"] + 3
         assert handle.get("/metrics").status_code == 200
         log = handle.log()
         for flag in NO_EFFECT:
