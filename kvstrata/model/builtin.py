@@ -7,13 +7,13 @@ import os
 import shutil
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from kvstrata.args import env_flag
 from kvstrata.model.builtin_tokenizer import TokenizerSpec, build_tokenizer
 from kvstrata.model.chat_templates import CHATML_TEMPLATE, LLAMA3_TEMPLATE
-from kvstrata.model.gguf import gguf_model_folder, is_gguf
 
 if TYPE_CHECKING:
     import torch
@@ -101,18 +101,27 @@ def resolve_model_path(name_or_path: str, cache_dir: str | None = None) -> str:
     folder and renames it into place; whoever loses the race discards its copy and uses the winner's.
     """
     models_dir = os.path.join(cache_dir or default_cache_dir(), "models")
+    from kvstrata.model.gguf import gguf_model_folder, is_gguf
+
     if is_gguf(name_or_path):
         return gguf_model_folder(name_or_path, models_dir)
     if name_or_path not in BUILTIN_MODELS:
         return name_or_path
     target = os.path.join(models_dir, f"{name_or_path}-{BUILD_VERSION}")
+    return build_once(target, lambda out_dir: build_builtin(name_or_path, out_dir))
+
+
+def build_once(target: str, build: Callable[[str], None]) -> str:
+    """`target`, made by `build(staging_dir)` unless it exists; the staging folder is renamed into place,
+    so a process that loses a race discards its copy and uses the winner's."""
     if os.path.isdir(target):
         return target
+    models_dir, name = os.path.split(target)
     os.makedirs(models_dir, exist_ok=True)
     _remove_stale_staging(models_dir)
-    staging = tempfile.mkdtemp(prefix=f".{name_or_path}{_STAGING_MARK}", dir=models_dir)
+    staging = tempfile.mkdtemp(prefix=f".{name}{_STAGING_MARK}", dir=models_dir)
     try:
-        build_builtin(name_or_path, staging)
+        build(staging)
         os.chmod(staging, 0o755)  # mkdtemp makes it private; a model cache is ordinary readable data
         try:
             os.rename(staging, target)

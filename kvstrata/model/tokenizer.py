@@ -54,11 +54,13 @@ def apply_chat_template(
     add_generation_prompt: bool = True,
     continue_final_message: bool = False,
     tools: list[dict] | None = None,
+    template_kwargs: dict | None = None,
 ) -> str:
     """Render messages into a prompt string with the tokenizer's chat template.
 
     OpenAI-style content parts (`[{"type": "text", "text": ...}]`) are joined into one string. With
     `continue_final_message` the prompt ends inside the last message (no end-of-turn, no generation prompt).
+    `template_kwargs` are extra variables for the template (the API's `chat_template_kwargs`).
     Raises ChatTemplateError on anything the template or the messages do not allow.
     """
     if not getattr(tokenizer, "chat_template", None):
@@ -71,6 +73,7 @@ def apply_chat_template(
             add_generation_prompt=add_generation_prompt and not continue_final_message,
             continue_final_message=continue_final_message,
             tokenize=False,
+            **(template_kwargs or {}),   # e.g. enable_thinking for Qwen3's template
         )
     except Exception as e:  # jinja2 TemplateError (raise_exception in templates), ValueError, TypeError
         raise ChatTemplateError(f"cannot apply the chat template: {e}") from e

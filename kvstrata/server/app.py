@@ -16,6 +16,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response
 
 import kvstrata
+from kvstrata.model.builtin import resolve_model_path
 from kvstrata.runtime.sampling_params import SamplingParams
 from kvstrata.server import native_api, openai_api
 from kvstrata.server.auth import ApiKeyMiddleware, require_admin
@@ -77,7 +78,10 @@ def create_app(tm: TokenizerManager, is_scheduler_alive: Callable[[], bool],
     @app.get("/get_model_info")
     @app.get("/model_info")
     async def model_info() -> dict:
-        return {"model_path": args.model_path, "tokenizer_path": args.tokenizer_path, "is_generation": True,
+        # The resolved folders (built-in and GGUF models live in the cache): SGLang's scripts load the
+        # tokenizer from `model_path`.
+        return {"model_path": resolve_model_path(args.model_path),
+                "tokenizer_path": resolve_model_path(args.tokenizer_path or args.model_path), "is_generation": True,
                 "served_model_name": args.served_model_name, "context_length": tm.context_length,
                 "preferred_sampling_params": None}
 

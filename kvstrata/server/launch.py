@@ -65,6 +65,7 @@ def serve(args: ServerArgs) -> int:
     import uvicorn
 
     from kvstrata.model.builtin import resolve_model_path
+    from kvstrata.model.config import ModelLoadError
     from kvstrata.model.tokenizer import TokenizerLoadError, load_tokenizer
     from kvstrata.server.app import create_app
     from kvstrata.server.drain import DrainingServer, drain
@@ -96,7 +97,7 @@ def serve(args: ServerArgs) -> int:
         server = DrainingServer(config, on_drain=lambda: drain(tm, args.graceful_shutdown_timeout))
         server.run(sockets=[sock])
         return exit_code["value"]
-    except (SchedulerStartError, TokenizerLoadError) as e:
+    except (SchedulerStartError, TokenizerLoadError, ModelLoadError) as e:
         logger.error("%s", e)
         return 1
     finally:

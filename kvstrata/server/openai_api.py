@@ -16,7 +16,8 @@ from starlette.responses import Response
 from kvstrata.server.disagg_fields import attach_bootstrap
 from kvstrata.server.native_api import finite_logprob, run_request
 from kvstrata.server.openai_protocol import ChatPrompt, OpenAIOptions, parse_chat, parse_completion
-from kvstrata.server.protocol import ApiError, GenerateRequest, parse_json_body
+from kvstrata.server.protocol import ApiError, GenerateRequest, get_bool, parse_json_body
+from kvstrata.server.reasoning import ReasoningStreamer, split_reasoning
 from kvstrata.server.seq_state import SeqState
 from kvstrata.server.streaming import SSE_DONE, sse_event
 from kvstrata.server.tokenizer_manager import TokenizerManager
@@ -35,12 +36,14 @@ async def handle_chat(request: Request, tm: TokenizerManager) -> Response:
     try:
         prompt = await tm.run_blocking(apply_chat_template, tm.tokenizer, chat.messages,
                                        add_generation_prompt=not cont, continue_final_message=cont,
-                                       tools=chat.tools)
+                                       tools=chat.tools, template_kwargs=chat.template_kwargs)
     except Exception as e:  # a template that rejects these messages is the client's problem
         raise ApiError(f"cannot apply the chat template to these messages: {e}", param="messages") from e
     req.prompts[0].input_ids = prompt if isinstance(prompt, list) else \
         await tm.run_blocking(tm.encode, prompt, add_special_tokens=False)
     _set_up_tool_calls(tm, chat, req, opts)
+    if get_bool(body, "separate_reasoning", default=True):     # SGLang's per-request switch
+        opts.reasoning_parser = tm.args.reasoning_parser
     return await _run(request, tm, req, opts)
 
 
@@ -111,9 +114,14 @@ def openai_response(tm: TokenizerManager, req: GenerateRequest, states: list[Seq
         choice: dict[str, Any] = {"index": s.index, "logprobs": None, "finish_reason": finish_reason(s),
                                   "matched_stop": matched_stop(s)}
         if opts.kind == "chat":
+            reasoning = None
+            if opts.reasoning_parser:
+                reasoning, text = split_reasoning(opts.reasoning_parser, text)
             content, calls = _split_tool_calls(opts, text)
             choice["message"] = {"role": "assistant", "content": content,
                                  "tool_calls": [c.to_openai() for c in calls] or None}
+            if opts.reasoning_parser:
+                choice["message"]["reasoning_content"] = reasoning or None
             if calls:
                 choice["finish_reason"] = "tool_calls"
             if opts.logprobs:
@@ -145,6 +153,8 @@ async def openai_stream(tm: TokenizerManager, req: GenerateRequest, states: list
     streamers = {s.index: new_streamer(opts.tool_parser, opts.forced_tool_call)
                  for s in states} if opts.tool_parser else {}
     call_counts = {s.index: 0 for s in states}
+    reasoners = {s.index: ReasoningStreamer(opts.reasoning_parser)
+                 for s in states} if opts.reasoning_parser else {}
     for s in states:
         if opts.kind == "chat":
             yield chunk([{"index": s.index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
@@ -164,9 +174,13 @@ async def openai_stream(tm: TokenizerManager, req: GenerateRequest, states: list
                 if s.index in finish_sent:
                     continue
                 choice, changed_ = _delta_choice(tm, s, opts, text_offsets)
+                if s.index in reasoners:
+                    _stream_reasoning(choice, reasoners[s.index], s.finished)
                 if s.index in streamers:
-                    changed_ = _stream_tool_calls(choice, streamers[s.index], s.finished, call_counts, s.index,
-                                                  opts.parallel_tool_calls)
+                    _stream_tool_calls(choice, streamers[s.index], s.finished, call_counts, s.index,
+                                       opts.parallel_tool_calls)
+                if reasoners or streamers:     # they may hold text back, or complete a call
+                    changed_ = bool(choice["delta"] or choice.get("logprobs"))
                 if s.finished:
                     finish_sent.add(s.index)
                     choice["finish_reason"] = "tool_calls" if call_counts[s.index] else finish_reason(s)
@@ -204,20 +218,35 @@ def _delta_choice(tm: TokenizerManager, s: SeqState, opts: OpenAIOptions,
 
 def _split_tool_calls(opts: OpenAIOptions, text: str) -> tuple[Optional[str], list[ToolCall]]:
     """(message content, tool calls) of a whole reply; content is None when only calls were written."""
-    if opts.tool_parser is None:
+    parser = opts.tool_parser
+    if parser is None:
         return text, []
-    streamer = new_streamer(opts.tool_parser, opts.forced_tool_call)
-    content, calls = streamer.feed(text)
-    rest, more = streamer.finish()
-    content, calls = content + rest, calls + more
+    if opts.forced_tool_call:
+        calls = parser.parse_forced(text)
+        content = "" if calls else text
+    else:
+        content, calls = parser.parse(text)
     if not opts.parallel_tool_calls:
         calls = calls[:1]
     return (content if content.strip() or not calls else None), calls
 
 
+def _stream_reasoning(choice: dict, reasoner: ReasoningStreamer, finished: bool) -> None:
+    """Move a chat chunk's reasoning text into `delta.reasoning_content` (markers held back)."""
+    delta = choice["delta"]
+    reasoning, content = reasoner.feed(delta.pop("content", ""))
+    if finished:
+        more_reasoning, more_content = reasoner.finish()
+        reasoning, content = reasoning + more_reasoning, content + more_content
+    if reasoning:
+        delta["reasoning_content"] = reasoning
+    if content:
+        delta["content"] = content
+
+
 def _stream_tool_calls(choice: dict, streamer: Any, finished: bool, counts: dict[int, int], index: int,
-                       parallel: bool) -> bool:
-    """Route a chat chunk's content through the tool-call streamer; whether the chunk has anything new."""
+                       parallel: bool) -> None:
+    """Route a chat chunk's content through the tool-call streamer: content deltas and complete calls."""
     delta = choice["delta"]
     content, calls = streamer.feed(delta.pop("content", ""))
     if finished:
@@ -231,7 +260,6 @@ def _stream_tool_calls(choice: dict, streamer: Any, finished: bool, counts: dict
         first = counts[index]
         delta["tool_calls"] = [c.to_openai(first + k) for k, c in enumerate(calls)]
         counts[index] += len(calls)
-    return bool(content or calls or choice.get("logprobs"))
 
 
 def finish_reason(s: SeqState) -> Optional[str]:

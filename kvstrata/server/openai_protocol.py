@@ -19,6 +19,7 @@ from kvstrata.server.protocol import (
     get_cache_salt,
     get_int,
     get_number,
+    is_neutral,
     is_token_list,
     new_rid,
     sampling_from_dict,
@@ -47,6 +48,7 @@ class OpenAIOptions:
     tool_parser: Any = None        # a ToolCallParser when the chat request has tools
     forced_tool_call: bool = False  # tool_choice required / named: the reply is one JSON call
     parallel_tool_calls: bool = True
+    reasoning_parser: Optional[str] = None   # chat: split <think>...</think> into reasoning_content
 
 
 @dataclass
@@ -56,6 +58,7 @@ class ChatPrompt:
     messages: list[dict]
     tools: Optional[list[dict]]
     continue_final_message: bool
+    template_kwargs: Optional[dict] = None   # `chat_template_kwargs`: extra template variables
     tool_choice: str = "auto"            # "auto" | "required" | "function" (a named one: `tool_name`)
     tool_name: Optional[str] = None
     parallel_tool_calls: bool = True
@@ -87,7 +90,7 @@ def parse_chat(body: dict, default_model: str) -> tuple[ChatPrompt, GenerateRequ
     if tool_choice != "auto" and sampling.constraint is not None:
         raise ApiError("a forced tool call (tool_choice) cannot be combined with response_format, regex, ebnf "
                        "or json_schema", param="tool_choice")
-    chat = ChatPrompt(messages, tools, cont, tool_choice, tool_name,
+    chat = ChatPrompt(messages, tools, cont, _template_kwargs(body), tool_choice, tool_name,
                       get_bool(body, "parallel_tool_calls", default=True))
     return chat, req, opts
 
@@ -121,7 +124,17 @@ def parse_completion(body: dict, default_model: str) -> tuple[GenerateRequest, O
 
 
 # ---------------------------------------------------------------------- pieces
+# OpenAI fields asking for something this server does not do: a 400 unless neutral (null, empty, false).
+_UNSUPPORTED_OPENAI = ("audio", "prediction", "web_search_options")
+
+
 def _options(body: dict, kind: str, default_model: str, n: int) -> OpenAIOptions:
+    for name in _UNSUPPORTED_OPENAI:
+        if not is_neutral(body.get(name)):
+            raise ApiError(f"'{name}' is not supported by this server", param=name)
+    modalities = body.get("modalities")
+    if modalities is not None and modalities != ["text"]:
+        raise ApiError("only text output is supported ('modalities': ['text'])", param="modalities")
     model = body.get("model")
     if model is not None and not isinstance(model, str):
         raise ApiError("'model' must be a string", param="model")
@@ -261,6 +274,17 @@ def _parse_tools(body: dict) -> tuple[Optional[list[dict]], str, Optional[str]]:
     if name is not None and name not in {t["function"]["name"] for t in tools or []}:
         raise ApiError(f"tool_choice names the function {name!r}, which is not in 'tools'", param="tool_choice")
     return tools or None, choice, name
+
+
+def _template_kwargs(body: dict) -> Optional[dict]:
+    kwargs = body.get("chat_template_kwargs")
+    if kwargs is None:
+        return None
+    reserved = {"messages", "tools", "add_generation_prompt", "continue_final_message", "tokenize"}
+    if not isinstance(kwargs, dict) or reserved & set(kwargs):
+        raise ApiError(f"'chat_template_kwargs' must be an object of template variables (not {sorted(reserved)})",
+                       param="chat_template_kwargs")
+    return kwargs
 
 
 def _tool_choice(choice: Any) -> tuple[str, Optional[str]]:

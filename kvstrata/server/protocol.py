@@ -214,10 +214,13 @@ def parse_generate(body: dict) -> GenerateRequest:
         check_int(start, "logprob_start_len", lo=-1)
         top = top_num[i] if top_num[i] is not None else 0
         check_int(top, "top_logprobs_num", lo=0)
+        sampling = sampling_from_dict(sp)
+        if start == -1 and return_logprob[i] and sampling.max_new_tokens == 0:
+            start = 0      # scoring a prompt: SGLang's select() reads every input_token_logprobs entry
         prompts.append(PromptSpec(
             text=texts[i] if texts is not None else None,
             input_ids=ids[i] if ids is not None else None,
-            sampling=sampling_from_dict(sp),
+            sampling=sampling,
             rid=rid or new_rid(),
             return_logprob=bool(return_logprob[i]),
             logprob_start_len=int(start),

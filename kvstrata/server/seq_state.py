@@ -187,11 +187,18 @@ class SeqState:
     def visible_text(self) -> str:
         """Text the client may see now: stop strings trimmed, possible stop-string starts held back."""
         stops = self.sampling.stop
-        if not stops or self.sampling.no_stop_trim:
+        if self.sampling.no_stop_trim:
             return self.text
-        if self.finished:
-            return trim_at_stop(self.text, stops)
+        if self.finished:     # stop strings, and the text a stop_regex matched (as SGLang trims it)
+            return trim_at_stop(self.text, stops + self._matched_regex_text())
+        if not stops:
+            return self.text
         return self.text[:stop_safe_prefix_len(self.text, stops)]
+
+    def _matched_regex_text(self) -> list[str]:
+        """The text a stop_regex matched: trimmed like a stop string (SGLang's trim_matched_stop)."""
+        matched = (self.finish_reason or {}).get("matched")
+        return [matched] if self.sampling.stop_regex and isinstance(matched, str) and matched else []
 
     def take_text_delta(self) -> str:
         """The visible text not handed out by a previous call (for delta-streaming APIs)."""

@@ -56,9 +56,9 @@ class ToolCallParser:
 
     def parse_forced(self, text: str) -> list[ToolCall]:
         """The call of a reply generated under `forced_call_schema` (empty if it did not complete)."""
-        return self._calls_in(text)
+        return self.calls_in(text)
 
-    def _calls_in(self, body: str) -> list[ToolCall]:
+    def calls_in(self, body: str) -> list[ToolCall]:
         """The calls of one call's text (llama3: possibly several joined by ';'); [] if any is malformed."""
         calls = []
         for piece in self._pieces(body):
@@ -165,7 +165,7 @@ class ToolCallStreamer:
                 pos = self.buffer.find(end) if end else -1
                 if pos < 0:
                     return content, calls
-                found = self.parser._calls_in(self.buffer[:pos])
+                found = self.parser.calls_in(self.buffer[:pos])
                 if not found:       # not a call after all: show it as it was written
                     content += self.parser.start + self.buffer[:pos + len(end)]
                 calls += found
@@ -174,7 +174,7 @@ class ToolCallStreamer:
                 continue
             pos = self._start_pos()
             if pos is None:
-                keep = _partial_suffix_len(self.buffer, self.parser.start)
+                keep = partial_marker_len(self.buffer, self.parser.start)
                 if self.parser.only_at_start and not self.seen_text and not self.buffer.strip():
                     keep = len(self.buffer)
                 safe, self.buffer = self.buffer[:len(self.buffer) - keep], self.buffer[len(self.buffer) - keep:]
@@ -191,8 +191,8 @@ class ToolCallStreamer:
         self.in_call = False
         body = rest
         if self.parser.end:       # cut short inside its closing tag: the call itself may be whole
-            body = rest[:len(rest) - _partial_suffix_len(rest, self.parser.end)]
-        calls = self.parser._calls_in(self.parser.start + body if self.parser.start == "{" else body)
+            body = rest[:len(rest) - partial_marker_len(rest, self.parser.end)]
+        calls = self.parser.calls_in(self.parser.start + body if self.parser.start == "{" else body)
         return ("", calls) if calls else (self.parser.start + rest, [])
 
     def _visible(self, text: str) -> str:
@@ -210,7 +210,7 @@ class ToolCallStreamer:
         return pos if pos >= 0 else None
 
 
-def _partial_suffix_len(text: str, marker: str) -> int:
+def partial_marker_len(text: str, marker: str) -> int:
     """Length of the longest suffix of `text` that is a proper prefix of `marker`."""
     for k in range(min(len(marker) - 1, len(text)), 0, -1):
         if text.endswith(marker[:k]):

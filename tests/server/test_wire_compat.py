@@ -56,3 +56,38 @@ def test_values_we_cannot_honour_get_a_400_naming_the_field(server, field, value
     assert err["param"] == field and field in err["message"]
     assert server.post("/generate", json={"text": "still serving", "sampling_params": {"max_new_tokens": 1}}
                        ).status_code == 200
+
+
+def test_scoring_request_returns_every_input_logprob(server):
+    """SGLang's select(unconditional_likelihood_normalized) sends exactly this and indexes the result."""
+    ids = [[5, 6, 7, 8], [9, 10]]
+    r = server.post("/generate", json={"input_ids": ids, "sampling_params": {"max_new_tokens": 0},
+                                       "return_logprob": True})
+    assert r.status_code == 200, r.text
+    for prompt, out in zip(ids, r.json()):
+        entries = out["meta_info"]["input_token_logprobs"]
+        assert [e[1] for e in entries] == prompt
+        assert entries[0][0] is None and all(e[0] <= 0 for e in entries[1:])
+
+
+def test_stop_regex_match_is_trimmed_like_a_stop_string(server):
+    base = server.post("/generate", json={"text": "Regex trim", "sampling_params": {
+        "temperature": 0, "max_new_tokens": 12}}).json()["text"]
+    piece = next((base[i:i + 2] for i in range(2, len(base) - 2) if base[i:i + 2].isalnum()), None)
+    if piece is None:
+        pytest.skip("no alphanumeric pair in the greedy output to match")
+    r = server.post("/generate", json={"text": "Regex trim", "sampling_params": {
+        "temperature": 0, "max_new_tokens": 12, "stop_regex": [f"{piece[0]}[{piece[1]}]"]}}).json()
+    assert r["meta_info"]["finish_reason"] == {"type": "stop", "matched": piece}
+    assert r["text"] == base[:base.find(piece)]
+
+
+@pytest.mark.parametrize("field,value", [("audio", {"voice": "alloy", "format": "wav"}),
+                                         ("prediction", {"type": "content", "content": "x"}),
+                                         ("modalities", ["text", "audio"])])
+def test_openai_fields_we_cannot_honour_are_400(server, field, value):
+    body = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1, field: value}
+    r = server.post("/v1/chat/completions", json=body)
+    assert r.status_code == 400 and r.json()["error"]["param"] == field
+    ok = {**body, field: None if field != "modalities" else ["text"]}
+    assert server.post("/v1/chat/completions", json=ok).status_code == 200

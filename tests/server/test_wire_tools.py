@@ -107,6 +107,8 @@ def test_auto_tool_calls_are_parsed_from_the_models_markup(server):
     ({"tools": TOOLS, "tool_choice": "sometimes"}, "tool_choice"),
     ({"tools": TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}}, "tool_choice"),
     ({"functions": [{"name": "f"}]}, "functions"),
+    ({"chat_template_kwargs": ["x"]}, "chat_template_kwargs"),
+    ({"chat_template_kwargs": {"messages": []}}, "chat_template_kwargs"),
 ])
 def test_bad_tool_requests_are_400(server, body, param):
     r = server.post("/v1/chat/completions", json={"model": "tiny", "messages": MESSAGES, **body})
