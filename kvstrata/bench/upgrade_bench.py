@@ -195,23 +195,26 @@ def format_result(res: dict) -> str:
 
 
 def plot(results: list[dict], path: str) -> None:
-    """Hit rate and P99 TTFT per window, one line per mode, the upgrade shaded."""
+    """Failed requests, hit rate and P99 TTFT per window, one series per mode, the upgrade shaded."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 2, figsize=(12, 4))
-    for res in results:
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4))
+    for k, res in enumerate(results):
         xs = [w["start_s"] for w in res["windows"]]
-        axes[0].plot(xs, [100 * w["hit_rate"] for w in res["windows"]], marker="o", label=res["mode"])
-        axes[1].plot(xs, [w["p99_ttft"] for w in res["windows"]], marker="o", label=res["mode"])
+        width = res["windows"][1]["start_s"] / (len(results) + 1) if len(xs) > 1 else 1
+        axes[0].bar([x + k * width for x in xs], [w["failed"] for w in res["windows"]], width, label=res["mode"])
+        axes[1].plot(xs, [100 * w["hit_rate"] for w in res["windows"]], marker="o", label=res["mode"])
+        axes[2].plot(xs, [w["p99_ttft"] for w in res["windows"]], marker="o", label=res["mode"])
         ev = res["events"]
         for ax in axes:
             ax.axvspan(ev.get("upgrade_start", 0), ev.get("upgrade_end", 0), alpha=0.1,
                        color="tab:blue" if res["mode"] == "in-place" else "tab:orange")
-    axes[0].set_ylabel("hit rate (%)")
-    axes[1].set_ylabel("P99 TTFT (s)")
+    axes[0].set_ylabel("failed requests")
+    axes[1].set_ylabel("hit rate (%)")
+    axes[2].set_ylabel("P99 TTFT (s)")
     for ax in axes:
         ax.set_xlabel("window start (s)")
         ax.grid(alpha=0.3)

@@ -11,13 +11,14 @@ import time
 from pathlib import Path
 from typing import Any, Optional
 
+import psutil
 import yaml
 
 from kvstrata.args import env_flag
 from kvstrata.cluster import control
 from kvstrata.cluster.control import ControlRequest
 from kvstrata.cluster.spec import DEFAULT_SPEC_YAML, GroupSpec, SpecError, load_spec
-from kvstrata.storage.mooncake_services import _alive, stop_group
+from kvstrata.storage.mooncake_services import stop_group
 
 
 def run_dir_for(spec: GroupSpec, override: Optional[str] = None) -> Path:
@@ -156,6 +157,7 @@ def cmd_status(spec: GroupSpec, run_dir: Path, args: argparse.Namespace) -> int:
 
 def cmd_down(spec: GroupSpec, run_dir: Path, args: argparse.Namespace) -> int:
     """Stop the group: through its supervisor, or by the PIDs in its state file if the supervisor is gone."""
+    pid = (_read_state(run_dir) or {}).get("supervisor_pid")
     try:
         reply = control.call(str(run_dir / "control.sock"), ControlRequest("down"), timeout_s=180)
         print(reply.message)
@@ -167,13 +169,12 @@ def cmd_down(spec: GroupSpec, run_dir: Path, args: argparse.Namespace) -> int:
         for member in reversed(state["members"]):
             if member.get("pid"):
                 stop_group(member["pid"])
-        if _alive(state["supervisor_pid"]):
+        if _running(state["supervisor_pid"]):
             os.kill(state["supervisor_pid"], signal.SIGKILL)
         (run_dir / "state.json").unlink(missing_ok=True)
         print("group stopped by PID (the supervisor was not answering)")
-    pid = (_read_state(run_dir) or {}).get("supervisor_pid")
     deadline = time.monotonic() + 30
-    while pid and _alive(pid) and time.monotonic() < deadline:
+    while pid and _running(pid) and time.monotonic() < deadline:
         time.sleep(0.1)
     return 0
 
@@ -211,6 +212,14 @@ def _supervisor_answers(run_dir: Path) -> bool:
         control.call(str(run_dir / "control.sock"), ControlRequest("status"), timeout_s=10)
         return True
     except OSError:
+        return False
+
+
+def _running(pid: int) -> bool:
+    """Whether `pid` is a live process (a zombie waiting for its parent counts as gone)."""
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
         return False
 
 

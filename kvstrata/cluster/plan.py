@@ -158,11 +158,6 @@ def member_command(spec: GroupSpec, role: RoleSpec, index: int, net: Network,
                          env=env | role.env, ports=ports, probe=probe)
 
 
-def group_commands(spec: GroupSpec, net: Network) -> list[MemberCommand]:
-    """Every member of the group, roles in start order, members by index."""
-    return [member_command(spec, role, i, net) for role in spec.start_order() for i in range(role.replicas)]
-
-
 def worker_roles(spec: GroupSpec, router: RoleSpec) -> list[RoleSpec]:
     """The server roles a router fronts: its dependencies of a server kind."""
     return [spec.role(d) for d in router.dependencies if spec.role(d).kind in SERVER_KINDS]

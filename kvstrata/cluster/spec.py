@@ -348,22 +348,6 @@ def topological_order(spec: GroupSpec) -> list[RoleSpec]:
     return order
 
 
-def dump_spec(spec: GroupSpec) -> str:
-    """The spec as YAML (what `upgrade --set` produces is shown this way)."""
-    roles = []
-    for r in spec.roles:
-        item: dict[str, Any] = {"name": r.name, "kind": r.kind, "replicas": r.replicas}
-        for key in ("args", "env"):
-            if getattr(r, key):
-                item[key] = dict(getattr(r, key))
-        if r.dependencies:
-            item["dependencies"] = list(r.dependencies)
-        if r.image:
-            item["image"] = r.image
-        roles.append(item)
-    return yaml.safe_dump({"name": spec.name, "image": spec.image, "roles": roles}, sort_keys=False)
-
-
 def _mapping(value: Any, where: str, allowed: Optional[set[str]] = None) -> None:
     if not isinstance(value, dict):
         raise SpecError(f"{where}: must be a mapping, got {type(value).__name__}")

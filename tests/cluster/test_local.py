@@ -138,7 +138,8 @@ def test_in_place_upgrade_under_load_fails_no_request(group):
     # the cache survives: L3 (the Mooncake store role) serves what the new processes lost
     steady = [r for r in load.records if r["t"] < started]
     after = [r for r in load.records if r["t"] > finished]
-    assert hit_rate(after) >= 0.95 * hit_rate(steady) or hit_rate(after) > 0.8, (hit_rate(steady), hit_rate(after))
+    assert hit_rate(steady) > 0.5
+    assert hit_rate(after) >= 0.95 * hit_rate(steady), (hit_rate(steady), hit_rate(after))
 
 
 def test_upgrade_rejects_a_bad_setting(group):
