@@ -37,6 +37,8 @@ MEM_LAYOUTS = ["layer_first", "page_first"]
 STORAGE_BACKENDS = ["file", "mooncake"]
 PREFETCH_POLICIES = ["best_effort", "wait_complete", "timeout"]
 DTYPES = ["auto", "bfloat16", "float32", "float16"]
+DISAGGREGATION_MODES = ["null", "prefill", "decode"]
+TRANSFER_BACKENDS = ["mooncake"]
 
 
 @dataclass(frozen=True)
@@ -57,6 +59,9 @@ class ServerArgs:
     random_seed: Optional[int] = field(default=None, metadata=_opt("Seed for unseeded sampling (default: random)."))
     num_threads: Optional[int] = field(default=None, metadata=_opt(
         "torch intra-op threads on CPU (default: torch's choice)."))
+    enable_deterministic_inference: bool = field(default=False, metadata=_opt(
+        "Batch-invariant forward and sampling: a request's logits, tokens and logprobs are bit-identical "
+        "whether it runs alone or in any batch, at any chunked-prefill split, with any cache hits."))
 
     # --- HTTP server ---
     host: str = field(default="127.0.0.1", metadata=_opt("HTTP host to bind."))
@@ -113,6 +118,19 @@ class ServerArgs:
     constrained_json_disable_any_whitespace: bool = field(default=False, metadata=_opt(
         "In JSON-schema decoding allow only compact whitespace (models that know nothing finish sooner)."))
 
+    # --- prefill/decode disaggregation (kvstrata/disagg) ---
+    disaggregation_mode: str = field(default="null", metadata=_opt(
+        "PD disaggregation role: null (co-located), prefill or decode.", DISAGGREGATION_MODES))
+    disaggregation_transfer_backend: str = field(default="mooncake", metadata=_opt(
+        "KV transfer engine between prefill and decode servers.", TRANSFER_BACKENDS))
+    disaggregation_bootstrap_port: int = field(default=8998, metadata=_opt(
+        "Prefill side: port of the bootstrap service decode servers connect to."))
+    disaggregation_ib_device: Optional[str] = field(default=None, metadata=_opt(
+        "RDMA device(s) for the transfer engine (accepted; TCP is used where no RDMA device exists)."))
+    disaggregation_bootstrap_timeout: float = field(default=30.0, metadata=_opt(
+        "Seconds either side waits for its peer (SGLang: SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT) before it "
+        "frees the request's KV and fails it."))
+
     # ------------------------------------------------------------------ CLI
     @staticmethod
     def add_cli_args(parser: argparse.ArgumentParser) -> None:
@@ -165,6 +183,11 @@ class ServerArgs:
             raise ConfigError("--hicache-storage-backend needs --enable-hierarchical-cache")
         if self.hicache_storage_backend_extra_config:
             self.storage_extra_config()  # raises on bad JSON
+        if not 0 < self.disaggregation_bootstrap_port <= 65535:
+            raise ConfigError(f"--disaggregation-bootstrap-port must be in 1..65535, got "
+                              f"{self.disaggregation_bootstrap_port}")
+        if self.disaggregation_bootstrap_timeout <= 0:
+            raise ConfigError("--disaggregation-bootstrap-timeout must be positive")
 
     # ------------------------------------------------------------------ derived values
     def resolve(self) -> ServerArgs:

@@ -2,7 +2,9 @@
 
 Measures, on one model and thread count, in one run (ratios are what to compare on a noisy machine):
 TTFT of an N-token prompt, single-stream decode tokens/s at context N, aggregate decode tokens/s with
-S concurrent streams, and transformers' forward / generate on the same weights.
+S concurrent streams, and transformers' forward / generate on the same weights. With
+`--enable-deterministic-inference` the engine is measured a second time in that mode, side by side, and
+the cost of batch invariance is printed as ratios.
 """
 
 from __future__ import annotations
@@ -26,13 +28,14 @@ def _timeit(fn, repeat: int) -> float:
     return statistics.median(times)
 
 
-def bench_kvstrata(args) -> dict:
+def bench_kvstrata(args, deterministic: bool = False) -> dict:
     """TTFT and decode rates through kvstrata.Engine."""
     import kvstrata
 
     eng = kvstrata.Engine(model_path=args.model_path, dtype=args.dtype, disable_radix_cache=True,
                           max_total_tokens=args.streams * (args.context + args.decode_tokens) + 1024,
-                          num_threads=args.threads, random_seed=0, chunked_prefill_size=args.context)
+                          num_threads=args.threads, random_seed=0, chunked_prefill_size=args.context,
+                          enable_deterministic_inference=deterministic)
     vocab = eng.scheduler.runner.vocab_size
     rng = random.Random(0)
 
@@ -90,10 +93,19 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--streams", type=int, default=16)
     p.add_argument("--repeat", type=int, default=3)
     p.add_argument("--skip-transformers", action="store_true")
+    p.add_argument("--enable-deterministic-inference", action="store_true",
+                   help="also measure the batch-invariant mode, side by side")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
     ours = bench_kvstrata(args)
     result = {"config": vars(args), "kvstrata": ours}
+    if args.enable_deterministic_inference:
+        det = bench_kvstrata(args, deterministic=True)
+        result["kvstrata_deterministic"] = det
+        result["deterministic_cost"] = {
+            "ttft_ratio": det["ttft_s"] / ours["ttft_s"],
+            "decode_1_ratio": det["decode_tok_s_1"] / ours["decode_tok_s_1"],
+            "decode_multi_ratio": det["decode_tok_s_multi"] / ours["decode_tok_s_multi"]}
     if not args.skip_transformers:
         hf = bench_transformers(args)
         result["transformers"] = hf
@@ -102,6 +114,11 @@ def main(argv: list[str] | None = None) -> int:
     print(json.dumps(result, indent=2))
     print(f"\nkvstrata: TTFT({args.context}) {ours['ttft_s'] * 1000:.0f} ms | decode 1 stream "
           f"{ours['decode_tok_s_1']:.1f} tok/s | {args.streams} streams {ours['decode_tok_s_multi']:.1f} tok/s")
+    if "kvstrata_deterministic" in result:
+        det, cost = result["kvstrata_deterministic"], result["deterministic_cost"]
+        print(f"deterministic: TTFT({args.context}) {det['ttft_s'] * 1000:.0f} ms ({cost['ttft_ratio']:.2f}x) | "
+              f"decode 1 stream {det['decode_tok_s_1']:.1f} tok/s ({cost['decode_1_ratio']:.2f}x) | "
+              f"{args.streams} streams {det['decode_tok_s_multi']:.1f} tok/s ({cost['decode_multi_ratio']:.2f}x)")
     if "transformers" in result:
         hf = result["transformers"]
         print(f"transformers: forward({args.context}) {hf['forward_s'] * 1000:.0f} ms | decode 1 stream "

@@ -23,6 +23,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
+from kvstrata.model import invariant_attention
 from kvstrata.model.forward_meta import ForwardMetadata
 
 _PLAN_KEY = "paged_attention_plan"
@@ -51,6 +52,7 @@ class ExtendSpan:
     kv: Optional[KVIndex]            # all its keys 0..prefix+extend-1; None = attend the fresh K/V only
     num_keys: int
     mask: Optional[torch.Tensor]     # [extend, num_keys] additive (0 / -inf); None = is_causal
+    prefix: int = 0                  # tokens before the first new one
 
 
 @dataclass
@@ -62,6 +64,7 @@ class DecodeGroup:
     mask: Optional[torch.Tensor]     # [B, 1, 1, max_len] additive, -inf on padding; None when none is padded
     batch: int
     max_len: int
+    lens: list[int]                  # keys per sequence (its position + 1)
 
 
 @dataclass
@@ -138,12 +141,12 @@ def _kv_index(slots: torch.Tensor, lens: list[int], page_size: int) -> tuple[KVI
 def _extend_span(slots: torch.Tensor, start: int, prefix: int, extend: int, dtype: torch.dtype,
                  page_size: int, fresh_kv_ok: bool) -> ExtendSpan:
     if prefix == 0 and fresh_kv_ok:
-        return ExtendSpan(start, start + extend, None, extend, None)
+        return ExtendSpan(start, start + extend, None, extend, None, prefix)
     total = prefix + extend
     kv, num_keys = _kv_index(slots[None, :total], [total], page_size)
     # Row j (absolute position prefix+j) sees keys 0..prefix+j; keys past `total` are page padding.
     allowed = torch.ones(extend, num_keys, dtype=torch.bool, device=slots.device).tril(diagonal=prefix)
-    return ExtendSpan(start, start + extend, kv, num_keys, _additive(allowed, dtype))
+    return ExtendSpan(start, start + extend, kv, num_keys, _additive(allowed, dtype), prefix)
 
 
 def _decode_group(meta: ForwardMetadata, seqs: list[int], rows: list[int], num_rows: int,
@@ -158,7 +161,7 @@ def _decode_group(meta: ForwardMetadata, seqs: list[int], rows: list[int], num_r
         mask = _additive(real, dtype).view(len(seqs), 1, 1, max_len)
     whole_batch = len(rows) == num_rows  # rows are then 0..n-1 in order
     row_index = None if whole_batch else torch.tensor(rows, dtype=torch.long, device=device)
-    return DecodeGroup(rows=row_index, kv=kv, mask=mask, batch=len(seqs), max_len=max_len)
+    return DecodeGroup(rows=row_index, kv=kv, mask=mask, batch=len(seqs), max_len=max_len, lens=lens)
 
 
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int,
@@ -169,6 +172,8 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id:
     kv_pool.set_kv(layer_id, meta.out_slots, k, v)
     plan = attention_plan(meta, q, kv_pool)
     num_tokens, num_heads, head_dim = q.shape
+    if meta.batch_invariant:
+        return _invariant(q, k, v, layer_id, plan, kv_pool).view(num_tokens, num_heads * head_dim)
     if plan.decode is not None and plan.decode.rows is None:
         return _decode(q, layer_id, plan.decode, kv_pool).view(num_tokens, num_heads * head_dim)
     out = q.new_empty(num_tokens, num_heads, head_dim)
@@ -177,6 +182,30 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id:
     if plan.decode is not None:
         out[plan.decode.rows] = _decode(q[plan.decode.rows], layer_id, plan.decode, kv_pool)
     return out.view(num_tokens, num_heads * head_dim)
+
+
+def _invariant(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int, plan: AttentionPlan,
+               kv_pool) -> torch.Tensor:
+    """The batch-invariant path: same plan and gathers, fixed-split attention (see invariant_attention)."""
+    scale = q.shape[-1] ** -0.5
+    out = torch.empty_like(q)
+    for span in plan.extends:
+        if span.kv is None:
+            keys, values = k[span.start:span.end], v[span.start:span.end]
+        else:
+            keys = _gather(kv_pool.k_buffer[layer_id], span.kv, q.dtype)
+            values = _gather(kv_pool.v_buffer[layer_id], span.kv, q.dtype)
+        total = span.prefix + span.end - span.start
+        out[span.start:span.end] = invariant_attention.attend_sequence(
+            q[span.start:span.end], keys[:total], values[:total], span.prefix, scale)
+    group = plan.decode
+    if group is not None:
+        shape = (group.batch, group.max_len, kv_pool.num_kv_heads, q.shape[-1])
+        keys = _gather(kv_pool.k_buffer[layer_id], group.kv, q.dtype).view(shape)
+        values = _gather(kv_pool.v_buffer[layer_id], group.kv, q.dtype).view(shape)
+        rows = slice(None) if group.rows is None else group.rows
+        out[rows] = invariant_attention.attend_decodes(q[rows], keys, values, group.lens, scale)
+    return out
 
 
 def _gather(buffer: torch.Tensor, kv: KVIndex, dtype: torch.dtype) -> torch.Tensor:

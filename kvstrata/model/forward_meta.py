@@ -26,6 +26,9 @@ class ForwardMetadata:
     # Called with the layer id before that layer reads the pool: lets the L2 tier finish loading layer i
     # while layer i-1 computes. None when nothing is in flight.
     layer_wait: Optional[Callable[[int], None]] = None
+    # Batch-invariant kernels (--enable-deterministic-inference): each row's result is independent of the
+    # rest of the batch, of chunking and of cache hits.
+    batch_invariant: bool = False
     # Derived tensors cached by the attention backend for this forward (e.g. padded decode slots).
     cache: dict = field(default_factory=dict)
 

@@ -29,15 +29,40 @@ class Linear(nn.Linear):
                  upcast_min_rows: int = UPCAST_MIN_ROWS):
         super().__init__(in_features, out_features, bias=bias)
         self.upcast_min_rows = upcast_min_rows
+        self.min_rows = 1   # inputs with fewer rows are zero-padded (batch-invariant mode)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x `[T, in]` -> `[T, out]` (in the weight's dtype when a float32 weight serves a bf16 model)."""
+        rows = x.shape[0]
+        if rows < self.min_rows:
+            return self._forward(F.pad(x, (0, 0, 0, self.min_rows - rows)))[:rows]
+        return self._forward(x)
+
+    def _forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dtype != self.weight.dtype:
             return F.linear(x.to(self.weight.dtype), self.weight, self.bias)
         if x.shape[0] >= self.upcast_min_rows and x.device.type == "cpu" and upcasts_on_cpu(x.dtype):
             bias = None if self.bias is None else self.bias.float()
             return F.linear(x.float(), self.weight.float(), bias).to(x.dtype)
         return F.linear(x, self.weight, self.bias)
+
+
+# Measured on x86 CPUs (MKL/oneDNN, float32): GEMMs of fewer than 12 rows take kernels that round a row
+# differently from the same row in a larger product; from 12 rows on, each row's result is independent of
+# the row count and of its position. tests/model/test_batch_invariance.py checks this on every machine.
+BATCH_INVARIANT_MIN_ROWS = 16
+
+
+def make_batch_invariant(model: nn.Module) -> None:
+    """Configure every Linear of `model` so that a row's output never depends on the other rows.
+
+    Few-row inputs are padded to BATCH_INVARIANT_MIN_ROWS, and the float32 upcast of emulated bf16 GEMMs
+    applies at every row count (instead of switching kernels at `upcast_min_rows`).
+    """
+    for module in model.modules():
+        if isinstance(module, Linear):
+            module.min_rows = BATCH_INVARIANT_MIN_ROWS
+            module.upcast_min_rows = 1
 
 
 def upcasts_on_cpu(dtype: torch.dtype) -> bool:

@@ -16,6 +16,7 @@ from kvstrata.memory.req_slots import ReqSlotTable
 from kvstrata.model.builtin import resolve_model_path
 from kvstrata.model.config import ModelConfig
 from kvstrata.model.forward_meta import ForwardMetadata
+from kvstrata.model.layers import make_batch_invariant
 from kvstrata.model.loader import load_model
 from kvstrata.runtime.batch import ScheduledBatch, StepResult
 from kvstrata.runtime.sampler import Sampler
@@ -40,6 +41,8 @@ class ModelRunner:
         self.model_path = resolve_model_path(args.model_path)
         self.config = ModelConfig.from_path(self.model_path)
         self.model = load_model(self.model_path, self.config, self.dtype, self.device)
+        if args.enable_deterministic_inference:
+            make_batch_invariant(self.model)
         self.context_len = args.context_length or self.config.max_position_embeddings
         self.vocab_size = self.config.vocab_size
         num_pages = self._pool_pages()
@@ -104,7 +107,7 @@ class ModelRunner:
         meta = ForwardMetadata(
             extend_lens=extend_lens, prefix_lens=prefix_lens, kv_slots=kv_slots,
             out_slots=torch.cat(out_slots), logits_indices=torch.tensor(logit_rows, dtype=torch.long, device=dev),
-            layer_wait=batch.layer_wait)
+            layer_wait=batch.layer_wait, batch_invariant=self.args.enable_deterministic_inference)
         logits = self.model(torch.tensor(ids, dtype=torch.long, device=dev), positions.to(dev), meta, self.pool)
         logits = logits.float()
         prompt_rows = {i: torch.log_softmax(logits[r0:r0 + n], dim=-1).cpu() for i, r0, n in prompt_spans}

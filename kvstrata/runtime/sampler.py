@@ -32,6 +32,10 @@ class Sampler:
         self.device = device
         self.default_generator = torch.Generator(device="cpu").manual_seed(seed)
 
+    def next_seed(self) -> int:
+        """A seed for one request's own generator, drawn from the server's seed."""
+        return int(torch.randint(0, 2**62, (1,), generator=self.default_generator))
+
     def sample(self, logits: torch.Tensor, reqs: list[Req], masks: Optional[torch.Tensor] = None,
                mask_rows: Optional[torch.Tensor] = None, apply_mask: Optional[Callable] = None) -> SampleOutput:
         """Pick one token per row of `logits` ([B, V] float32) for `reqs`.
@@ -39,9 +43,12 @@ class Sampler:
         `apply_mask(logits, masks, mask_rows)`: the grammar backend's (fast) kernel; a torch one by default.
         """
         want_logprobs = any(r.return_logprob for r in reqs)
+        raw_logits = logits
         raw_logprobs = torch.log_softmax(logits, dim=-1) if want_logprobs else None
         logits = self._apply_penalties(logits, reqs)
         if masks is not None:
+            if want_logprobs and logits is raw_logits:
+                logits = logits.clone()   # the mask is applied in place; logprobs rank the raw logits
             if apply_mask is None:
                 from kvstrata.constrained.base import GrammarBackend
 
@@ -50,8 +57,8 @@ class Sampler:
         tokens = self._choose(logits, reqs)
         lp, top = None, None
         if raw_logprobs is not None:
-            lp, top = logprob_info(raw_logprobs, tokens, [r.top_logprobs_num if r.return_logprob else 0
-                                                          for r in reqs])
+            top_nums = [r.top_logprobs_num if r.return_logprob else 0 for r in reqs]
+            lp, top = logprob_info(raw_logits, raw_logprobs, tokens, top_nums)
         return SampleOutput(tokens.tolist(), lp, top)
 
     def _apply_penalties(self, logits: torch.Tensor, reqs: list[Req]) -> torch.Tensor:
@@ -110,18 +117,30 @@ class Sampler:
         return out / out.sum(dim=-1, keepdim=True)
 
 
-def logprob_info(logprobs: torch.Tensor, tokens: torch.Tensor, top_nums: list[int]
+def logprob_info(logits: torch.Tensor, logprobs: torch.Tensor, tokens: torch.Tensor, top_nums: list[int]
                  ) -> tuple[list[float], list[list[tuple[float, int]]]]:
-    """Chosen-token logprobs and top-k (logprob, token) lists from log_softmax rows."""
+    """Chosen-token logprobs and top-k (logprob, token) lists.
+
+    The top tokens are ranked by the raw `logits` (log_softmax can round two near-equal logits to one
+    value), ties broken by the lower token id, as argmax does: a greedy token is always the first entry.
+    """
     chosen = logprobs.gather(1, tokens.to(logprobs.device).unsqueeze(1)).squeeze(1).tolist()
     k = max(top_nums) if top_nums else 0
     tops: list[list[tuple[float, int]]] = [[] for _ in top_nums]
     if k > 0:
-        vals, ids = logprobs.topk(k, dim=-1)
-        vals, ids = vals.tolist(), ids.tolist()
+        ids = top_token_ids(logits, k)
+        vals, ids = logprobs.gather(1, ids).tolist(), ids.tolist()
         for i, n in enumerate(top_nums):
             tops[i] = list(zip(vals[i][:n], ids[i][:n]))
     return chosen, tops
+
+
+def top_token_ids(scores: torch.Tensor, k: int) -> torch.Tensor:
+    """Ids `[B, k]` of each row's k highest scores, highest first, equal scores by ascending id."""
+    vals, ids = scores.topk(min(k, scores.shape[-1]), dim=-1)
+    by_id = ids.argsort(dim=-1)
+    vals, ids = vals.gather(1, by_id), ids.gather(1, by_id)
+    return ids.gather(1, vals.argsort(dim=-1, descending=True, stable=True))
 
 
 def output_counts(req: Req, vocab_size: int) -> torch.Tensor:

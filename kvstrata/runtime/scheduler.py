@@ -19,9 +19,11 @@ from kvstrata.cache.manager import KVCacheManager, build_tree
 from kvstrata.memory.allocator import PageAllocator
 from kvstrata.memory.req_slots import ReqSlotTable
 from kvstrata.runtime.batch import BatchEntry, ScheduledBatch, StepResult
+from kvstrata.runtime.disagg_hooks import add_bootstrapped, create_handoff
 from kvstrata.runtime.messages import ControlOut, ReqOutput, TokenizedGenerateReq
 from kvstrata.runtime.model_runner import ModelRunner
 from kvstrata.runtime.req import Req, ReqState, finish_abort
+from kvstrata.runtime.sampler import top_token_ids
 from kvstrata.runtime.sampling_params import InvalidRequest
 from kvstrata.runtime.stop import StopChecker
 
@@ -55,6 +57,7 @@ class Scheduler:
                         "finished_requests": 0, "aborted_requests": 0}
         self._grammar = None
         self.grammar_backend()   # built now: its vocabulary scan would otherwise stall the first request
+        self.handoff = create_handoff(self)   # PD disaggregation (None when co-located)
 
     # ------------------------------------------------------------------ inputs
     def add_request(self, msg: TokenizedGenerateReq) -> Optional[ReqOutput]:
@@ -69,6 +72,11 @@ class Scheduler:
                   stream=msg.stream, namespace=msg.cache_namespace)
         if s.sampling_seed is not None:
             req.generator = torch.Generator().manual_seed(s.sampling_seed)
+        elif self.args.enable_deterministic_inference and not s.is_greedy:
+            # Its own generator, seeded at arrival: its draws never depend on what else is in the batch.
+            req.generator = torch.Generator().manual_seed(self.runner.sampler.next_seed())
+        if msg.bootstrap is not None:
+            return add_bootstrapped(self, req, msg.bootstrap)
         if s.constraint is not None:
             backend = self.grammar_backend()
             if backend is None:
@@ -113,7 +121,7 @@ class Scheduler:
 
     def abort(self, rid: str) -> list[ReqOutput]:
         """Abort a waiting or running request (and its n-copies' prefixed rids); frees its KV."""
-        outs = []
+        outs = self.handoff.abort(rid) if self.handoff is not None else []
         for queue in (self.waiting, self.running):
             for req in [r for r in queue if r.rid == rid]:
                 queue.remove(req)
@@ -127,7 +135,7 @@ class Scheduler:
 
     def flush_cache(self) -> ControlOut:
         """Empty the radix tree; refused while requests are queued or running."""
-        if self.waiting or self.running:
+        if self.waiting or self.running or self._handoff_busy():
             return ControlOut("flush_cache", False, f"cannot flush the cache while {len(self.running)} requests "
                               f"run and {len(self.waiting)} wait")
         self.cache.flush()
@@ -135,13 +143,18 @@ class Scheduler:
 
     def has_work(self) -> bool:
         """Whether step() would do anything."""
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running) or self._handoff_busy()
+
+    def _handoff_busy(self) -> bool:
+        return self.handoff is not None and self.handoff.has_work()
 
     # ------------------------------------------------------------------ one step
     def step(self) -> list[ReqOutput]:
         """Schedule, run one forward, process results. Returns outputs to send."""
         outputs = self._poll_grammars()
         self.cache.begin_step()
+        if self.handoff is not None:
+            outputs.extend(self.handoff.poll())
         batch = self._schedule()
         batch.layer_wait = self.cache.take_layer_wait()
         if batch.is_empty():
@@ -299,6 +312,8 @@ class Scheduler:
             if e.extend_len > 1 and not req.finished:
                 self.cache.commit(req)           # share the prompt with other requests right away
             if req.finished:
+                if self.handoff is not None and self.handoff.hold(req):
+                    continue                     # a prefill's KV goes to its decode server first
                 self._finish(req)
                 outputs.append(self._output(req))
             elif req.stream and len(req.output_ids) > req.sent_tokens:
@@ -306,12 +321,17 @@ class Scheduler:
         return outputs
 
     def _append_token(self, req: Req, result: StepResult, k: int) -> None:
-        token = result.next_token_ids[k]
+        logprobs = req.return_logprob and result.next_logprobs is not None
+        self.accept_token(req, result.next_token_ids[k], result.next_logprobs[k] if logprobs else None,
+                          result.next_top_logprobs[k] if logprobs else None)
+
+    def accept_token(self, req: Req, token: int, logprob: Optional[float], top: Optional[list]) -> None:
+        """Append one sampled token (and its logprobs when given) to req, then check its stop conditions."""
         req.output_ids.append(token)
         self.metrics["generated_tokens"] += 1
-        if req.return_logprob and result.next_logprobs is not None:
-            req.output_logprobs.append((result.next_logprobs[k], token))
-            req.output_top_logprobs.append(result.next_top_logprobs[k])
+        if logprob is not None:
+            req.output_logprobs.append((logprob, token))
+            req.output_top_logprobs.append(top)
         if req.grammar is not None:
             req.grammar.accept_token(token)
         req.finish_reason = self.stop.check(req, self.context_len)
@@ -325,7 +345,8 @@ class Scheduler:
         req.input_logprobs.extend(zip(chosen, targets.tolist()))
         n = req.top_logprobs_num
         if n > 0:
-            vals, ids = rows.topk(n, dim=-1)
+            ids = top_token_ids(rows, n)
+            vals = rows.gather(1, ids)
             req.input_top_logprobs.extend(list(zip(v, t)) for v, t in zip(vals.tolist(), ids.tolist()))
         else:
             req.input_top_logprobs.extend([] for _ in range(len(chosen)))
@@ -355,13 +376,16 @@ class Scheduler:
     def close(self) -> None:
         """Release background resources (copy workers, grammar compile threads)."""
         self.cache.close()
+        if self.handoff is not None:
+            self.handoff.close()
         if self._grammar is not None:
             self._grammar.close()
 
     # ------------------------------------------------------------------ introspection
     def check_integrity(self) -> None:
         """Assert page and row accounting (callable between steps)."""
-        self.cache.check_integrity(self.running)
+        held = self.handoff.held() if self.handoff is not None else []
+        self.cache.check_integrity(self.running + held)
 
     def get_state(self) -> dict:
         """Internal state and metrics for /server_info."""
@@ -372,7 +396,9 @@ class Scheduler:
                  "step": self.step_count, "new_token_ratio": self.new_token_ratio, **self.cache.stats(), **m}
         if self.cache.tree is not None:
             state["radix_cache"] = self.cache.tree.metrics()
-        if not self.running and not self.waiting:
+        if self.handoff is not None:
+            state["disaggregation"] = self.handoff.state()
+        if not self.running and not self.waiting and not self._handoff_busy():
             try:
                 self.check_integrity()
                 state["integrity_ok"] = True

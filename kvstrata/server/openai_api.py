@@ -11,6 +11,7 @@ from typing import Any, Optional
 from starlette.requests import Request
 from starlette.responses import Response
 
+from kvstrata.server.disagg_fields import attach_bootstrap
 from kvstrata.server.native_api import finite_logprob, run_request
 from kvstrata.server.openai_protocol import OpenAIOptions, parse_chat, parse_completion
 from kvstrata.server.protocol import ApiError, GenerateRequest, parse_json_body
@@ -25,6 +26,7 @@ async def handle_chat(request: Request, tm: TokenizerManager) -> Response:
 
     body = parse_json_body(await request.body())
     chat, req, opts = parse_chat(body, tm.args.served_model_name or "")
+    attach_bootstrap(body, req)
     cont = chat.continue_final_message
     try:
         prompt = apply_chat_template(tm.tokenizer, chat.messages, add_generation_prompt=not cont,
@@ -39,6 +41,7 @@ async def handle_completion(request: Request, tm: TokenizerManager) -> Response:
     """POST /v1/completions."""
     body = parse_json_body(await request.body())
     req, opts = parse_completion(body, tm.args.served_model_name or "")
+    attach_bootstrap(body, req)
     return await _run(request, tm, req, opts)
 
 

@@ -139,7 +139,8 @@ class TokenizerManager:
                 self._send(TokenizedGenerateReq(
                     rid=state.rid, input_ids=state.input_ids, sampling_params=state.sampling,
                     return_logprob=p.return_logprob, logprob_start_len=p.logprob_start_len if p.return_logprob else -1,
-                    top_logprobs_num=p.top_logprobs_num, stream=req.stream, cache_namespace=req.cache_salt))
+                    top_logprobs_num=p.top_logprobs_num, stream=req.stream, cache_namespace=req.cache_salt,
+                    bootstrap=req.extra.get("bootstrap")))
         except ApiError:
             self.release(states)
             raise

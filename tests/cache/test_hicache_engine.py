@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.runtime.helpers import assert_idle_integrity, make_engine
+from tests.runtime.helpers import NUMERIC_DTYPES, assert_idle_integrity, make_engine
 
 GREEDY = {"temperature": 0, "max_new_tokens": 8, "ignore_eos": True}
 QUESTIONS = ["Tell me about caches and pages in a serving engine.",
@@ -28,9 +28,14 @@ def run_conversations(engine, rounds: int = 3) -> tuple[list[list[int]], list[di
     return outputs, metas
 
 
+@pytest.fixture(scope="module", params=NUMERIC_DTYPES)
+def dtype(request) -> str:
+    return request.param
+
+
 @pytest.fixture(scope="module")
-def reference():
-    eng = make_engine(disable_radix_cache=True)
+def reference(dtype):
+    eng = make_engine(disable_radix_cache=True, dtype=dtype)
     try:
         return run_conversations(eng)[0]
     finally:
@@ -43,9 +48,9 @@ SMALL_POOL = {"max_total_tokens": 160, "chunked_prefill_size": 32}
 
 @pytest.mark.parametrize("policy", ["write_through", "write_through_selective", "write_back"])
 @pytest.mark.parametrize("layout", ["layer_first", "page_first"])
-def test_greedy_identical_with_hicache(reference, policy, layout):
+def test_greedy_identical_with_hicache(reference, dtype, policy, layout):
     eng = make_engine(enable_hierarchical_cache=True, hicache_write_policy=policy, hicache_mem_layout=layout,
-                      hicache_ratio=6, **SMALL_POOL)
+                      hicache_ratio=6, dtype=dtype, **SMALL_POOL)
     try:
         outputs, _ = run_conversations(eng)
         assert outputs == reference
@@ -59,9 +64,9 @@ def returning_hits(metas: list[dict], first_round: int = 1) -> list[float]:
     return [m["cached_tokens"] / m["history"] for m in metas if m["round"] >= first_round]
 
 
-def test_returning_conversations_hit_l2_not_l1_only(reference):
-    l2 = make_engine(enable_hierarchical_cache=True, hicache_ratio=6, **SMALL_POOL)
-    l1 = make_engine(**SMALL_POOL)
+def test_returning_conversations_hit_l2_not_l1_only(reference, dtype):
+    l2 = make_engine(enable_hierarchical_cache=True, hicache_ratio=6, dtype=dtype, **SMALL_POOL)
+    l1 = make_engine(dtype=dtype, **SMALL_POOL)
     try:
         out2, metas2 = run_conversations(l2)
         out1, metas1 = run_conversations(l1)
@@ -77,8 +82,8 @@ def test_returning_conversations_hit_l2_not_l1_only(reference):
         l1.shutdown()
 
 
-def test_full_host_pool_costs_hits_not_requests(reference):
-    eng = make_engine(enable_hierarchical_cache=True, hicache_ratio=1.05, **SMALL_POOL)
+def test_full_host_pool_costs_hits_not_requests(reference, dtype):
+    eng = make_engine(enable_hierarchical_cache=True, hicache_ratio=1.05, dtype=dtype, **SMALL_POOL)
     try:
         outputs, _ = run_conversations(eng)
         assert outputs == reference

@@ -18,9 +18,16 @@ PROMPTS = [
 ]
 
 
+# Tests that compare outputs across cache configurations run in both dtypes on every CPU: bf16 is the default
+# on CPUs with AVX-512 BF16, float32 elsewhere, and a regression in either must show up on any machine.
+NUMERIC_DTYPES = ["float32", "bfloat16"]
+
+
 def make_engine(**kwargs) -> kvstrata.Engine:
-    """A tiny-model engine with a deterministic seed and a small pool unless told otherwise."""
-    opts = {"model_path": "tiny", "max_total_tokens": 4096, "random_seed": 0, "dtype": "float32"}
+    """A tiny-model engine with a deterministic seed, a small pool and batch-invariant inference unless told
+    otherwise (tests compare outputs whose batches and cache hits differ)."""
+    opts = {"model_path": "tiny", "max_total_tokens": 4096, "random_seed": 0, "dtype": "float32",
+            "enable_deterministic_inference": True}
     opts.update(kwargs)
     return kvstrata.Engine(**opts)
 

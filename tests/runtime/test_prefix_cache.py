@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.runtime.helpers import assert_idle_integrity, make_engine
+from tests.runtime.helpers import NUMERIC_DTYPES, assert_idle_integrity, make_engine
 
 GREEDY = {"temperature": 0, "max_new_tokens": 8, "ignore_eos": True}
 SYSTEM = "You are a careful assistant. Answer briefly and cite the page and slot you used. " * 2
@@ -24,9 +24,14 @@ def multi_turn(engine, turns: int = 4) -> tuple[list[list[int]], list[dict]]:
     return outputs, metas
 
 
+@pytest.fixture(scope="module", params=NUMERIC_DTYPES)
+def dtype(request) -> str:
+    return request.param
+
+
 @pytest.fixture(scope="module")
-def reference():
-    eng = make_engine(disable_radix_cache=True)
+def reference(dtype):
+    eng = make_engine(disable_radix_cache=True, dtype=dtype)
     try:
         shared = [o["output_ids"] for o in eng.generate([SYSTEM + q for q in QUESTIONS], GREEDY)]
         return multi_turn(eng)[0], shared
@@ -35,9 +40,9 @@ def reference():
 
 
 @pytest.mark.parametrize("page_size", [1, 16])
-def test_cache_on_equals_cache_off(reference, page_size):
+def test_cache_on_equals_cache_off(reference, dtype, page_size):
     turns_ref, shared_ref = reference
-    eng = make_engine(page_size=page_size, chunked_prefill_size=64)
+    eng = make_engine(page_size=page_size, chunked_prefill_size=64, dtype=dtype)
     try:
         outputs, metas = multi_turn(eng)
         assert outputs == turns_ref
@@ -79,10 +84,10 @@ def test_namespaces_never_share():
 
 
 @pytest.mark.parametrize("policy", ["lru", "lfu", "fifo", "priority"])
-def test_pressure_then_flush_frees_everything(reference, policy):
+def test_pressure_then_flush_frees_everything(reference, dtype, policy):
     turns_ref, shared_ref = reference
     eng = make_engine(max_total_tokens=128, chunked_prefill_size=32, radix_eviction_policy=policy,
-                      schedule_policy="lpm")
+                      schedule_policy="lpm", dtype=dtype)
     try:
         for _ in range(2):
             assert [o["output_ids"] for o in eng.generate([SYSTEM + q for q in QUESTIONS], GREEDY)] == shared_ref

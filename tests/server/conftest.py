@@ -21,7 +21,9 @@ import requests
 API_KEY = "test-secret-key"
 START_TIMEOUT_S = 180.0
 REPO_ROOT = Path(__file__).resolve().parents[2]
-BASE_FLAGS = ["--max-total-tokens", "4096", "--random-seed", "0", "--log-level", "warning"]
+# Deterministic inference: tests compare outputs across batch shapes, which must hold in bf16 too.
+BASE_FLAGS = ["--max-total-tokens", "4096", "--random-seed", "0", "--log-level", "warning",
+              "--enable-deterministic-inference"]
 
 
 def free_port() -> int:
