@@ -8,11 +8,8 @@ import sys
 BENCHMARKS = {"engine": "kvstrata.bench.engine_bench", "multiturn": "kvstrata.bench.multiturn",
               "compare": "kvstrata.bench.compare"}
 BENCHMARKS["grammar"] = "kvstrata.bench.grammar_bench"
-<<<<<<< HEAD
 BENCHMARKS["upgrade"] = "kvstrata.bench.upgrade_bench"
-=======
 BENCHMARKS["pd"] = "kvstrata.bench.pd_bench"
->>>>>>> pd
 
 
 def main(argv: list[str]) -> int:
