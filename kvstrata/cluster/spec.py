@@ -133,7 +133,8 @@ roles:
 _GROUP_KEYS = {"name", "image", "roles"}
 _ROLE_KEYS = {"name", "kind", "replicas", "args", "env", "dependencies", "readiness", "resources", "image",
               "port"}
-_DERIVED_ARGS = {"host", "port", "worker-urls", "master", "metadata", "ready-file"}
+_DERIVED_ARGS = {"host", "port", "worker-urls", "master", "metadata", "ready-file", "disaggregation-mode",
+                 "disaggregation-bootstrap-port", "pd-disaggregation", "prefill", "decode"}
 
 
 def load_spec(path: Optional[str] = None) -> GroupSpec:
@@ -319,9 +320,13 @@ def _check_discovery(spec: GroupSpec) -> None:
             role.kind in SERVER_KINDS and role.args.get("hicache-storage-backend") == "mooncake")
         if needs_master and not spec.roles_of("mooncake-master"):
             raise SpecError(f"roles[{i}]: role {role.name!r} needs Mooncake but the group has no mooncake-master role")
-        if role.kind == "router" and not any(spec.role(d).kind in SERVER_KINDS for d in role.dependencies):
+        fronted = {spec.role(d).kind for d in role.dependencies} & set(SERVER_KINDS)
+        if role.kind == "router" and not fronted:
             raise SpecError(f"roles[{i}].dependencies: the router learns its workers from its dependencies; "
                             f"list at least one worker, prefill or decode role")
+        if role.kind == "router" and fronted - {"worker"} and fronted != {"prefill", "decode"}:
+            raise SpecError(f"roles[{i}].dependencies: a router fronts either worker roles or both a prefill "
+                            f"and a decode role, got {', '.join(sorted(fronted))}")
         if role.kind == "router" and role.replicas != 1:
             raise SpecError(f"roles[{i}].replicas: the router runs as one member")
 

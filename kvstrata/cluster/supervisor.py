@@ -50,6 +50,7 @@ class Supervisor:
         self.lock = threading.RLock()
         self.stopping = threading.Event()
         self.stopped = threading.Event()
+        self.started = threading.Event()     # every role was ready once: upgrades are accepted from then on
         self.control: Optional[ControlServer] = None
 
     def _allocate_ports(self, router_port: int) -> dict[tuple[str, int], dict[str, int]]:
@@ -93,6 +94,7 @@ class Supervisor:
                 self.write_state()
         except MemberError as e:
             raise ClusterError(str(e)) from None
+        self.started.set()
 
     def run(self, log: Progress = print) -> None:
         """Watch the members until `stopping` is set, then stop the group."""
@@ -166,8 +168,9 @@ class Supervisor:
             self.stopping.set()
             self.stopped.wait(120)
             return ControlReply(done=True, message="group stopped")
-        if self.stopping.is_set():
-            return ControlReply(done=True, ok=False, message="the group is stopping")
+        if self.stopping.is_set() or not self.started.is_set():
+            return ControlReply(done=True, ok=False,
+                                message="the group is " + ("stopping" if self.stopping.is_set() else "still starting"))
         role = self.spec.role(req.role or "")
         if req.op == "upgrade":
             self.upgrade(role, req.settings, progress)

@@ -49,7 +49,8 @@ def test_cli_spec_prints_the_default_spec():
     ("args: {model-path: tiny}", "colour: red", r"roles\[1\]\.colour: unknown field"),
     ("dependencies: [worker]", "dependencies: [mooncake-master]", r"roles\[2\]\.dependencies: the router learns its workers"),
     ("name: worker", "name: Worker_1", r"roles\[1\]\.name: 'Worker_1' must be a lowercase DNS label"),
-    ("kind: worker", "kind: decode", r"roles\[1\]\.kind: 'decode' roles need prefill/decode disaggregation"),
+    ("kind: worker", "kind: decode", r"roles\[2\]\.dependencies: a router fronts either worker roles or both"),
+    ("args: {model-path: tiny}", "args: {disaggregation-mode: prefill}", r"roles\[1\]\.args\.disaggregation-mode: derived"),
 ])
 def test_invalid_spec_names_the_field(old, new, message):
     with pytest.raises(SpecError, match=message):
