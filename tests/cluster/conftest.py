@@ -45,9 +45,9 @@ roles:
 class RunningGroup:
     """A `kvstrata cluster up` subprocess and what tests need of it."""
 
-    def __init__(self, root: Path):
+    def __init__(self, root: Path, spec_text: str = TEST_SPEC):
         self.spec_path = root / "spec.yaml"
-        self.spec_path.write_text(TEST_SPEC)
+        self.spec_path.write_text(spec_text)
         self.run_dir = root / "run"
         self.router_port = free_port()
         self.log_path = root / "up.log"
