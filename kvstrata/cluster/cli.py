@@ -146,11 +146,11 @@ def cmd_status(spec: GroupSpec, run_dir: Path, args: argparse.Namespace) -> int:
         return 1
     data = reply.data
     print(f"group {data['name']}  supervisor pid {data['supervisor_pid']}  router {data['router_url']}")
-    print(f"{'ROLE':<18}{'MEMBER':<20}{'PID':>8}  {'PORTS':<34}{'STATE':<12}{'HEALTH':<9}RESTARTS")
+    print(f"{'ROLE':<18}{'MEMBER':<20}{'PID':>8}  {'PORTS':<42}{'STATE':<12}{'HEALTH':<9}RESTARTS")
     for role in data["roles"]:
         for m in role["members"]:
             ports = ",".join(f"{k}={v}" for k, v in m["ports"].items()) or "-"
-            print(f"{role['name']:<18}{m['name']:<20}{m['pid'] or '-':>8}  {ports:<34}{m['state']:<12}"
+            print(f"{role['name']:<18}{m['name']:<20}{m['pid'] or '-':>8}  {ports:<42}{m['state']:<12}"
                   f"{'ok' if m['healthy'] else 'no':<9}{m['restarts']}")
     return 0
 

@@ -1,6 +1,7 @@
 """`kvstrata cluster up`: the group as supervised local processes, in the foreground.
 
     start    roles in dependency order; a role starts once every member of its dependencies is ready
+             (roles that do not depend on each other start together)
     watch    a member that exits unexpectedly is restarted after a backoff (1 s, doubling, at most 30 s),
              counted, and held while a dependency is not ready; a restarted server is re-admitted by the router
     upgrade  one member at a time: router drains it -> process replaced on the same port -> ready -> re-admitted
@@ -79,19 +80,25 @@ class Supervisor:
 
     # ------------------------------------------------------------------ lifecycle
     def start(self, log: Progress = print) -> None:
-        """Start every role in dependency order, each once its dependencies are ready; ClusterError on failure."""
+        """Start the roles in waves: each wave is every role whose dependencies are all ready; ClusterError
+        on failure."""
         self.control = ControlServer(self.socket_path, self.handle)
+        pending = self.spec.start_order()
         try:
-            for role in self.spec.start_order():
-                log(f"starting {role.name} ({role.kind}, {role.replicas} member(s))")
+            while pending:
+                names = {r.name for r in pending}
+                wave = [r for r in pending if not names & set(r.dependencies)]
                 with self.lock:
-                    for member in self.members[role.name]:
-                        member.spawn()
+                    for role in wave:
+                        log(f"starting {role.name} ({role.kind}, {role.replicas} member(s))")
+                        for member in self.members[role.name]:
+                            member.spawn()
                     self.write_state()
-                for member in self.members[role.name]:
+                for member in (m for role in wave for m in self.members[role.name]):
                     member.wait_ready()
                     log(f"  {member.name} ready (pid {member.pid}, ports {member.cmd.ports})")
                 self.write_state()
+                pending = [r for r in pending if r not in wave]
         except MemberError as e:
             raise ClusterError(str(e)) from None
         self.started.set()
