@@ -42,8 +42,9 @@ def build_parser() -> argparse.ArgumentParser:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--spec", default=None, help="role-group spec (default: `kvstrata cluster spec`)")
     p.add_argument("--role", default="worker", help="role to upgrade")
-    p.add_argument("--set", action="append", default=["max-running-requests=128"], metavar="KEY=VALUE",
-                   help="what the upgrade changes (in-place mode)")
+    p.add_argument("--set", action="append", default=None, metavar="KEY=VALUE",
+                   help="what the in-place upgrade changes (default for server roles: max-running-requests=128; "
+                        "none for others: the same arguments, a new process)")
     p.add_argument("--modes", default="in-place,naive", help="comma-separated: in-place, naive")
     p.add_argument("--duration", type=float, default=120.0, help="seconds of load per mode")
     p.add_argument("--upgrade-at", type=float, default=40.0, help="seconds into the load")
@@ -70,7 +71,7 @@ def run_mode(args: argparse.Namespace, mode: str) -> dict:
     """Start the group, load it, upgrade (or naively restart) the role mid-run, stop it; returns the result."""
     from kvstrata.bench.launcher import free_port
     from kvstrata.cluster.cli import parse_settings
-    from kvstrata.cluster.spec import load_spec
+    from kvstrata.cluster.spec import SERVER_KINDS, load_spec
     from kvstrata.cluster.supervisor import Supervisor
 
     spec = load_spec(args.spec)
@@ -86,7 +87,9 @@ def run_mode(args: argparse.Namespace, mode: str) -> dict:
     try:
         url = sup.router().url
         events: dict[str, float] = {}
-        records = asyncio.run(_load_and_upgrade(args, url, mode, events, sup, parse_settings(args.set), log))
+        default = ["max-running-requests=128"] if spec.role(args.role).kind in SERVER_KINDS else []
+        settings = parse_settings(default if args.set is None else args.set)
+        records = asyncio.run(_load_and_upgrade(args, url, mode, events, sup, settings, log))
     finally:
         sup.stopping.set()
         watcher.join(120)

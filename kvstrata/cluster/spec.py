@@ -16,6 +16,7 @@ import yaml
 KINDS = ("router", "worker", "prefill", "decode", "mooncake-master", "mooncake-store")
 SERVER_KINDS = ("worker", "prefill", "decode")           # kvstrata servers (ServerArgs flags)
 CACHE_KINDS = ("worker", "prefill", "decode", "mooncake-store")   # hold KV: updated in place
+STORE_ARGS = {"segment-size"}      # the store's memory; mooncake-master args go to mooncake_master as flags
 DNS_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
 ArgValue = Any    # str | int | float | bool | list of those
 
@@ -265,6 +266,10 @@ def check_spec(spec: GroupSpec) -> None:
                 raise SpecError(f"{where}.dependencies[{j}]: role {role.name!r} depends on itself")
         if role.kind in SERVER_KINDS or role.kind == "router":
             _check_role_args(role, where)
+        unknown = sorted(set(role.args) - STORE_ARGS) if role.kind == "mooncake-store" else []
+        if unknown:
+            raise SpecError(f"{where}.args.{unknown[0]}: unknown mooncake-store argument; allowed: "
+                            f"{', '.join(sorted(STORE_ARGS))}")
     topological_order(spec)   # raises on a cycle
     _check_discovery(spec)
 

@@ -67,6 +67,12 @@ def test_mooncake_worker_needs_a_master():
         parse_spec(without_master)
 
 
+def test_store_args_are_checked():
+    text = DEFAULT_SPEC_YAML.replace("args: {segment-size: 256mb}", "args: {segment-size: 1gb, page-size: 4}")
+    with pytest.raises(SpecError, match=r"roles\[1\]\.args\.page-size: unknown mooncake-store argument"):
+        parse_spec(text)
+
+
 def test_not_yaml_and_not_a_mapping():
     with pytest.raises(SpecError, match="not valid YAML"):
         parse_spec("roles: [")
