@@ -55,7 +55,7 @@ def build_parser() -> argparse.ArgumentParser:
             c.add_argument("--role", required=True)
         if name == "upgrade":
             c.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                           help="a role arg (flag name), env.NAME or image; repeatable")
+                           help="a role argument (flag name) or env.NAME; repeatable")
     return p
 
 

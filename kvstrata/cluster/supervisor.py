@@ -244,16 +244,17 @@ class Supervisor:
             raise ClusterError(str(e)) from None
 
     def _apply_settings(self, role: RoleSpec, settings: dict[str, Any]) -> RoleSpec:
-        """The role with `--set` applied (args by flag name; env.NAME; image), checked like a spec."""
-        args, env, image = dict(role.args), dict(role.env), role.image
+        """The role with `--set` applied (args by flag name, or env.NAME), checked like a spec."""
+        args, env = dict(role.args), dict(role.env)
         for key, value in settings.items():
             if key == "image":
-                image = str(value)
-            elif key.startswith("env."):
+                raise ClusterError("--set image: images are for Kubernetes (`kubectl patch`, see the README); "
+                                   "a local member runs the code installed here")
+            if key.startswith("env."):
                 env[key[4:]] = str(value)
             else:
                 args[key.lstrip("-")] = value
-        new_role = dataclasses.replace(role, args=args, env=env, image=image)
+        new_role = dataclasses.replace(role, args=args, env=env)
         new_spec = dataclasses.replace(self.spec, roles=tuple(new_role if r is role else r for r in self.spec.roles))
         try:
             check_spec(new_spec)

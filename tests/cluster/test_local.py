@@ -146,6 +146,8 @@ def test_upgrade_rejects_a_bad_setting(group):
     res = group.cli("upgrade", "--role", "worker", "--set", "page-size=-1")
     assert res.returncode == 1
     assert "--page-size must be positive" in res.stdout + res.stderr
+    res = group.cli("upgrade", "--role", "worker", "--set", "image=kvstrata:2")
+    assert res.returncode == 1 and "images are for Kubernetes" in res.stdout + res.stderr
     assert group.member("worker-0")["state"] == "ready"
 
 
