@@ -10,6 +10,7 @@ BENCHMARKS = {"engine": "kvstrata.bench.engine_bench", "multiturn": "kvstrata.be
 BENCHMARKS["grammar"] = "kvstrata.bench.grammar_bench"
 BENCHMARKS["upgrade"] = "kvstrata.bench.upgrade_bench"
 BENCHMARKS["pd"] = "kvstrata.bench.pd_bench"
+BENCHMARKS["router"] = "kvstrata.bench.router_bench"
 
 
 def main(argv: list[str]) -> int:
