@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 import signal
 import subprocess
 import sys
@@ -128,5 +127,3 @@ def pid_alive(pid: int) -> bool:
     except OSError:
         return False
 
-
-__all__ = ["RunningGroup", "group", "pid_alive", "os"]
