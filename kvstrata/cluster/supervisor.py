@@ -52,6 +52,7 @@ class Supervisor:
         self.stopping = threading.Event()
         self.stopped = threading.Event()
         self.started = threading.Event()     # every role was ready once: upgrades are accepted from then on
+        self.changing = threading.Lock()     # one upgrade/restart at a time
         self.control: Optional[ControlServer] = None
 
     def _allocate_ports(self, router_port: int) -> dict[tuple[str, int], dict[str, int]]:
@@ -179,11 +180,16 @@ class Supervisor:
             return ControlReply(done=True, ok=False,
                                 message="the group is " + ("stopping" if self.stopping.is_set() else "still starting"))
         role = self.spec.role(req.role or "")
-        if req.op == "upgrade":
-            self.upgrade(role, req.settings, progress)
-            return ControlReply(done=True, message=f"{role.name} upgraded", data=self.status())
-        self.restart_all(role, progress)
-        return ControlReply(done=True, message=f"{role.name} restarted", data=self.status())
+        if not self.changing.acquire(blocking=False):
+            return ControlReply(done=True, ok=False, message="another upgrade or restart is in progress")
+        try:
+            if req.op == "upgrade":
+                self.upgrade(role, req.settings, progress)
+                return ControlReply(done=True, message=f"{role.name} upgraded", data=self.status())
+            self.restart_all(role, progress)
+            return ControlReply(done=True, message=f"{role.name} restarted", data=self.status())
+        finally:
+            self.changing.release()
 
     def upgrade(self, role: RoleSpec, settings: dict[str, Any], progress: Progress) -> None:
         """In place, one member at a time: drain -> replace on the same port -> ready -> re-admit."""
@@ -229,6 +235,8 @@ class Supervisor:
     def _respawn(self, m: Member) -> None:
         """Start a member's new process; it stays 'upgrading' (ignored by watch) until ready."""
         with self.lock:
+            if self.stopping.is_set():       # the group went down meanwhile: start nothing new
+                raise ClusterError(f"{m.name}: not restarted, the group is stopping")
             m.spawn()
             m.state = "upgrading"
             self.write_state()
