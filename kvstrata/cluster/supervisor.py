@@ -4,7 +4,9 @@
              (roles that do not depend on each other start together)
     watch    a member that exits unexpectedly is restarted after a backoff (1 s, doubling, at most 30 s),
              counted, and held while a dependency is not ready; a restarted server is re-admitted by the router
-    upgrade  one member at a time: router drains it -> process replaced on the same port -> ready -> re-admitted
+    upgrade  one member at a time: router drains it -> process replaced on the same port -> ready -> re-admitted;
+             a store member: the new process starts beside the old one, the objects move to its segment
+             (store_migration.py), then the old process stops
     stop     SIGTERM/Ctrl-C or `kvstrata cluster down`: roles in reverse order, each member by its PID
 
 State (`state.json`) and the control socket live in the run directory; one log per member under logs/.
@@ -17,6 +19,8 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -24,10 +28,12 @@ from typing import Any, Optional
 
 from kvstrata.cluster import router_admin
 from kvstrata.cluster.control import ControlReply, ControlRequest, ControlServer, Progress
-from kvstrata.cluster.member import BACKOFF_FIRST_S, BACKOFF_MAX_S, STABLE_S, Member, MemberError
-from kvstrata.cluster.plan import KIND_PORTS, LocalNetwork, member_command
+from kvstrata.cluster.member import BACKOFF_FIRST_S, BACKOFF_MAX_S, STABLE_S, Member, MemberError, child_env
+from kvstrata.cluster.plan import KIND_PORTS, LocalNetwork, member_command, mooncake_addresses
 from kvstrata.cluster.spec import SERVER_KINDS, GroupSpec, RoleSpec, SpecError, check_spec
+from kvstrata.cluster.store_migration import segment_of
 from kvstrata.storage.mooncake_config import free_port
+from kvstrata.storage.mooncake_services import stop_group
 
 WATCH_PERIOD_S = 0.25
 
@@ -195,7 +201,11 @@ class Supervisor:
         """In place, one member at a time: drain -> replace on the same port -> ready -> re-admit."""
         new_role = self._apply_settings(role, settings)
         if role.kind == "mooncake-store":
-            progress("note: a replaced store member loses the L3 pages it held (no replication or snapshot yet)")
+            for m in self.members[role.name]:
+                with self.lock:
+                    m.role, m.cmd = new_role, member_command(self.spec, new_role, m.cmd.index, self.net)
+                self._replace_store(m, progress)
+            return
         router = self.router()
         drains = role.kind in SERVER_KINDS and router is not None
         for m in self.members[role.name]:
@@ -214,6 +224,42 @@ class Supervisor:
             with self.lock:
                 self.write_state()
             progress(f"{m.name}: upgraded (pid {m.pid})")
+
+    def _replace_store(self, m: Member, progress: Progress) -> None:
+        """Surge and migrate: start the new store process beside the old one, move every object off the old
+        segment onto the new one, then stop the old process; the L3 pages survive the upgrade."""
+        ready_file = m.cmd.probe.path
+        old_proc, source = m.proc, segment_of(ready_file)
+        self._respawn(m)
+        progress(f"{m.name}: new store pid {m.pid} started beside pid {old_proc.pid}; waiting for readiness")
+        try:
+            self._await_ready(m)
+        except ClusterError:
+            with self.lock:
+                m.proc, m.state = old_proc, "ready"      # the old store goes on serving
+            raise
+        try:
+            target = segment_of(ready_file)
+            progress(f"{m.name}: moving objects from segment {source} to {target}")
+            progress(f"{m.name}: {self._migrate(m, source, target)}")
+        finally:
+            progress(f"{m.name}: stopping the old store pid {old_proc.pid}")
+            stop_group(old_proc.pid)
+            old_proc.wait(10)
+        with self.lock:
+            self.write_state()
+        progress(f"{m.name}: upgraded (pid {m.pid})")
+
+    def _migrate(self, m: Member, source: str, target: str) -> str:
+        """Run store_migration in its own process (a Mooncake client of the group); returns its counts."""
+        master, metadata = mooncake_addresses(self.spec, self.net)
+        admin = f"http://127.0.0.1:{self.net.port(self.spec.roles_of('mooncake-master')[0], 0, 'metrics')}"
+        cmd = [sys.executable, "-m", "kvstrata.cluster.store_migration", "--master", master, "--metadata",
+               metadata, "--admin-url", admin, "--source", source, "--target", target]
+        with open(m.log_path, "ab") as log:
+            done = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=log, env=child_env(m.cmd.env), timeout=600)
+        lines = done.stdout.decode(errors="replace").strip().splitlines()
+        return lines[-1] if lines else f"migration exited with code {done.returncode} (see {m.log_path})"
 
     def restart_all(self, role: RoleSpec, progress: Progress) -> None:
         """The naive way, for comparison: stop every member of the role at once, no drain, then start them."""
