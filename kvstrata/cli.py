@@ -11,7 +11,8 @@ commands:
   router        route requests across workers (same flags as python -m kvstrata.router; --help lists them)
   bench NAME    run a benchmark: engine (prefill/decode speed vs transformers), multiturn (multi-turn
                 cache benchmark against a server), compare (L1 vs L1+L2 vs L1+L2+L3), grammar
-                (structured-output overhead); `kvstrata bench NAME --help` for flags
+                (structured-output overhead), pd (prefill/decode disaggregation vs co-located),
+                upgrade (in-place upgrade of a local role group under load); `kvstrata bench NAME --help`
   cluster CMD   role-based deployment: spec, render (Kubernetes RoleBasedGroup), up, status, down, logs,
                 upgrade; `kvstrata cluster --help` for details
 """

@@ -145,7 +145,8 @@ def server_flags(args: argparse.Namespace, threads: int) -> list[str]:
 
 def run_colocated(args: argparse.Namespace, space: TokenSpace, logdir: str) -> dict:
     """One server on both cores."""
-    with pinned(ServerProcess(server_flags(args, 2), f"{logdir}/colocated.log"), args.cores) as server:
+    threads = args.colocated_threads
+    with pinned(ServerProcess(server_flags(args, threads), f"{logdir}/colocated.log"), args.cores) as server:
         warm_up(server.url, space)
         return summarize(asyncio.run(run_workload(server.url, args, space)))
 
@@ -206,7 +207,7 @@ def warm_up(url: str, space: TokenSpace) -> None:
 def report(pd: dict, co: dict) -> str:
     """A markdown table of both setups."""
     rows = []
-    for name, r in (("co-located (2 cores)", co), ("PD: prefill + decode (1 core each)", pd)):
+    for name, r in ((f"co-located (2 cores, {co['threads']} threads)", co), ("PD: prefill + decode (1 core each)", pd)):
         d, lg = r["decode"], r["long"]
         rows.append([name, f"{d['mean_ttft']:.3f}", f"{d['p90_ttft']:.3f}", f"{1000 * d['p50_itl']:.1f}",
                      f"{1000 * d['p99_itl']:.1f}", f"{lg['mean_ttft']:.3f}", f"{lg['p90_ttft']:.3f}", str(r["failed"])])
@@ -224,6 +225,7 @@ def main(argv: Optional[list[str]] = None) -> int:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model-path", default="bench")
     p.add_argument("--cores", default="0,1", help="two CPU ids: prefill's, decode's (co-located gets both)")
+    p.add_argument("--colocated-threads", type=int, default=2, help="torch threads of the co-located server")
     p.add_argument("--decoders", type=int, default=4, help="concurrent decoding clients")
     p.add_argument("--decode-requests", type=int, default=3, help="requests per decoding client")
     p.add_argument("--decode-tokens", type=int, default=64)
@@ -244,7 +246,7 @@ def main(argv: Optional[list[str]] = None) -> int:
 
     space = token_space_from_tokenizer(load_tokenizer(resolve_model_path(args.model_path)))
     logdir = tempfile.mkdtemp(prefix="kvstrata-bench-pd-")
-    co = run_colocated(args, space, logdir)
+    co = {**run_colocated(args, space, logdir), "threads": args.colocated_threads}
     pd = run_pd(args, space, logdir)
     result = {"config": vars(args), "colocated": co, "pd": pd, "cpu": os.cpu_count(), "logs": logdir}
     print(json.dumps(result, indent=2))

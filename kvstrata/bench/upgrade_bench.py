@@ -42,8 +42,9 @@ def build_parser() -> argparse.ArgumentParser:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--spec", default=None, help="role-group spec (default: `kvstrata cluster spec`)")
     p.add_argument("--role", default="worker", help="role to upgrade")
-    p.add_argument("--set", action="append", default=["max-running-requests=128"], metavar="KEY=VALUE",
-                   help="what the upgrade changes (in-place mode)")
+    p.add_argument("--set", action="append", default=None, metavar="KEY=VALUE",
+                   help="what the in-place upgrade changes (default for server roles: max-running-requests=128; "
+                        "none for others: the same arguments, a new process)")
     p.add_argument("--modes", default="in-place,naive", help="comma-separated: in-place, naive")
     p.add_argument("--duration", type=float, default=120.0, help="seconds of load per mode")
     p.add_argument("--upgrade-at", type=float, default=40.0, help="seconds into the load")
@@ -70,7 +71,7 @@ def run_mode(args: argparse.Namespace, mode: str) -> dict:
     """Start the group, load it, upgrade (or naively restart) the role mid-run, stop it; returns the result."""
     from kvstrata.bench.launcher import free_port
     from kvstrata.cluster.cli import parse_settings
-    from kvstrata.cluster.spec import load_spec
+    from kvstrata.cluster.spec import SERVER_KINDS, load_spec
     from kvstrata.cluster.supervisor import Supervisor
 
     spec = load_spec(args.spec)
@@ -86,7 +87,9 @@ def run_mode(args: argparse.Namespace, mode: str) -> dict:
     try:
         url = sup.router().url
         events: dict[str, float] = {}
-        records = asyncio.run(_load_and_upgrade(args, url, mode, events, sup, parse_settings(args.set), log))
+        default = ["max-running-requests=128"] if spec.role(args.role).kind in SERVER_KINDS else []
+        settings = parse_settings(default if args.set is None else args.set)
+        records = asyncio.run(_load_and_upgrade(args, url, mode, events, sup, settings, log))
     finally:
         sup.stopping.set()
         watcher.join(120)
@@ -195,23 +198,26 @@ def format_result(res: dict) -> str:
 
 
 def plot(results: list[dict], path: str) -> None:
-    """Hit rate and P99 TTFT per window, one line per mode, the upgrade shaded."""
+    """Failed requests, hit rate and P99 TTFT per window, one series per mode, the upgrade shaded."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 2, figsize=(12, 4))
-    for res in results:
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4))
+    for k, res in enumerate(results):
         xs = [w["start_s"] for w in res["windows"]]
-        axes[0].plot(xs, [100 * w["hit_rate"] for w in res["windows"]], marker="o", label=res["mode"])
-        axes[1].plot(xs, [w["p99_ttft"] for w in res["windows"]], marker="o", label=res["mode"])
+        width = res["windows"][1]["start_s"] / (len(results) + 1) if len(xs) > 1 else 1
+        axes[0].bar([x + k * width for x in xs], [w["failed"] for w in res["windows"]], width, label=res["mode"])
+        axes[1].plot(xs, [100 * w["hit_rate"] for w in res["windows"]], marker="o", label=res["mode"])
+        axes[2].plot(xs, [w["p99_ttft"] for w in res["windows"]], marker="o", label=res["mode"])
         ev = res["events"]
         for ax in axes:
             ax.axvspan(ev.get("upgrade_start", 0), ev.get("upgrade_end", 0), alpha=0.1,
                        color="tab:blue" if res["mode"] == "in-place" else "tab:orange")
-    axes[0].set_ylabel("hit rate (%)")
-    axes[1].set_ylabel("P99 TTFT (s)")
+    axes[0].set_ylabel("failed requests")
+    axes[1].set_ylabel("hit rate (%)")
+    axes[2].set_ylabel("P99 TTFT (s)")
     for ax in axes:
         ax.set_xlabel("window start (s)")
         ax.grid(alpha=0.3)

@@ -1,0 +1,1 @@
+"""Role-based deployment: spec, member commands, local supervisor, Kubernetes renderer (see cli.py)."""

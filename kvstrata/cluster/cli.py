@@ -11,13 +11,14 @@ import time
 from pathlib import Path
 from typing import Any, Optional
 
+import psutil
 import yaml
 
 from kvstrata.args import env_flag
 from kvstrata.cluster import control
 from kvstrata.cluster.control import ControlRequest
 from kvstrata.cluster.spec import DEFAULT_SPEC_YAML, GroupSpec, SpecError, load_spec
-from kvstrata.storage.mooncake_services import _alive, stop_group
+from kvstrata.storage.mooncake_services import stop_group
 
 
 def run_dir_for(spec: GroupSpec, override: Optional[str] = None) -> Path:
@@ -54,7 +55,7 @@ def build_parser() -> argparse.ArgumentParser:
             c.add_argument("--role", required=True)
         if name == "upgrade":
             c.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                           help="a role arg (flag name), env.NAME or image; repeatable")
+                           help="a role argument (flag name) or env.NAME; repeatable")
     return p
 
 
@@ -145,17 +146,18 @@ def cmd_status(spec: GroupSpec, run_dir: Path, args: argparse.Namespace) -> int:
         return 1
     data = reply.data
     print(f"group {data['name']}  supervisor pid {data['supervisor_pid']}  router {data['router_url']}")
-    print(f"{'ROLE':<18}{'MEMBER':<20}{'PID':>8}  {'PORTS':<34}{'STATE':<12}{'HEALTH':<9}RESTARTS")
+    print(f"{'ROLE':<18}{'MEMBER':<20}{'PID':>8}  {'PORTS':<42}{'STATE':<12}{'HEALTH':<9}RESTARTS")
     for role in data["roles"]:
         for m in role["members"]:
             ports = ",".join(f"{k}={v}" for k, v in m["ports"].items()) or "-"
-            print(f"{role['name']:<18}{m['name']:<20}{m['pid'] or '-':>8}  {ports:<34}{m['state']:<12}"
+            print(f"{role['name']:<18}{m['name']:<20}{m['pid'] or '-':>8}  {ports:<42}{m['state']:<12}"
                   f"{'ok' if m['healthy'] else 'no':<9}{m['restarts']}")
     return 0
 
 
 def cmd_down(spec: GroupSpec, run_dir: Path, args: argparse.Namespace) -> int:
     """Stop the group: through its supervisor, or by the PIDs in its state file if the supervisor is gone."""
+    pid = (_read_state(run_dir) or {}).get("supervisor_pid")
     try:
         reply = control.call(str(run_dir / "control.sock"), ControlRequest("down"), timeout_s=180)
         print(reply.message)
@@ -167,13 +169,12 @@ def cmd_down(spec: GroupSpec, run_dir: Path, args: argparse.Namespace) -> int:
         for member in reversed(state["members"]):
             if member.get("pid"):
                 stop_group(member["pid"])
-        if _alive(state["supervisor_pid"]):
+        if _running(state["supervisor_pid"]):
             os.kill(state["supervisor_pid"], signal.SIGKILL)
         (run_dir / "state.json").unlink(missing_ok=True)
         print("group stopped by PID (the supervisor was not answering)")
-    pid = (_read_state(run_dir) or {}).get("supervisor_pid")
     deadline = time.monotonic() + 30
-    while pid and _alive(pid) and time.monotonic() < deadline:
+    while pid and _running(pid) and time.monotonic() < deadline:
         time.sleep(0.1)
     return 0
 
@@ -211,6 +212,14 @@ def _supervisor_answers(run_dir: Path) -> bool:
         control.call(str(run_dir / "control.sock"), ControlRequest("status"), timeout_s=10)
         return True
     except OSError:
+        return False
+
+
+def _running(pid: int) -> bool:
+    """Whether `pid` is a live process (a zombie waiting for its parent counts as gone)."""
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
         return False
 
 

@@ -64,8 +64,7 @@ class Member:
         """Start the process in its own session, appending to its log."""
         if self.cmd.probe.kind == "file":
             Path(self.cmd.probe.path).unlink(missing_ok=True)
-        env = {**os.environ, **self.cmd.env}
-        env["PYTHONPATH"] = os.pathsep.join(p for p in (REPO_ROOT, env.get("PYTHONPATH", "")) if p)
+        env = child_env(self.cmd.env)
         program = sys.executable if self.cmd.program == "python" else self.cmd.program
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         with open(self.log_path, "ab") as log:
@@ -128,6 +127,13 @@ class Member:
         return {"name": self.name, "role": self.role.name, "kind": self.role.kind, "index": self.cmd.index,
                 "pid": self.pid, "ports": dict(self.cmd.ports), "state": self.state,
                 "healthy": self.healthy(), "restarts": self.restarts, "log": str(self.log_path)}
+
+
+def child_env(extra: dict[str, str]) -> dict[str, str]:
+    """This process's environment plus `extra`, with this checkout importable (`-m kvstrata...`)."""
+    env = {**os.environ, **extra}
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (REPO_ROOT, env.get("PYTHONPATH", "")) if p)
+    return env
 
 
 def probe_ok(cmd: MemberCommand) -> bool:

@@ -4,8 +4,11 @@ One function, `member_command`, serves both deployments: the local launcher call
 `LocalNetwork` (127.0.0.1, a free port per member), the Kubernetes renderer with a `KubeNetwork` (the pod
 IP, fixed container ports, Service names). Service discovery lives here and only here:
 
-    router          --worker-urls  every member of the server roles it depends on
+    router          --worker-urls  every member of the server roles it depends on; with prefill/decode
+                    roles instead: --pd-disaggregation --prefill URL BOOTSTRAP_PORT ... --decode URL ...
     worker          MOONCAKE_MASTER / MOONCAKE_TE_META_DATA_SERVER of the group's mooncake-master role
+    prefill/decode  --disaggregation-mode (and the prefill's bootstrap port); a decode server learns its
+                    prefill peer per request, from the router's bootstrap_host/bootstrap_port
     mooncake-store  --master / --metadata of the same role
 """
 
@@ -19,10 +22,10 @@ from kvstrata.storage.mooncake_config import parse_size
 
 # Container ports on Kubernetes (locally each member gets free ports under the same names).
 KIND_PORTS = {
-    "router": ("http",), "worker": ("http",), "prefill": ("http",), "decode": ("http",),
+    "router": ("http",), "worker": ("http",), "prefill": ("http", "bootstrap"), "decode": ("http",),
     "mooncake-master": ("rpc", "metadata", "metrics"), "mooncake-store": (),
 }
-DEFAULT_PORTS = {"http": 30000, "rpc": 50051, "metadata": 8080, "metrics": 9003}
+DEFAULT_PORTS = {"http": 30000, "bootstrap": 8998, "rpc": 50051, "metadata": 8080, "metrics": 9003}
 MC_ENV = {"MC_LEGACY_RPC_PORT_BINDING": "1"}
 MASTER_EXTRA_PREFIX = "--"       # extra master args are passed on as Mooncake gflags (--name=value)
 
@@ -139,16 +142,20 @@ def member_command(spec: GroupSpec, role: RoleSpec, index: int, net: Network,
         probe = Probe("file", path=net.ready_file(role, index))
         env |= mooncake_env
     elif role.kind == "router":
-        urls = [f"http://{net.member_host(w, i)}:{net.port(w, i, 'http')}"
-                for w in worker_roles(spec, role) for i in range(w.replicas)]
-        args = ["-m", "kvstrata.router", "--host", host, "--port", str(ports["http"]), "--worker-urls", *urls,
-                *to_flags(role_args)]
+        args = ["-m", "kvstrata.router", "--host", host, "--port", str(ports["http"]),
+                *router_peers(spec, role, net), *to_flags(role_args)]
         probe = Probe("http", path="/health", ports=("http",))
     else:
-        args = ["-m", "kvstrata.launch_server", "--host", host, "--port", str(ports["http"]),
-                *to_flags(role_args)]
+        args = ["-m", "kvstrata.launch_server", "--host", host, "--port", str(ports["http"])]
+        if role.kind != "worker":
+            args += ["--disaggregation-mode", role.kind]
+        if role.kind == "prefill":
+            args += ["--disaggregation-bootstrap-port", str(ports["bootstrap"])]
+        args += to_flags(role_args)
         if role.resources.threads:
             args += ["--num-threads", str(role.resources.threads)]
+        if role.kind != "worker":            # the KV handoff runs on Mooncake's transfer engine
+            env |= mooncake_env
         if role_args.get("hicache-storage-backend") == "mooncake":
             env |= mooncake_env | mooncake_client_env(spec, net)
         probe = Probe("http", path="/health", ports=("http",))
@@ -158,14 +165,25 @@ def member_command(spec: GroupSpec, role: RoleSpec, index: int, net: Network,
                          env=env | role.env, ports=ports, probe=probe)
 
 
-def group_commands(spec: GroupSpec, net: Network) -> list[MemberCommand]:
-    """Every member of the group, roles in start order, members by index."""
-    return [member_command(spec, role, i, net) for role in spec.start_order() for i in range(role.replicas)]
-
-
 def worker_roles(spec: GroupSpec, router: RoleSpec) -> list[RoleSpec]:
     """The server roles a router fronts: its dependencies of a server kind."""
     return [spec.role(d) for d in router.dependencies if spec.role(d).kind in SERVER_KINDS]
+
+
+def router_peers(spec: GroupSpec, router: RoleSpec, net: Network) -> list[str]:
+    """The router's upstream flags: every worker's URL, or the prefill and decode servers in PD mode."""
+    def url(role: RoleSpec, i: int) -> str:
+        return f"http://{net.member_host(role, i)}:{net.port(role, i, 'http')}"
+
+    fronted = worker_roles(spec, router)
+    if all(r.kind == "worker" for r in fronted):
+        return ["--worker-urls", *(url(r, i) for r in fronted for i in range(r.replicas))]
+    flags = ["--pd-disaggregation"]
+    for r in fronted:
+        for i in range(r.replicas):
+            flags += (["--prefill", url(r, i), str(net.port(r, i, "bootstrap"))] if r.kind == "prefill"
+                      else ["--decode", url(r, i)])
+    return flags
 
 
 def mooncake_addresses(spec: GroupSpec, net: Network) -> tuple[str, str]:

@@ -18,15 +18,6 @@ def remove_worker(router_url: str, worker_url: str, drain: bool = True, timeout_
     return _call(router_url, "/remove_worker", params, timeout_s)
 
 
-def list_workers(router_url: str, timeout_s: float = 10.0) -> list[str]:
-    """The worker URLs the router routes to."""
-    r = requests.get(router_url + "/list_workers", timeout=timeout_s)
-    r.raise_for_status()
-    body = r.json()
-    workers = body.get("urls", body.get("workers", [])) if isinstance(body, dict) else body
-    return [w if isinstance(w, str) else w.get("url", "") for w in workers]
-
-
 def _call(router_url: str, path: str, params: dict, timeout_s: float) -> str:
     try:
         r = requests.post(router_url + path, params=params, timeout=timeout_s)

@@ -16,6 +16,7 @@ import yaml
 KINDS = ("router", "worker", "prefill", "decode", "mooncake-master", "mooncake-store")
 SERVER_KINDS = ("worker", "prefill", "decode")           # kvstrata servers (ServerArgs flags)
 CACHE_KINDS = ("worker", "prefill", "decode", "mooncake-store")   # hold KV: updated in place
+STORE_ARGS = {"segment-size"}      # the store's memory; mooncake-master args go to mooncake_master as flags
 DNS_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
 ArgValue = Any    # str | int | float | bool | list of those
 
@@ -133,7 +134,8 @@ roles:
 _GROUP_KEYS = {"name", "image", "roles"}
 _ROLE_KEYS = {"name", "kind", "replicas", "args", "env", "dependencies", "readiness", "resources", "image",
               "port"}
-_DERIVED_ARGS = {"host", "port", "worker-urls", "master", "metadata", "ready-file"}
+_DERIVED_ARGS = {"host", "port", "worker-urls", "master", "metadata", "ready-file", "disaggregation-mode",
+                 "disaggregation-bootstrap-port", "pd-disaggregation", "prefill", "decode"}
 
 
 def load_spec(path: Optional[str] = None) -> GroupSpec:
@@ -264,6 +266,10 @@ def check_spec(spec: GroupSpec) -> None:
                 raise SpecError(f"{where}.dependencies[{j}]: role {role.name!r} depends on itself")
         if role.kind in SERVER_KINDS or role.kind == "router":
             _check_role_args(role, where)
+        unknown = sorted(set(role.args) - STORE_ARGS) if role.kind == "mooncake-store" else []
+        if unknown:
+            raise SpecError(f"{where}.args.{unknown[0]}: unknown mooncake-store argument; allowed: "
+                            f"{', '.join(sorted(STORE_ARGS))}")
     topological_order(spec)   # raises on a cycle
     _check_discovery(spec)
 
@@ -319,9 +325,13 @@ def _check_discovery(spec: GroupSpec) -> None:
             role.kind in SERVER_KINDS and role.args.get("hicache-storage-backend") == "mooncake")
         if needs_master and not spec.roles_of("mooncake-master"):
             raise SpecError(f"roles[{i}]: role {role.name!r} needs Mooncake but the group has no mooncake-master role")
-        if role.kind == "router" and not any(spec.role(d).kind in SERVER_KINDS for d in role.dependencies):
+        fronted = {spec.role(d).kind for d in role.dependencies} & set(SERVER_KINDS)
+        if role.kind == "router" and not fronted:
             raise SpecError(f"roles[{i}].dependencies: the router learns its workers from its dependencies; "
                             f"list at least one worker, prefill or decode role")
+        if role.kind == "router" and fronted - {"worker"} and fronted != {"prefill", "decode"}:
+            raise SpecError(f"roles[{i}].dependencies: a router fronts either worker roles or both a prefill "
+                            f"and a decode role, got {', '.join(sorted(fronted))}")
         if role.kind == "router" and role.replicas != 1:
             raise SpecError(f"roles[{i}].replicas: the router runs as one member")
 
@@ -346,22 +356,6 @@ def topological_order(spec: GroupSpec) -> list[RoleSpec]:
     for role in spec.roles:
         visit(role, [])
     return order
-
-
-def dump_spec(spec: GroupSpec) -> str:
-    """The spec as YAML (what `upgrade --set` produces is shown this way)."""
-    roles = []
-    for r in spec.roles:
-        item: dict[str, Any] = {"name": r.name, "kind": r.kind, "replicas": r.replicas}
-        for key in ("args", "env"):
-            if getattr(r, key):
-                item[key] = dict(getattr(r, key))
-        if r.dependencies:
-            item["dependencies"] = list(r.dependencies)
-        if r.image:
-            item["image"] = r.image
-        roles.append(item)
-    return yaml.safe_dump({"name": spec.name, "image": spec.image, "roles": roles}, sort_keys=False)
 
 
 def _mapping(value: Any, where: str, allowed: Optional[set[str]] = None) -> None:

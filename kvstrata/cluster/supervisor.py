@@ -1,9 +1,12 @@
 """`kvstrata cluster up`: the group as supervised local processes, in the foreground.
 
     start    roles in dependency order; a role starts once every member of its dependencies is ready
+             (roles that do not depend on each other start together)
     watch    a member that exits unexpectedly is restarted after a backoff (1 s, doubling, at most 30 s),
              counted, and held while a dependency is not ready; a restarted server is re-admitted by the router
-    upgrade  one member at a time: router drains it -> process replaced on the same port -> ready -> re-admitted
+    upgrade  one member at a time: router drains it -> process replaced on the same port -> ready -> re-admitted;
+             a store member: the new process starts beside the old one, the objects move to its segment
+             (store_migration.py), then the old process stops
     stop     SIGTERM/Ctrl-C or `kvstrata cluster down`: roles in reverse order, each member by its PID
 
 State (`state.json`) and the control socket live in the run directory; one log per member under logs/.
@@ -16,6 +19,8 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -23,10 +28,12 @@ from typing import Any, Optional
 
 from kvstrata.cluster import router_admin
 from kvstrata.cluster.control import ControlReply, ControlRequest, ControlServer, Progress
-from kvstrata.cluster.member import BACKOFF_FIRST_S, BACKOFF_MAX_S, STABLE_S, Member, MemberError
-from kvstrata.cluster.plan import KIND_PORTS, LocalNetwork, member_command
+from kvstrata.cluster.member import BACKOFF_FIRST_S, BACKOFF_MAX_S, STABLE_S, Member, MemberError, child_env
+from kvstrata.cluster.plan import KIND_PORTS, LocalNetwork, member_command, mooncake_addresses
 from kvstrata.cluster.spec import SERVER_KINDS, GroupSpec, RoleSpec, SpecError, check_spec
+from kvstrata.cluster.store_migration import segment_of
 from kvstrata.storage.mooncake_config import free_port
+from kvstrata.storage.mooncake_services import stop_group
 
 WATCH_PERIOD_S = 0.25
 
@@ -50,6 +57,8 @@ class Supervisor:
         self.lock = threading.RLock()
         self.stopping = threading.Event()
         self.stopped = threading.Event()
+        self.started = threading.Event()     # every role was ready once: upgrades are accepted from then on
+        self.changing = threading.Lock()     # one upgrade/restart at a time
         self.control: Optional[ControlServer] = None
 
     def _allocate_ports(self, router_port: int) -> dict[tuple[str, int], dict[str, int]]:
@@ -78,21 +87,28 @@ class Supervisor:
 
     # ------------------------------------------------------------------ lifecycle
     def start(self, log: Progress = print) -> None:
-        """Start every role in dependency order, each once its dependencies are ready; ClusterError on failure."""
+        """Start the roles in waves: each wave is every role whose dependencies are all ready; ClusterError
+        on failure."""
         self.control = ControlServer(self.socket_path, self.handle)
+        pending = self.spec.start_order()
         try:
-            for role in self.spec.start_order():
-                log(f"starting {role.name} ({role.kind}, {role.replicas} member(s))")
+            while pending:
+                names = {r.name for r in pending}
+                wave = [r for r in pending if not names & set(r.dependencies)]
                 with self.lock:
-                    for member in self.members[role.name]:
-                        member.spawn()
+                    for role in wave:
+                        log(f"starting {role.name} ({role.kind}, {role.replicas} member(s))")
+                        for member in self.members[role.name]:
+                            member.spawn()
                     self.write_state()
-                for member in self.members[role.name]:
+                for member in (m for role in wave for m in self.members[role.name]):
                     member.wait_ready()
                     log(f"  {member.name} ready (pid {member.pid}, ports {member.cmd.ports})")
                 self.write_state()
+                pending = [r for r in pending if r not in wave]
         except MemberError as e:
             raise ClusterError(str(e)) from None
+        self.started.set()
 
     def run(self, log: Progress = print) -> None:
         """Watch the members until `stopping` is set, then stop the group."""
@@ -166,20 +182,30 @@ class Supervisor:
             self.stopping.set()
             self.stopped.wait(120)
             return ControlReply(done=True, message="group stopped")
-        if self.stopping.is_set():
-            return ControlReply(done=True, ok=False, message="the group is stopping")
+        if self.stopping.is_set() or not self.started.is_set():
+            return ControlReply(done=True, ok=False,
+                                message="the group is " + ("stopping" if self.stopping.is_set() else "still starting"))
         role = self.spec.role(req.role or "")
-        if req.op == "upgrade":
-            self.upgrade(role, req.settings, progress)
-            return ControlReply(done=True, message=f"{role.name} upgraded", data=self.status())
-        self.restart_all(role, progress)
-        return ControlReply(done=True, message=f"{role.name} restarted", data=self.status())
+        if not self.changing.acquire(blocking=False):
+            return ControlReply(done=True, ok=False, message="another upgrade or restart is in progress")
+        try:
+            if req.op == "upgrade":
+                self.upgrade(role, req.settings, progress)
+                return ControlReply(done=True, message=f"{role.name} upgraded", data=self.status())
+            self.restart_all(role, progress)
+            return ControlReply(done=True, message=f"{role.name} restarted", data=self.status())
+        finally:
+            self.changing.release()
 
     def upgrade(self, role: RoleSpec, settings: dict[str, Any], progress: Progress) -> None:
         """In place, one member at a time: drain -> replace on the same port -> ready -> re-admit."""
         new_role = self._apply_settings(role, settings)
         if role.kind == "mooncake-store":
-            progress("note: a replaced store member loses the L3 pages it held (no replication or snapshot yet)")
+            for m in self.members[role.name]:
+                with self.lock:
+                    m.role, m.cmd = new_role, member_command(self.spec, new_role, m.cmd.index, self.net)
+                self._replace_store(m, progress)
+            return
         router = self.router()
         drains = role.kind in SERVER_KINDS and router is not None
         for m in self.members[role.name]:
@@ -198,6 +224,42 @@ class Supervisor:
             with self.lock:
                 self.write_state()
             progress(f"{m.name}: upgraded (pid {m.pid})")
+
+    def _replace_store(self, m: Member, progress: Progress) -> None:
+        """Surge and migrate: start the new store process beside the old one, move every object off the old
+        segment onto the new one, then stop the old process; the L3 pages survive the upgrade."""
+        ready_file = m.cmd.probe.path
+        old_proc, source = m.proc, segment_of(ready_file)
+        self._respawn(m)
+        progress(f"{m.name}: new store pid {m.pid} started beside pid {old_proc.pid}; waiting for readiness")
+        try:
+            self._await_ready(m)
+        except ClusterError:
+            with self.lock:
+                m.proc, m.state = old_proc, "ready"      # the old store goes on serving
+            raise
+        try:
+            target = segment_of(ready_file)
+            progress(f"{m.name}: moving objects from segment {source} to {target}")
+            progress(f"{m.name}: {self._migrate(m, source, target)}")
+        finally:
+            progress(f"{m.name}: stopping the old store pid {old_proc.pid}")
+            stop_group(old_proc.pid)
+            old_proc.wait(10)
+        with self.lock:
+            self.write_state()
+        progress(f"{m.name}: upgraded (pid {m.pid})")
+
+    def _migrate(self, m: Member, source: str, target: str) -> str:
+        """Run store_migration in its own process (a Mooncake client of the group); returns its counts."""
+        master, metadata = mooncake_addresses(self.spec, self.net)
+        admin = f"http://127.0.0.1:{self.net.port(self.spec.roles_of('mooncake-master')[0], 0, 'metrics')}"
+        cmd = [sys.executable, "-m", "kvstrata.cluster.store_migration", "--master", master, "--metadata",
+               metadata, "--admin-url", admin, "--source", source, "--target", target]
+        with open(m.log_path, "ab") as log:
+            done = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=log, env=child_env(m.cmd.env), timeout=600)
+        lines = done.stdout.decode(errors="replace").strip().splitlines()
+        return lines[-1] if lines else f"migration exited with code {done.returncode} (see {m.log_path})"
 
     def restart_all(self, role: RoleSpec, progress: Progress) -> None:
         """The naive way, for comparison: stop every member of the role at once, no drain, then start them."""
@@ -219,6 +281,8 @@ class Supervisor:
     def _respawn(self, m: Member) -> None:
         """Start a member's new process; it stays 'upgrading' (ignored by watch) until ready."""
         with self.lock:
+            if self.stopping.is_set():       # the group went down meanwhile: start nothing new
+                raise ClusterError(f"{m.name}: not restarted, the group is stopping")
             m.spawn()
             m.state = "upgrading"
             self.write_state()
@@ -234,16 +298,17 @@ class Supervisor:
             raise ClusterError(str(e)) from None
 
     def _apply_settings(self, role: RoleSpec, settings: dict[str, Any]) -> RoleSpec:
-        """The role with `--set` applied (args by flag name; env.NAME; image), checked like a spec."""
-        args, env, image = dict(role.args), dict(role.env), role.image
+        """The role with `--set` applied (args by flag name, or env.NAME), checked like a spec."""
+        args, env = dict(role.args), dict(role.env)
         for key, value in settings.items():
             if key == "image":
-                image = str(value)
-            elif key.startswith("env."):
+                raise ClusterError("--set image: images are for Kubernetes (`kubectl patch`, see the README); "
+                                   "a local member runs the code installed here")
+            if key.startswith("env."):
                 env[key[4:]] = str(value)
             else:
                 args[key.lstrip("-")] = value
-        new_role = dataclasses.replace(role, args=args, env=env, image=image)
+        new_role = dataclasses.replace(role, args=args, env=env)
         new_spec = dataclasses.replace(self.spec, roles=tuple(new_role if r is role else r for r in self.spec.roles))
         try:
             check_spec(new_spec)

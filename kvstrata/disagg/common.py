@@ -35,7 +35,7 @@ class HandoffStats:
                          "transfer_seconds_total": 0.0, "bootstrap_queue_seconds_total": 0.0}
         self.recent: deque[dict] = deque(maxlen=RECENT_TRANSFERS)
 
-    def ok(self, rid: str, room: int, nbytes: int, seconds: float, queue_s: float) -> None:
+    def ok(self, rid: str, room: int, nbytes: int, seconds: float, queue_s: float, **extra: int) -> None:
         """Record one completed transfer."""
         c = self.counters
         c["transfers_ok"] += 1
@@ -43,7 +43,7 @@ class HandoffStats:
         c["transfer_seconds_total"] += seconds
         c["bootstrap_queue_seconds_total"] += queue_s
         self.recent.append({"rid": rid, "room": room, "bytes": nbytes, "transfer_s": round(seconds, 6),
-                            "bootstrap_queue_s": round(queue_s, 6), "at": time.time()})
+                            "bootstrap_queue_s": round(queue_s, 6), "at": time.time(), **extra})
 
     def failed(self, rid: str, room: int, reason: str, timeout: bool = False) -> None:
         """Record one failed handoff."""

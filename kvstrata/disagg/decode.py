@@ -8,6 +8,9 @@ and decodes from there. On a failure, a timeout or an abort it is released like 
 go back to the free list; the locked prefix is unlocked).
 
 Who frees: this side frees its reserved slots; it tells the prefill (KVTransferAbort) when it gives up.
+A request that timed out after its KVTransferRequest went out fails at once, but its pages stay
+quarantined for QUARANTINE_S more (or until the prefill answers): a write the prefill started just before
+the deadline must not land in pages that another request already owns.
 """
 
 from __future__ import annotations
@@ -32,6 +35,8 @@ from kvstrata.runtime.messages import BootstrapInfo, ReqOutput
 from kvstrata.runtime.req import Req, ReqState
 
 logger = logging.getLogger(__name__)
+
+QUARANTINE_S = 2.0
 
 
 @dataclass
@@ -61,6 +66,7 @@ class DecodeHandoff:
         self.channel = BootstrapChannel(args.host)
         self.queue: list[_Waiting] = []            # waiting for slots (the bootstrap queue)
         self.inflight: dict[int, _Waiting] = {}    # room → slots reserved, KVTransferRequest sent
+        self.quarantine: dict[int, tuple[float, Req]] = {}   # room → (release at, request): timed out
         self.stats = HandoffStats(self.mode)
 
     # ------------------------------------------------------------------ scheduler hooks
@@ -79,7 +85,10 @@ class DecodeHandoff:
         """Apply the prefill's answers, fail what timed out, start what fits. Outputs to send."""
         outputs: list[ReqOutput] = []
         for msg in self.channel.receive():
-            w = self.inflight.pop(getattr(msg, "room", -1), None)
+            room = getattr(msg, "room", -1)
+            if room in self.quarantine:          # the prefill is done with those pages
+                self._unquarantine(room)
+            w = self.inflight.pop(room, None)
             if w is None:
                 continue                 # a late answer for a request already given up
             if isinstance(msg, KVTransferDone):
@@ -87,6 +96,9 @@ class DecodeHandoff:
             elif isinstance(msg, KVTransferFailed):
                 outputs.append(self._fail(w, f"prefill failed: {msg.reason}", msg.status))
         outputs.extend(self._expire())
+        now = time.monotonic()
+        for room in [r for r, (until, _) in self.quarantine.items() if now >= until]:
+            self._unquarantine(room)
         self._start_transfers()
         return outputs
 
@@ -105,15 +117,16 @@ class DecodeHandoff:
 
     def held(self) -> list[Req]:
         """Requests that hold a slot-table row and pages but are not running (integrity checks)."""
-        return [w.req for w in self.inflight.values()]
+        return [w.req for w in self.inflight.values()] + [req for _, req in self.quarantine.values()]
 
     def has_work(self) -> bool:
         """Whether anything waits on this side."""
-        return bool(self.queue or self.inflight)
+        return bool(self.queue or self.inflight or self.quarantine)
 
     def state(self) -> dict:
         """Counters and queue lengths for /server_info."""
-        return self.stats.state(bootstrap_queue=len(self.queue), transfers_in_flight=len(self.inflight))
+        return self.stats.state(bootstrap_queue=len(self.queue), transfers_in_flight=len(self.inflight),
+                                quarantined=len(self.quarantine))
 
     def close(self) -> None:
         """Close the sockets."""
@@ -121,7 +134,7 @@ class DecodeHandoff:
 
     # ------------------------------------------------------------------ internals
     def _known(self, room: int) -> bool:
-        return room in self.inflight or any(w.info.room == room for w in self.queue)
+        return room in self.inflight or room in self.quarantine or any(w.info.room == room for w in self.queue)
 
     def _start_transfers(self) -> None:
         cache = self.sched.cache
@@ -148,8 +161,8 @@ class DecodeHandoff:
     def _activate(self, w: _Waiting, done: KVTransferDone) -> list[ReqOutput]:
         req, sched = w.req, self.sched
         self.stats.ok(req.rid, w.info.room, done.transferred_bytes, done.transfer_seconds,
-                      w.sent_at - w.arrived_at)
-        req.cached_tokens = req.kv_len
+                      w.sent_at - w.arrived_at, decode_reused_tokens=req.kv_len)
+        req.cached_tokens = done.prefill_cached_tokens     # the prompt tokens nobody had to compute
         req.kv_len = len(req.prompt_ids)
         return sched.start_decoding(req, done.first_token, done.first_logprob, done.first_top_logprobs)
 
@@ -164,14 +177,21 @@ class DecodeHandoff:
 
     def _fail(self, w: _Waiting, reason: str, status: int, timeout: bool = False) -> ReqOutput:
         self.stats.failed(w.req.rid, w.info.room, reason, timeout)
-        self._drop(w, reason)
+        self._drop(w, reason, quarantine=timeout)
         return self.sched.error_for(w.req, reason, status)
 
-    def _drop(self, w: _Waiting, reason: str) -> None:
+    def _drop(self, w: _Waiting, reason: str, quarantine: bool = False) -> None:
         """Forget a request and free what it holds; tell the prefill if it was asked for KV."""
         if w in self.queue:
             self.queue.remove(w)
+        w.req.state = ReqState.FINISHED
         if self.inflight.pop(w.info.room, None) is not None:
             self.channel.send(w.info.address, KVTransferAbort(w.info.room, reason))
+            if quarantine:
+                self.quarantine[w.info.room] = (time.monotonic() + QUARANTINE_S, w.req)
+                return
         self.sched.cache.release(w.req, cache=False)
-        w.req.state = ReqState.FINISHED
+
+    def _unquarantine(self, room: int) -> None:
+        _, req = self.quarantine.pop(room)
+        self.sched.cache.release(req, cache=False)

@@ -125,7 +125,7 @@ class PrefillHandoff:
         return outputs
 
     def abort(self, rid: str) -> list[ReqOutput]:
-        """Client abort (the scheduler already freed it if it was still waiting or running)."""
+        """Client abort: free the request wherever it is (after the write in flight, if one is)."""
         room = self.by_rid.get(rid)
         if room is None:
             return []

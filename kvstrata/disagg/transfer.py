@@ -17,6 +17,10 @@ from kvstrata.disagg.messages import KVLayout
 
 logger = logging.getLogger(__name__)
 
+# Slices per batch_transfer_sync_write call: this Mooncake build fails batches of 4096 slices (measured:
+# 2048 pass), so a fragmented plan is written in several batches.
+MAX_BATCH_SLICES = 1024
+
 
 class TransferError(RuntimeError):
     """A write to the peer failed (peer gone, memory not registered, ...)."""
@@ -55,11 +59,12 @@ class MooncakeTransfer:
             raise TransferError(f"registering {length} bytes at {ptr:#x} failed")
 
     def write(self, session_id: str, src: list[int], dst: list[int], lengths: list[int]) -> None:
-        """One synchronous batch write to the peer."""
-        if not src:
-            return
-        if self.engine.batch_transfer_sync_write(session_id, src, dst, lengths) != 0:
-            raise TransferError(f"the transfer engine failed to write {sum(lengths)} bytes to {session_id}")
+        """Synchronous batch writes to the peer, MAX_BATCH_SLICES ranges at a time."""
+        for i in range(0, len(src), MAX_BATCH_SLICES):
+            part = slice(i, i + MAX_BATCH_SLICES)
+            if self.engine.batch_transfer_sync_write(session_id, src[part], dst[part], lengths[part]) != 0:
+                raise TransferError(f"the transfer engine failed to write {sum(lengths[part])} bytes "
+                                    f"({len(lengths[part])} ranges) to {session_id}")
 
 
 class LoopbackTransfer:

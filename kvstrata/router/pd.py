@@ -135,24 +135,28 @@ class PDRouter:
         p.begin(0)
         d.begin(0)
         prefill = asyncio.ensure_future(self._post(p, request, {**body, "stream": False}))
+        prefill.add_done_callback(lambda fut: _ended(p, fut))
+        streaming = False
         try:
-            return await self._answer(request, body, d, prefill)
+            decode = await self._send(d, request, body)
+            if decode.content_type == "text/event-stream" and decode.status == 200:
+                streaming = True        # the relay ends d's request
+                return StreamingResponse(self._relay(d, decode, prefill), status_code=200,
+                                         headers=response_headers(decode))
+            return await self._answer(request, body, decode, prefill)
         except FAILURES as e:
             prefill.cancel()
             return error_response(f"the decode server {d.url} failed: {type(e).__name__}: {e}", 502)
         finally:
-            prefill.add_done_callback(lambda fut: _ended(p, fut))
+            if not streaming:
+                d.end(0, True)
 
-    async def _answer(self, request: Request, body: dict, d: Worker, prefill: asyncio.Future) -> Response:
-        decode = await self._send(d, request, body)
-        if decode.content_type == "text/event-stream" and decode.status == 200:
-            return StreamingResponse(self._relay(d, decode, prefill), status_code=200,
-                                     headers=response_headers(decode))
+    async def _answer(self, request: Request, body: dict, decode: aiohttp.ClientResponse,
+                      prefill: asyncio.Future) -> Response:
         try:
             data = await _until_disconnect(request, decode.read())
         finally:
             decode.release()
-            d.end(0, True)
         if data is None or decode.status != 200:
             prefill.cancel()          # client gone, or the decode refused: the prefill side aborts too
             return Response(data or b"", status_code=decode.status if data else 499,

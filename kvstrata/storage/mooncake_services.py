@@ -262,7 +262,9 @@ def serve_segment(master: str, metadata: str, segment_bytes: int, ready_file: st
     stopping = []
     signal.signal(signal.SIGTERM, lambda *_: stopping.append(True))
     signal.signal(signal.SIGINT, lambda *_: stopping.append(True))
-    Path(ready_file).write_text(str(os.getpid()))
+    tmp = Path(ready_file + ".tmp")        # pid, then the segment name; renamed so readers see it whole
+    tmp.write_text(f"{os.getpid()}\n{store.get_hostname()}\n")
+    tmp.replace(ready_file)
     print(f"store service ready: {segment_bytes} bytes at {store.get_hostname()}", flush=True)
     while not stopping:
         time.sleep(0.05)

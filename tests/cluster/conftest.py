@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 import signal
 import subprocess
 import sys
@@ -45,9 +44,9 @@ roles:
 class RunningGroup:
     """A `kvstrata cluster up` subprocess and what tests need of it."""
 
-    def __init__(self, root: Path):
+    def __init__(self, root: Path, spec_text: str = TEST_SPEC):
         self.spec_path = root / "spec.yaml"
-        self.spec_path.write_text(TEST_SPEC)
+        self.spec_path.write_text(spec_text)
         self.run_dir = root / "run"
         self.router_port = free_port()
         self.log_path = root / "up.log"
@@ -128,5 +127,3 @@ def pid_alive(pid: int) -> bool:
     except OSError:
         return False
 
-
-__all__ = ["RunningGroup", "group", "pid_alive", "os"]

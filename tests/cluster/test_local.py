@@ -74,6 +74,32 @@ def test_killed_worker_is_restarted_and_readmitted(group):
     assert "worker-1 exited with code -9; restart #1" in group.log()
 
 
+def test_store_upgrade_keeps_the_l3_pages(group):
+    """The store member is replaced (new process beside the old, objects moved, old stopped); then both
+    workers restart (their L1 and L2 gone) and a prompt sent before is still served from L3."""
+    from kvstrata.cluster.store_migration import all_keys
+
+    admin = f"http://127.0.0.1:{group.member('mooncake-master-0')['ports']['metrics']}"
+    text = "A conversation the store must keep across its own upgrade. " * 10
+    first = group.generate(text)
+    pages = first["meta_info"]["prompt_tokens"] // 16
+    wait_for(lambda: len(all_keys(admin)) >= pages, 60, "the prompt's pages backed up to L3")
+    keys_before = set(all_keys(admin))
+    old = group.member("mooncake-store-0")
+    res = group.cli("upgrade", "--role", "mooncake-store")
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert "moving objects from segment" in res.stdout and '"moved": ' in res.stdout, res.stdout
+    new = group.member("mooncake-store-0")
+    assert new["pid"] != old["pid"] and new["state"] == "ready" and not pid_alive(old["pid"])
+    assert keys_before <= set(all_keys(admin))
+    res = group.cli("restart", "--role", "worker")
+    assert res.returncode == 0, res.stdout + res.stderr
+    wait_for(lambda: all(w["healthy"] for w in requests.get(group.router_url + "/list_workers",
+                                                            timeout=10).json()["workers"]), 60, "both workers back")
+    again = group.generate(text)
+    assert again["meta_info"]["cached_tokens"] >= 0.8 * again["meta_info"]["prompt_tokens"], again["meta_info"]
+
+
 class Load:
     """Multi-turn conversations through the router on threads; records every request's outcome."""
 
@@ -122,29 +148,32 @@ def hit_rate(records) -> float:
 def test_in_place_upgrade_under_load_fails_no_request(group):
     before = {m: group.member(m) for m in ("worker-0", "worker-1")}
     with Load(group.router_url) as load:
-        time.sleep(8)
+        time.sleep(6)
         started = time.monotonic()
         res = group.cli("upgrade", "--role", "worker", "--set", "max-running-requests=64")
         finished = time.monotonic()
-        time.sleep(8)
+        time.sleep(6)
     assert res.returncode == 0, res.stdout + res.stderr
     assert "worker-0: draining" in res.stdout and "worker-1: re-admitted" in res.stdout
     failed = [r for r in load.records if not r["ok"]]
     assert not failed, failed[:3]
-    assert len(load.records) > 20
+    assert len(load.records) > 20 and len([r for r in load.records if r["t"] > finished]) >= 5
     for name, old in before.items():
         new = group.member(name)
         assert new["pid"] != old["pid"] and new["ports"] == old["ports"] and new["state"] == "ready"
     # the cache survives: L3 (the Mooncake store role) serves what the new processes lost
     steady = [r for r in load.records if r["t"] < started]
     after = [r for r in load.records if r["t"] > finished]
-    assert hit_rate(after) >= 0.95 * hit_rate(steady) or hit_rate(after) > 0.8, (hit_rate(steady), hit_rate(after))
+    assert hit_rate(steady) > 0.5
+    assert hit_rate(after) >= 0.95 * hit_rate(steady), (hit_rate(steady), hit_rate(after))
 
 
 def test_upgrade_rejects_a_bad_setting(group):
     res = group.cli("upgrade", "--role", "worker", "--set", "page-size=-1")
     assert res.returncode == 1
     assert "--page-size must be positive" in res.stdout + res.stderr
+    res = group.cli("upgrade", "--role", "worker", "--set", "image=kvstrata:2")
+    assert res.returncode == 1 and "images are for Kubernetes" in res.stdout + res.stderr
     assert group.member("worker-0")["state"] == "ready"
 
 

@@ -10,7 +10,7 @@ import yaml
 
 from kvstrata.cluster.plan import KubeNetwork, member_command
 from kvstrata.cluster.render import API_VERSION, render
-from kvstrata.cluster.spec import load_spec
+from kvstrata.cluster.spec import load_spec, parse_spec
 from kvstrata.cluster.supervisor import Supervisor
 from tests.cluster.k8s_schema import crd_dir, validate_core, validate_crd_object
 
@@ -18,7 +18,8 @@ needs_crd = pytest.mark.skipif(crd_dir() is None, reason="RBG CRD not found at .
                                "(nor $KVSTRATA_RBG_CRD_DIR): schema validation skipped")
 # Flags whose values are addresses: 127.0.0.1 and free ports locally, pod IP and Service names on Kubernetes.
 ADDRESS_FLAGS = {"--host", "--port", "--rpc-port", "--metadata-port", "--metrics-port", "--master",
-                 "--metadata", "--local-hostname", "--ready-file", "--worker-urls"}
+                 "--metadata", "--local-hostname", "--ready-file", "--worker-urls", "--prefill", "--decode",
+                 "--disaggregation-bootstrap-port"}
 ADDRESS_ENV = {"MC_TCP_BIND_ADDRESS", "MOONCAKE_MASTER", "MOONCAKE_TE_META_DATA_SERVER", "MOONCAKE_LOCAL_HOSTNAME"}
 
 
@@ -118,6 +119,36 @@ def test_local_and_rendered_members_run_the_same_commands(docs, tmp_path):
     # and one function made both
     kube = member_command(spec, spec.role("worker"), 1, KubeNetwork(spec.name))
     assert list(kube.args) == rendered[2]["template"]["spec"]["containers"][0]["args"]
+
+
+PD_SPEC = """
+name: kvpd
+image: kvstrata:test
+roles:
+  - {name: prefill, kind: prefill, replicas: 2, args: {model-path: tiny}}
+  - {name: decode, kind: decode, args: {model-path: tiny}}
+  - {name: router, kind: router, dependencies: [prefill, decode]}
+"""
+
+
+def test_prefill_decode_group(tmp_path):
+    spec = parse_spec(PD_SPEC)
+    docs = render(spec)
+    if crd_dir() is not None:
+        validate_crd_object(docs[0], "v1alpha1")
+    for svc in docs[1:]:
+        validate_core(svc)
+    roles = {r["name"]: r["template"]["spec"]["containers"][0] for r in docs[0]["spec"]["roles"]}
+    assert roles["prefill"]["args"][6:10] == ["--disaggregation-mode", "prefill", "--disaggregation-bootstrap-port", "8998"]
+    assert {p["name"]: p["containerPort"] for p in roles["prefill"]["ports"]} == {"http": 30000, "bootstrap": 8998}
+    assert roles["decode"]["args"][6:8] == ["--disaggregation-mode", "decode"]
+    router = roles["router"]["args"]
+    assert router[router.index("--pd-disaggregation"):] == [
+        "--pd-disaggregation", "--prefill", "http://kvpd-prefill-0.kvpd-prefill:30000", "8998",
+        "--prefill", "http://kvpd-prefill-1.kvpd-prefill:30000", "8998", "--decode", "http://kvpd-decode-0.kvpd-decode:30000"]
+    local = Supervisor(spec, tmp_path).members["router"][0].cmd.args
+    assert _masked(local) == _masked(router)
+    assert "--worker-urls" not in router
 
 
 def test_cli_render_to_stdout_and_to_files(tmp_path):

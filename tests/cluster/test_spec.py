@@ -49,7 +49,8 @@ def test_cli_spec_prints_the_default_spec():
     ("args: {model-path: tiny}", "colour: red", r"roles\[1\]\.colour: unknown field"),
     ("dependencies: [worker]", "dependencies: [mooncake-master]", r"roles\[2\]\.dependencies: the router learns its workers"),
     ("name: worker", "name: Worker_1", r"roles\[1\]\.name: 'Worker_1' must be a lowercase DNS label"),
-    ("kind: worker", "kind: decode", r"roles\[1\]\.kind: 'decode' roles need prefill/decode disaggregation"),
+    ("kind: worker", "kind: decode", r"roles\[2\]\.dependencies: a router fronts either worker roles or both"),
+    ("args: {model-path: tiny}", "args: {disaggregation-mode: prefill}", r"roles\[1\]\.args\.disaggregation-mode: derived"),
 ])
 def test_invalid_spec_names_the_field(old, new, message):
     with pytest.raises(SpecError, match=message):
@@ -64,6 +65,12 @@ def test_mooncake_worker_needs_a_master():
         "dependencies: [mooncake-master]", "dependencies: []")
     with pytest.raises(SpecError, match=r"roles\[0\]: role 'worker' needs Mooncake"):
         parse_spec(without_master)
+
+
+def test_store_args_are_checked():
+    text = DEFAULT_SPEC_YAML.replace("args: {segment-size: 256mb}", "args: {segment-size: 1gb, page-size: 4}")
+    with pytest.raises(SpecError, match=r"roles\[1\]\.args\.page-size: unknown mooncake-store argument"):
+        parse_spec(text)
 
 
 def test_not_yaml_and_not_a_mapping():

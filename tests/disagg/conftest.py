@@ -20,8 +20,9 @@ import pytest
 import requests
 
 from kvstrata.bench.launcher import ServerProcess, free_port
+from kvstrata.disagg.prefill import FAULT_DELAY_ENV
 
-TIMEOUT_S = 6.0       # --disaggregation-bootstrap-timeout of every PD server here
+TIMEOUT_S = 5.0       # --disaggregation-bootstrap-timeout of every PD server here
 SERVER_FLAGS = ["--max-total-tokens", "2048", "--page-size", "4", "--random-seed", "0", "--log-level", "warning",
                 "--dtype", "float32", "--enable-deterministic-inference", "--num-threads", "1",
                 "--max-running-requests", "48"]
@@ -46,14 +47,19 @@ class Deployment:
         self.prefill = ServerProcess(pd_flags("prefill", self.bootstrap_port), str(log_dir / "prefill.log"))
         self.decode = ServerProcess(pd_flags("decode"), str(log_dir / "decode.log"))
         self.colocated = ServerProcess(SERVER_FLAGS, str(log_dir / "colocated.log"))
+        # A prefill whose every write waits 30 s first, so that a test can kill it mid-transfer.
+        self.doomed_port = free_port()
+        self.doomed_prefill = ServerProcess(pd_flags("prefill", self.doomed_port), str(log_dir / "doomed.log"),
+                                            env={FAULT_DELAY_ENV: "30"})
         self.router = ServerProcess(["--pd-disaggregation", "--prefill", self.prefill.url, str(self.bootstrap_port),
                                      "--decode", self.decode.url, *ROUTER_FLAGS], str(log_dir / "router.log"),
                                     module="kvstrata.router")
 
     def start(self) -> None:
         """Start the servers at once, then the router."""
-        with ThreadPoolExecutor(3) as pool:
-            list(pool.map(lambda p: p.start(), [self.prefill, self.decode, self.colocated]))
+        servers = [self.prefill, self.decode, self.colocated, self.doomed_prefill]
+        with ThreadPoolExecutor(len(servers)) as pool:
+            list(pool.map(lambda p: p.start(), servers))
         self.router.start()
         wait_for(lambda: len(requests.get(self.router.url + "/list_workers", timeout=5).json()["urls"]) == 2
                  and all(w["healthy"] for w in requests.get(self.router.url + "/list_workers",
@@ -61,7 +67,7 @@ class Deployment:
 
     def stop(self) -> None:
         """Stop every process by PID."""
-        for p in (self.router, self.prefill, self.decode, self.colocated):
+        for p in (self.router, self.prefill, self.decode, self.colocated, self.doomed_prefill):
             p.stop()
 
 

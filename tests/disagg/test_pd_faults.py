@@ -10,9 +10,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from kvstrata.bench.launcher import ServerProcess, free_port
-from kvstrata.disagg.prefill import FAULT_DELAY_ENV
-from tests.disagg.conftest import TIMEOUT_S, generate, greedy, pd_flags, state, wait_for, wait_idle
+from tests.disagg.conftest import TIMEOUT_S, generate, greedy, state, wait_for, wait_idle
 
 
 def boot(pd, room, port=None) -> dict:
@@ -80,14 +78,12 @@ def test_unknown_room_and_missing_decode_time_out_and_free(pd):
         assert s["free_pages"] + s["evictable_tokens"] // s["page_size"] >= free[url]
 
 
-def test_prefill_killed_during_transfer(pd, tmp_path):
+def test_prefill_killed_during_transfer(pd):
     """The decode frees its reserved slots and fails the request within its timeout."""
-    port = free_port()
-    prefill = ServerProcess(pd_flags("prefill", port), str(tmp_path / "doomed-prefill.log"),
-                            env={FAULT_DELAY_ENV: "30"})
+    prefill = pd.doomed_prefill
     decode_before = wait_idle(pd.decode.url)
-    with prefill, ThreadPoolExecutor(2) as pool:
-        body = {**greedy("killed mid-transfer " * 6, 8), **boot(pd, 21, port)}
+    with ThreadPoolExecutor(2) as pool:
+        body = {**greedy("killed mid-transfer " * 6, 8), **boot(pd, 21, pd.doomed_port)}
         on_decode = pool.submit(generate, pd.decode.url, body)
         pool.submit(generate, prefill.url, body)
         wait_for(lambda: state(prefill.url)["disaggregation"]["transfers_in_flight"] == 1, what="write in flight")

@@ -25,8 +25,13 @@ PROMPTS = [
 ]
 
 
+def failures(pd) -> list[int]:
+    return [state(url)["disaggregation"]["transfers_failed"] for url in (pd.prefill.url, pd.decode.url)]
+
+
 def test_greedy_through_pd_matches_colocated(pd):
-    before = state(pd.prefill.url)["cached_tokens"]
+    failed_before = failures(pd)
+    cached = []
     for i, prompt in enumerate(PROMPTS):
         body = greedy(prompt, max_new_tokens=8 + i)
         via_pd = generate(pd.router.url, body)
@@ -35,11 +40,12 @@ def test_greedy_through_pd_matches_colocated(pd):
         assert via_pd.json()["output_ids"] == alone.json()["output_ids"], prompt
         assert via_pd.json()["text"] == alone.json()["text"]
         assert via_pd.json()["meta_info"]["completion_tokens"] == 8 + i
-    assert state(pd.prefill.url)["cached_tokens"] - before >= 2 * len(SHARED) // 2   # the prefill reused its cache
+        cached.append(via_pd.json()["meta_info"]["cached_tokens"])
+    assert cached[5] >= cached[6] > 16 and cached[4] < cached[6]    # the prefill served the shared prefix
     for url in (pd.prefill.url, pd.decode.url):
         s = wait_idle(url)
         assert s["integrity_ok"], s
-        assert s["disaggregation"]["transfers_failed"] == 0
+    assert failures(pd) == failed_before
 
 
 def test_prompt_and_output_logprobs_match_colocated(pd):
@@ -76,6 +82,7 @@ def _stream(url: str, i: int) -> list[int]:
 
 
 def test_32_concurrent_streams_complete_without_leaks(pd):
+    failed_before, ok_before = failures(pd), state(pd.decode.url)["disaggregation"]["transfers_ok"]
     with ThreadPoolExecutor(32) as pool:
         outs = list(pool.map(lambda i: _stream(pd.router.url, i), range(32)))
     assert [len(o) for o in outs] == [16 + i % 5 for i in range(32)]
@@ -86,8 +93,9 @@ def test_32_concurrent_streams_complete_without_leaks(pd):
         assert s["integrity_ok"], s
         assert s["running_requests"] == s["waiting_requests"] == 0
         d = s["disaggregation"]
-        assert d["transfers_failed"] == 0 and d["transfers_ok"] >= 32
         assert d.get("transfers_in_flight", 0) == 0 and d.get("rooms_open", 0) == 0
+    assert failures(pd) == failed_before
+    assert state(pd.decode.url)["disaggregation"]["transfers_ok"] == ok_before + 32
 
 
 def test_client_abort_reaches_both_sides(pd):

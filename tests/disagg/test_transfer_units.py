@@ -84,3 +84,23 @@ def test_router_pd_flags_follow_sglang():
                 "--worker-urls http://127.0.0.1:4"):
         with pytest.raises(ConfigError):
             _router_args(bad)
+
+
+def test_mooncake_engine_writes_a_fragmented_plan_in_several_batches(mooncake_env):
+    """4096 ranges: more than one batch of this Mooncake build holds; every range lands, nothing else."""
+    from kvstrata.disagg.transfer import MAX_BATCH_SLICES, MooncakeTransfer
+
+    local, peer = MooncakeTransfer("127.0.0.1"), MooncakeTransfer("127.0.0.1")
+    src = torch.arange(1 << 20, dtype=torch.int32)
+    dst = torch.zeros_like(src)
+    local.register(src.data_ptr(), src.numel() * 4)
+    peer.register(dst.data_ptr(), dst.numel() * 4)
+    starts = list(range(0, 1 << 20, 256))[:4096]
+    assert len(starts) > 2 * MAX_BATCH_SLICES
+    local.write(peer.session_id, [src.data_ptr() + 4 * s for s in starts], [dst.data_ptr() + 4 * s for s in starts],
+                [64] * len(starts))
+    written = torch.zeros_like(src, dtype=torch.bool)
+    for s in starts:
+        written[s:s + 16] = True
+    assert torch.equal(dst[written], src[written])
+    assert not dst[~written].any()
