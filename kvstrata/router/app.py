@@ -91,7 +91,8 @@ class Router:
     async def list_workers(self, request: Request) -> Response:
         """The workers and their state."""
         workers = self.workers.all()
-        return JSONResponse({"urls": [w.url for w in workers], "workers": [w.summary() for w in workers]})
+        return JSONResponse({"urls": [w.url for w in workers], "workers": [w.summary() for w in workers],
+                             "active_requests": self.proxy.active})
 
     async def prometheus(self, request: Request) -> Response:
         """Prometheus text."""

@@ -12,7 +12,7 @@ import logging
 import aiohttp
 
 from kvstrata.router.args import RouterArgs
-from kvstrata.router.proxy import Proxy
+from kvstrata.router.proxy import Proxy, mark_down
 from kvstrata.router.workers import Worker, WorkerLoad, WorkerRegistry
 
 logger = logging.getLogger(__name__)
@@ -30,6 +30,7 @@ class WorkerMonitor:
 
     def start(self) -> None:
         """Start the loops (inside the event loop)."""
+        self.proxy.on_worker_failure = self.recheck
         a = self.args
         self._tasks = [asyncio.ensure_future(_every(a.health_check_interval_secs, self.check_all)),
                        asyncio.ensure_future(_every(a.worker_load_check_interval, self.poll_loads)),
@@ -46,9 +47,17 @@ class WorkerMonitor:
         """One health check of every worker."""
         await asyncio.gather(*(self.check(w) for w in self.workers.all()))
 
+    def recheck(self, w: Worker) -> None:
+        """Check `w` now (a request to it just failed)."""
+        asyncio.ensure_future(self.check(w))
+
     async def check(self, w: Worker) -> bool:
         """GET /health once and apply the failure/success thresholds; returns whether it passed."""
-        passed = await self._get_ok(w, "/health", self.args.health_check_timeout_secs)
+        try:
+            passed = await self._get_ok(w, "/health", self.args.health_check_timeout_secs)
+        except aiohttp.ClientConnectorError as e:
+            mark_down(w, e)
+            return False
         if passed:
             w.success_streak, w.failure_streak = w.success_streak + 1, 0
             # A new worker is admitted on its first pass; one that was taken out must pass M in a row.
@@ -69,6 +78,8 @@ class WorkerMonitor:
                                               timeout=aiohttp.ClientTimeout(total=timeout_s)) as resp:
                 await resp.read()
                 return resp.status == 200
+        except aiohttp.ClientConnectorError:
+            raise
         except (aiohttp.ClientError, asyncio.TimeoutError, OSError):
             return False
 
