@@ -119,3 +119,12 @@ def test_pd_metrics_in_server_info(pd):
     assert last["bytes"] > 0 and last["transfer_s"] > 0 and last["bootstrap_queue_s"] >= 0
     assert p["transfer_bytes_total"] == d["transfer_bytes_total"] > 0
     assert "bootstrap_queue" in d and "waiting_for_decode" in p
+
+
+def test_decode_reuses_its_own_cache_and_asks_only_for_missing_pages(pd):
+    body = greedy(SHARED + "Reuse on the decode side, please.", 5)
+    first, second = generate(pd.router.url, body), generate(pd.router.url, body)
+    assert first.json()["output_ids"] == second.json()["output_ids"]
+    records = [r for r in state(pd.decode.url)["disaggregation"]["recent_transfers"] if "bytes" in r][-2:]
+    assert records[1]["decode_reused_tokens"] > records[0]["decode_reused_tokens"]
+    assert 0 < records[1]["bytes"] < records[0]["bytes"]
