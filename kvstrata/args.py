@@ -22,8 +22,12 @@ class ConfigError(ValueError):
     """An invalid setting or combination of settings, raised at start-up."""
 
 
-def _opt(help: str, choices: Optional[list] = None, cli: bool = True) -> dict:
-    return {"help": help, "choices": choices, "cli": cli}
+def cli_option(help: str, choices: Optional[list] = None, cli: bool = True, aliases: tuple = ()) -> dict:
+    """Field metadata read by `add_dataclass_cli_args`: help text, allowed values, extra flag names."""
+    return {"help": help, "choices": choices, "cli": cli, "aliases": aliases}
+
+
+_opt = cli_option
 
 
 SCHEDULE_POLICIES = ["fcfs", "lpm"]
@@ -116,24 +120,12 @@ class ServerArgs:
     @staticmethod
     def add_cli_args(parser: argparse.ArgumentParser) -> None:
         """Add one `--flag-name` per field to `parser`."""
-        for f in dataclasses.fields(ServerArgs):
-            if not f.metadata.get("cli", True):
-                continue
-            flag = "--" + f.name.replace("_", "-")
-            kind = _base_type(f.type)
-            kwargs: dict[str, Any] = {"dest": f.name, "help": f.metadata.get("help"), "default": f.default}
-            if kind is bool:
-                parser.add_argument(flag, action=argparse.BooleanOptionalAction, **kwargs)
-                continue
-            if f.metadata.get("choices"):
-                kwargs["choices"] = f.metadata["choices"]
-            parser.add_argument(flag, type=kind, **kwargs)
+        add_dataclass_cli_args(parser, ServerArgs)
 
     @staticmethod
     def from_cli_args(ns: argparse.Namespace) -> ServerArgs:
         """Build ServerArgs from parsed CLI arguments (unknown attributes are ignored)."""
-        names = {f.name for f in dataclasses.fields(ServerArgs)}
-        return ServerArgs(**{k: v for k, v in vars(ns).items() if k in names})
+        return dataclass_from_cli_args(ServerArgs, ns)
 
     @staticmethod
     def from_kwargs(**kwargs: Any) -> ServerArgs:
@@ -149,11 +141,7 @@ class ServerArgs:
         self._check()
 
     def _check(self) -> None:
-        for f in dataclasses.fields(self):
-            choices = f.metadata.get("choices")
-            value = getattr(self, f.name)
-            if choices and value is not None and value not in choices:
-                raise ConfigError(f"--{_flag(f.name)} must be one of {choices}, got {value!r}")
+        check_choices(self)
         _positive(self, "page_size", "max_total_tokens", "max_running_requests", "context_length",
                   "max_prefill_tokens", "num_threads")
         if self.port <= 0 or self.port > 65535:
@@ -251,6 +239,47 @@ def cpu_has_fast_bf16() -> bool:
 def env_flag(name: str, default: str = "") -> str:
     """Read a KVSTRATA_* environment variable (the one place env vars are read)."""
     return os.environ.get(name, default)
+
+
+def add_dataclass_cli_args(parser: argparse.ArgumentParser, cls: type) -> None:
+    """Add one `--flag-name` per field of the config dataclass `cls` (metadata from `_opt`).
+
+    bool fields get `--flag/--no-flag`; tuple fields take any number of values; `aliases` in a field's
+    metadata adds more flag names for the same field.
+    """
+    for f in dataclasses.fields(cls):
+        if not f.metadata.get("cli", True):
+            continue
+        flags = ["--" + _flag(f.name), *f.metadata.get("aliases", ())]
+        kind = _base_type(f.type)
+        kwargs: dict[str, Any] = {"dest": f.name, "help": f.metadata.get("help"), "default": f.default}
+        if kind is bool:
+            parser.add_argument(*flags, action=argparse.BooleanOptionalAction, **kwargs)
+            continue
+        if f.metadata.get("choices"):
+            kwargs["choices"] = f.metadata["choices"]
+        if typing.get_origin(kind) is tuple:
+            kind, kwargs["nargs"] = typing.get_args(kind)[0], "*"
+        parser.add_argument(*flags, type=kind, **kwargs)
+
+
+def dataclass_from_cli_args(cls: type, ns: argparse.Namespace) -> Any:
+    """Build the config dataclass `cls` from parsed CLI arguments (unknown attributes are ignored)."""
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    values = {k: v for k, v in vars(ns).items() if k in fields}
+    for name, value in values.items():
+        if isinstance(value, list):
+            values[name] = tuple(value)
+    return cls(**values)
+
+
+def check_choices(config: Any) -> None:
+    """Raise ConfigError for a field whose value is not one of its metadata `choices`."""
+    for f in dataclasses.fields(config):
+        choices = f.metadata.get("choices")
+        value = getattr(config, f.name)
+        if choices and value is not None and value not in choices:
+            raise ConfigError(f"--{_flag(f.name)} must be one of {choices}, got {value!r}")
 
 
 def _flag(name: str) -> str:

@@ -8,6 +8,7 @@ USAGE = """usage: kvstrata <command> [flags]
 
 commands:
   serve         start the HTTP server (same flags as python -m kvstrata.launch_server; --help lists them)
+  router        route requests across workers (same flags as python -m kvstrata.router; --help lists them)
   bench NAME    run a benchmark: engine (prefill/decode speed vs transformers), multiturn (multi-turn
                 cache benchmark against a server), compare (L1 vs L1+L2 vs L1+L2+L3), grammar
                 (structured-output overhead); `kvstrata bench NAME --help` for flags
@@ -25,6 +26,10 @@ def main(argv: list[str] | None = None) -> int:
         from kvstrata.server.launch import run_and_exit
 
         run_and_exit(rest)   # exits the process (skipping slow interpreter teardown)
+    if command == "router":
+        from kvstrata.router.launch import main as router_main
+
+        return router_main(rest)
     if command == "bench":
         from kvstrata.bench import main as bench_main
 

@@ -9,6 +9,7 @@ BENCHMARKS = {"engine": "kvstrata.bench.engine_bench", "multiturn": "kvstrata.be
               "compare": "kvstrata.bench.compare"}
 BENCHMARKS["grammar"] = "kvstrata.bench.grammar_bench"
 BENCHMARKS["dashboard"] = "kvstrata.bench.dashboard_overhead"
+BENCHMARKS["router"] = "kvstrata.bench.router_bench"
 
 
 def main(argv: list[str]) -> int:

@@ -28,17 +28,18 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 
 class ServerProcess:
-    """`python -m kvstrata.launch_server --host H --port P [args]` as a subprocess (its own session).
+    """`python -m kvstrata.launch_server --host H --port P [args]` as a subprocess (its own session);
+    `module="kvstrata.router"` runs a router the same way.
 
     Use as a context manager: the server is stopped (SIGTERM, then SIGKILL after a timeout) on exit, even
     when the body raises. Its stdout/stderr go to `log_path`.
     """
 
     def __init__(self, server_args: list[str], log_path: str, host: str = "127.0.0.1",
-                 port: Optional[int] = None, env: Optional[dict] = None):
+                 port: Optional[int] = None, env: Optional[dict] = None, module: str = "kvstrata.launch_server"):
         self.host = host
         self.port = port or free_port(host)
-        self.cmd = [sys.executable, "-m", "kvstrata.launch_server", "--host", host, "--port", str(self.port),
+        self.cmd = [sys.executable, "-m", module, "--host", host, "--port", str(self.port),
                     *server_args]
         self.log_path = Path(log_path)
         self.env = {**os.environ, **(env or {})}

@@ -14,6 +14,7 @@ from kvstrata.runtime.messages import (
     BatchOutput,
     ControlOut,
     FlushCacheReq,
+    GetLoadReq,
     GetStateReq,
     TokenizedGenerateReq,
 )
@@ -60,6 +61,8 @@ class SchedulerLoop:
                 self.send(s.flush_cache())
             elif isinstance(msg, GetStateReq):
                 self.send(ControlOut("state", True, "", s.get_state()))
+            elif isinstance(msg, GetLoadReq):
+                self.send(ControlOut("load", True, "", s.get_load()))
             elif msg is None:
                 self.running = False
                 return

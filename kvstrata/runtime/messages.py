@@ -43,10 +43,15 @@ class GetStateReq:
 
 
 @dataclass
+class GetLoadReq:
+    """frontend → scheduler: ask for the O(1) load report (for the router's GET /load)."""
+
+
+@dataclass
 class ControlOut:
     """scheduler → frontend: answer to FlushCacheReq / GetStateReq."""
 
-    kind: str                          # "flush_cache" | "state"
+    kind: str                          # "flush_cache" | "state" | "load"
     success: bool = True
     message: str = ""
     state: dict[str, Any] = field(default_factory=dict)

@@ -392,6 +392,14 @@ class Scheduler:
                 state["integrity_error"] = str(e)
         return state
 
+    def get_load(self) -> dict:
+        """Queue lengths, pool occupancy and hits per tier from counters kept anyway (no walk, no check)."""
+        allocator = self.cache.allocator
+        return {"running_requests": len(self.running), "waiting_requests": len(self.waiting),
+                "free_pages": allocator.free_pages, "capacity_pages": allocator.capacity_pages,
+                "prompt_tokens": self.metrics["prompt_tokens"], "cached_tokens": self.metrics["cached_tokens"],
+                **self.cache.metrics}
+
 
 def _match_len(result) -> int:
     """Cached tokens of a match, host-tier continuation included."""

@@ -20,6 +20,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 import kvstrata
 from kvstrata.runtime.sampling_params import SamplingParams
 from kvstrata.server import native_api, openai_api
+from kvstrata.server.load_api import register_load_api
 from kvstrata.server.metrics import render_prometheus
 from kvstrata.server.protocol import ApiError, GenerateRequest, PromptSpec, get_bool, new_rid, parse_json_body
 from kvstrata.server.tokenizer_manager import TokenizerManager
@@ -76,6 +77,7 @@ def create_app(tm: TokenizerManager, is_scheduler_alive: Callable[[], bool],
     if args.api_key:
         app.add_middleware(ApiKeyMiddleware, api_key=args.api_key)
     _add_error_handlers(app)
+    register_load_api(app, tm)
 
     # ------------------------------------------------------------------ health and info
     @app.get("/health")

@@ -27,6 +27,7 @@ from kvstrata.runtime.messages import (
     BatchOutput,
     ControlOut,
     FlushCacheReq,
+    GetLoadReq,
     GetStateReq,
     SchedulerReady,
     TokenizedGenerateReq,
@@ -283,6 +284,10 @@ class TokenizerManager:
     async def get_state(self) -> dict:
         """The scheduler's internal state and metrics."""
         return (await self._control_call(GetStateReq(), "state")).state
+
+    async def get_load(self) -> dict:
+        """The scheduler's O(1) load report (queues, pool, hits per tier)."""
+        return (await self._control_call(GetLoadReq(), "load")).state
 
     async def _control_call(self, msg: Any, kind: str, timeout: float = 20.0) -> ControlOut:
         self._check_alive()

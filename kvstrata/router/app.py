@@ -1,0 +1,129 @@
+"""The router's HTTP app: the worker API proxied, plus worker management and /metrics."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import AsyncIterator
+
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from kvstrata.args import ConfigError
+from kvstrata.router.args import RouterArgs, check_worker_url
+from kvstrata.router.metrics import CONTENT_TYPE, RouterMetrics
+from kvstrata.router.monitor import WorkerMonitor
+from kvstrata.router.policies import make_policy
+from kvstrata.router.proxy import Proxy, error_response
+from kvstrata.router.workers import WorkerRegistry
+from kvstrata.server.app import ApiKeyMiddleware
+
+logger = logging.getLogger(__name__)
+
+ROUTED = ["/generate", "/v1/completions", "/v1/chat/completions"]           # by the policy
+PASSED = ["/v1/models", "/v1/models/{model_id:path}", "/get_model_info", "/model_info", "/get_server_info",
+          "/server_info", "/health_generate"]                               # to the least loaded worker
+BROADCAST = ["/flush_cache", "/abort_request"]                              # to every healthy worker
+
+
+class Router:
+    """The router's parts: worker registry, policy, proxy, metrics, monitor."""
+
+    def __init__(self, args: RouterArgs):
+        self.args = args
+        self.workers = WorkerRegistry()
+        self.metrics = RouterMetrics(self.workers)
+        self.proxy = Proxy(args, self.workers, make_policy(args), self.metrics)
+        self.monitor = WorkerMonitor(args, self.workers, self.proxy)
+
+    async def start(self) -> None:
+        """Open connections, check the configured workers once, start the background loops."""
+        await self.proxy.start()
+        for url in self.args.worker_urls:
+            self.workers.add(check_worker_url(url))
+        await self.monitor.check_all()
+        await self.monitor.poll_loads()
+        self.monitor.start()
+        logger.info("router ready at %s (policy %s; workers %s)", self.args.url, self.args.policy,
+                    [w.url for w in self.workers.all()])
+
+    async def stop(self) -> None:
+        """Stop the loops and close connections."""
+        await self.monitor.stop()
+        await self.proxy.close()
+
+    # ------------------------------------------------------------------ endpoints
+    async def health(self, request: Request) -> Response:
+        """200 while at least one worker can take requests."""
+        if self.workers.routable():
+            return Response(status_code=200)
+        return error_response("no healthy worker", 503)
+
+    async def add_worker(self, request: Request) -> Response:
+        """/add_worker?url=...: register the worker and check it at once."""
+        try:
+            url = check_worker_url(request.query_params.get("url", ""))
+        except ConfigError as e:
+            return error_response(str(e), 400)
+        worker, is_new = self.workers.add(url)
+        await self.monitor.check(worker)
+        return JSONResponse({"success": True, "url": url, "added": is_new, "healthy": worker.healthy})
+
+    async def remove_worker(self, request: Request) -> Response:
+        """/remove_worker?url=...[&drain=true]: with drain, stop sending to it and wait for its requests."""
+        url = request.query_params.get("url", "").rstrip("/")
+        drain = request.query_params.get("drain", "false").lower() in ("1", "true", "yes")
+        worker = self.workers.get(url)
+        if worker is None:
+            return error_response(f"no worker {url!r} (see /list_workers)", 404)
+        if drain:
+            worker.draining = True
+            logger.info("draining %s (%d in flight)", url, worker.in_flight)
+            await worker.idle.wait()
+        if self.workers.get(url) is worker and worker.draining == drain:
+            self.workers.remove(url)
+        return JSONResponse({"success": True, "url": url, "drained": drain})
+
+    async def list_workers(self, request: Request) -> Response:
+        """The workers and their state."""
+        workers = self.workers.all()
+        return JSONResponse({"urls": [w.url for w in workers], "workers": [w.summary() for w in workers]})
+
+    async def prometheus(self, request: Request) -> Response:
+        """Prometheus text."""
+        return Response(self.metrics.render(), media_type=CONTENT_TYPE)
+
+
+def create_app(args: RouterArgs) -> Starlette:
+    """The Starlette app of a router with `args`."""
+    router = Router(args)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        await router.start()
+        try:
+            yield
+        finally:
+            await router.stop()
+
+    async def routed(request: Request) -> Response:
+        return await router.proxy.route(request, affinity=True)
+
+    async def passed(request: Request) -> Response:
+        return await router.proxy.route(request, affinity=False)
+
+    routes = [Route(p, routed, methods=["POST"]) for p in ROUTED]
+    routes += [Route(p, passed, methods=["GET"]) for p in PASSED]
+    routes += [Route(p, router.proxy.broadcast, methods=["GET", "POST"]) for p in BROADCAST]
+    routes += [Route("/health", router.health, methods=["GET"]),
+               Route("/add_worker", router.add_worker, methods=["GET", "POST"]),
+               Route("/remove_worker", router.remove_worker, methods=["GET", "POST"]),
+               Route("/list_workers", router.list_workers, methods=["GET"]),
+               Route("/metrics", router.prometheus, methods=["GET"])]
+    app = Starlette(routes=routes, lifespan=lifespan)
+    app.state.router = router
+    if args.api_key:
+        app.add_middleware(ApiKeyMiddleware, api_key=args.api_key)
+    return app

@@ -1,0 +1,125 @@
+"""RouterArgs: every setting of `kvstrata router` in one frozen dataclass; the CLI is generated from it.
+
+Flag names and defaults follow SGLang's router (sglang_router) where it has the setting; the tier_aware
+policy's weights and the load-poll interval are ours.
+"""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass, field
+from typing import Optional
+from urllib.parse import urlsplit
+
+from kvstrata.args import (
+    ConfigError,
+    add_dataclass_cli_args,
+    check_choices,
+    cli_option,
+    dataclass_from_cli_args,
+)
+
+POLICIES = ["random", "round_robin", "power_of_two", "cache_aware", "tier_aware"]
+LOG_LEVELS = ["debug", "info", "warning", "error", "critical"]
+
+
+@dataclass(frozen=True)
+class RouterArgs:
+    """All router configuration. Field names are SGLang router's where it has the setting."""
+
+    worker_urls: tuple[str, ...] = field(default=(), metadata=cli_option(
+        "Worker base URLs (http://host:port), more can be added later with /add_worker."))
+    host: str = field(default="127.0.0.1", metadata=cli_option("HTTP host to bind."))
+    port: int = field(default=30000, metadata=cli_option("HTTP port."))
+    policy: str = field(default="tier_aware", metadata=cli_option(
+        "Routing policy. tier_aware (ours): least expected prefill work (uncached tokens, weighted by the "
+        "tier that holds the rest) plus queueing; cache_aware: SGLang's longest-prefix-match policy.",
+        POLICIES))
+    cache_threshold: float = field(default=0.3, metadata=cli_option(
+        "cache_aware: route to the longest prefix match only when it covers more than this fraction of "
+        "the prompt; else to the least loaded worker."))
+    balance_abs_threshold: int = field(default=64, metadata=cli_option(
+        "cache_aware: balance load instead when (max_load - min_load) > this AND the relative threshold "
+        "also holds (load = in-flight requests)."))
+    balance_rel_threshold: float = field(default=1.5, metadata=cli_option(
+        "cache_aware: balance load instead when max_load > min_load * this AND the absolute threshold "
+        "also holds."))
+    eviction_interval_secs: float = field(default=120.0, metadata=cli_option(
+        "Seconds between LRU evictions of the approximate prefix trees.", aliases=("--eviction-interval",)))
+    max_tree_size: int = field(default=2 ** 26, metadata=cli_option(
+        "Entries (tokens or characters) each worker's approximate prefix tree keeps after an eviction."))
+    api_key: Optional[str] = field(default=None, metadata=cli_option(
+        "Require this API key (Bearer token) from clients, and send it to the workers."))
+    request_timeout_secs: float = field(default=1800.0, metadata=cli_option(
+        "Time limit for one proxied request, streaming included."))
+    max_concurrent_requests: int = field(default=-1, metadata=cli_option(
+        "Requests proxied at once; more are answered 429 (-1: no limit)."))
+    log_level: str = field(default="info", metadata=cli_option("Logging level.", LOG_LEVELS))
+    health_check_interval_secs: float = field(default=5.0, metadata=cli_option(
+        "Seconds between GET /health checks of every worker."))
+    health_check_timeout_secs: float = field(default=5.0, metadata=cli_option(
+        "Time limit of one health check."))
+    health_failure_threshold: int = field(default=3, metadata=cli_option(
+        "Consecutive failed health checks that take a worker out (a refused connection while proxying "
+        "takes it out at once)."))
+    health_success_threshold: int = field(default=2, metadata=cli_option(
+        "Consecutive passed health checks that put a worker (back) in."))
+    worker_load_check_interval: float = field(default=1.0, metadata=cli_option(
+        "Seconds between polls of each worker's GET /load report (tier_aware, power_of_two)."))
+    tier_host_weight: float = field(default=0.1, metadata=cli_option(
+        "tier_aware: cost of a prompt token that must be loaded back from host memory (L2), relative to "
+        "prefilling it (1.0)."))
+    tier_storage_weight: float = field(default=0.3, metadata=cli_option(
+        "tier_aware: cost of a prompt token loaded from a shared storage tier (L3), relative to "
+        "prefilling it (1.0)."))
+    tier_decode_weight: float = field(default=8.0, metadata=cli_option(
+        "tier_aware: queueing cost of one request already decoding on a worker, in prompt tokens."))
+
+    # ------------------------------------------------------------------ CLI
+    @staticmethod
+    def add_cli_args(parser: argparse.ArgumentParser) -> None:
+        """Add one `--flag-name` per field to `parser`."""
+        add_dataclass_cli_args(parser, RouterArgs)
+
+    @staticmethod
+    def from_cli_args(ns: argparse.Namespace) -> RouterArgs:
+        """Build RouterArgs from parsed CLI arguments."""
+        return dataclass_from_cli_args(RouterArgs, ns)
+
+    # ------------------------------------------------------------------ checks
+    def __post_init__(self) -> None:
+        check_choices(self)
+        for url in self.worker_urls:
+            check_worker_url(url)
+        if not 0 < self.port <= 65535:
+            raise ConfigError(f"--port must be in 1..65535, got {self.port}")
+        if not 0.0 <= self.cache_threshold <= 1.0:
+            raise ConfigError(f"--cache-threshold must be in [0, 1], got {self.cache_threshold}")
+        for name in ("eviction_interval_secs", "max_tree_size", "request_timeout_secs",
+                     "health_check_interval_secs", "health_check_timeout_secs", "health_failure_threshold",
+                     "health_success_threshold", "worker_load_check_interval"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"--{name.replace('_', '-')} must be positive, got {getattr(self, name)}")
+        if self.max_concurrent_requests == 0 or self.max_concurrent_requests < -1:
+            raise ConfigError("--max-concurrent-requests must be positive or -1 (no limit)")
+
+    @property
+    def url(self) -> str:
+        """Base URL of the router."""
+        return f"http://{self.host}:{self.port}"
+
+
+def check_worker_url(url: str) -> str:
+    """Return `url` without a trailing slash; raise ConfigError unless it is http(s)://host:port[/]."""
+    try:
+        parts = urlsplit(url)
+        port = parts.port
+    except ValueError as e:
+        raise ConfigError(f"bad worker URL {url!r}: {e}") from None
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise ConfigError(f"bad worker URL {url!r}: expected http://host:port")
+    if port is None:
+        raise ConfigError(f"bad worker URL {url!r}: the port is missing")
+    if parts.path.strip("/") or parts.query or parts.fragment:
+        raise ConfigError(f"bad worker URL {url!r}: expected a base URL without path or query")
+    return url.rstrip("/")

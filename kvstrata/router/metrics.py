@@ -1,0 +1,58 @@
+"""The router's Prometheus metrics: per worker requests, errors, retries, routing decisions by reason
+(counters), and in-flight requests, health and drain state (gauges read from the registry at scrape time).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+from prometheus_client import CollectorRegistry, Counter, disable_created_metrics, generate_latest
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from kvstrata.router.workers import WorkerRegistry
+
+PREFIX = "kvstrata_router_"
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+
+class RouterMetrics:
+    """Counters the proxy increments, plus gauges computed from the worker registry."""
+
+    def __init__(self, workers: WorkerRegistry):
+        disable_created_metrics()   # no *_created series per counter (the router is its own process)
+        self.registry = CollectorRegistry(auto_describe=True)
+        self.requests = Counter(PREFIX + "requests", "Requests sent to a worker (a retry counts again).",
+                                ["worker"], registry=self.registry)
+        self.errors = Counter(PREFIX + "errors", "Requests to a worker that failed (connection error, 5xx, "
+                              "or a broken stream).", ["worker"], registry=self.registry)
+        self.retries = Counter(PREFIX + "retries", "Requests retried on another worker after failing on "
+                               "this one before any byte came back.", ["worker"], registry=self.registry)
+        self.decisions = Counter(PREFIX + "routing_decisions", "Routing decisions by policy reason.",
+                                 ["worker", "reason"], registry=self.registry)
+        self.registry.register(_WorkerGauges(workers))
+
+    def render(self) -> bytes:
+        """The text exposition format."""
+        return generate_latest(self.registry)
+
+
+class _WorkerGauges(Collector):
+    def __init__(self, workers: WorkerRegistry):
+        self.workers = workers
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        gauges = {
+            "in_flight_requests": ("Requests being proxied to the worker.", lambda w: w.in_flight),
+            "worker_healthy": ("1 when the worker passes its health checks.", lambda w: w.healthy),
+            "worker_draining": ("1 while the worker is being drained.", lambda w: w.draining),
+            "worker_running_requests": ("Running requests the worker last reported.",
+                                        lambda w: w.load.running_requests),
+            "worker_waiting_requests": ("Queued requests the worker last reported.",
+                                        lambda w: w.load.waiting_requests),
+        }
+        for name, (doc, read) in gauges.items():
+            family = GaugeMetricFamily(PREFIX + name, doc, labels=["worker"])
+            for w in self.workers.all():
+                family.add_metric([w.url], float(read(w)))
+            yield family

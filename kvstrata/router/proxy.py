@@ -1,0 +1,225 @@
+"""Forwarding requests to workers: choose, send, retry once before the first byte, stream through.
+
+    client ──► route() ──► policy picks w ──► POST w ─┬─ connection error / 5xx before any byte:
+                                                      │     w.errors += 1, retry once on another worker
+                                                      ├─ event stream: bytes passed on as they arrive;
+                                                      │     a break mid-stream ends with an error event
+                                                      └─ other answers (4xx included): passed on unchanged
+
+Nothing is validated here; the worker answers malformed requests itself. A refused connection takes the
+worker out at once; the monitor's health checks put it back.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator, Callable
+from typing import Optional
+
+import aiohttp
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+
+from kvstrata.router.args import RouterArgs
+from kvstrata.router.metrics import RouterMetrics
+from kvstrata.router.policies import Decision, Policy
+from kvstrata.router.request_key import route_key
+from kvstrata.router.workers import Worker, WorkerRegistry
+from kvstrata.server.protocol import ApiError
+from kvstrata.server.streaming import SSE_DONE, sse_event
+
+logger = logging.getLogger(__name__)
+
+# Not forwarded in either direction (hop-by-hop, or recomputed by the sending side).
+SKIP_HEADERS = frozenset({"connection", "keep-alive", "transfer-encoding", "content-length", "host", "te",
+                          "trailer", "upgrade", "proxy-authorization", "proxy-connection", "date", "server"})
+WORKER_HEADER = "x-kvstrata-worker"     # added to proxied answers: which worker served it
+CONNECT_TIMEOUT_S = 5.0
+ATTEMPTS = 2              # the first try and one retry on another worker
+FAILURES = (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError, asyncio.TimeoutError)
+
+
+class _RetryableFailure(Exception):
+    """The attempt failed before any byte reached the client."""
+
+
+class Proxy:
+    """Sends client requests to workers (HTTP/1.1 keep-alive pool) and relays the answers."""
+
+    def __init__(self, args: RouterArgs, workers: WorkerRegistry, policy: Policy, metrics: RouterMetrics):
+        self.args = args
+        self.workers = workers
+        self.policy = policy
+        self.metrics = metrics
+        self.session: Optional[aiohttp.ClientSession] = None
+        self.active = 0
+        self.on_worker_failure: Callable[[Worker], None] = lambda w: None   # the monitor re-checks it
+
+    async def start(self) -> None:
+        """Open the connection pool (inside the event loop)."""
+        connector = aiohttp.TCPConnector(limit=0, ttl_dns_cache=300)
+        self.session = aiohttp.ClientSession(connector=connector, auto_decompress=False)
+
+    async def close(self) -> None:
+        """Close the connection pool."""
+        if self.session is not None:
+            await self.session.close()
+
+    def worker_headers(self, request_headers: Optional[dict] = None) -> dict:
+        """Headers for a request to a worker: the client's minus hop-by-hop ones, plus our API key."""
+        out = {k: v for k, v in (request_headers or {}).items() if k.lower() not in SKIP_HEADERS}
+        if self.args.api_key:
+            out["authorization"] = f"Bearer {self.args.api_key}"
+        return out
+
+    # ------------------------------------------------------------------ one request to one worker
+    async def route(self, request: Request, affinity: bool = True) -> Response:
+        """Forward `request` to one worker (chosen by the policy when `affinity`, else the least loaded)."""
+        limit = self.args.max_concurrent_requests
+        if limit > 0 and self.active >= limit:
+            return error_response(f"the router is at --max-concurrent-requests ({limit})", 429)
+        self.active += 1
+        try:
+            body = await request.body()
+            key = route_key(request.url.path, body) if affinity else None
+            return await self._forward(request, body, key, affinity)
+        finally:
+            self.active -= 1
+
+    async def _forward(self, request: Request, body: bytes, key, affinity: bool) -> Response:
+        tried: list[Worker] = []
+        last_error = "no healthy worker"
+        for _ in range(ATTEMPTS):
+            candidates = [w for w in self.workers.routable() if w not in tried]
+            if not candidates:
+                break
+            decision = self.policy.select(candidates, key) if affinity else _least_loaded(candidates)
+            try:
+                return await self._attempt(request, body, key, decision)
+            except _RetryableFailure as e:
+                last_error = str(e)
+                tried.append(decision.worker)
+                self.metrics.retries.labels(decision.worker.url).inc()
+        status = 503 if not tried else 502
+        return error_response(f"no worker could serve the request: {last_error}", status)
+
+    async def _attempt(self, request: Request, body: bytes, key, decision: Decision) -> Response:
+        w = decision.worker
+        units = self._prefill_units(w, key)
+        self.policy.record(w, key)
+        self.metrics.decisions.labels(w.url, decision.reason).inc()
+        self.metrics.requests.labels(w.url).inc()
+        w.begin(units)
+        got_first_byte = streaming = False
+        try:
+            upstream = await self._send(w, request, body)
+            w.first_byte(units)
+            got_first_byte = True
+            if upstream.status >= 500:
+                text = await upstream.text(errors="replace")
+                upstream.release()
+                raise _RetryableFailure(f"{w.url} answered {upstream.status}: {text[:200]}")
+            if upstream.content_type == "text/event-stream":
+                streaming = True
+                return StreamingResponse(self._relay(w, units, upstream), status_code=upstream.status,
+                                         headers=response_headers(upstream, w))
+            data = await upstream.read()
+            return Response(data, status_code=upstream.status, headers=response_headers(upstream, w))
+        except FAILURES as e:
+            self._taken_out(w, e)
+            raise _RetryableFailure(f"{w.url}: {type(e).__name__}: {e}") from None
+        except _RetryableFailure:
+            self.metrics.errors.labels(w.url).inc()
+            raise
+        finally:
+            if not streaming:
+                w.end(units, got_first_byte)
+
+    async def _send(self, w: Worker, request: Request, body: bytes) -> aiohttp.ClientResponse:
+        assert self.session is not None
+        url = w.url + request.url.path + (f"?{request.url.query}" if request.url.query else "")
+        timeout = aiohttp.ClientTimeout(total=self.args.request_timeout_secs, sock_connect=CONNECT_TIMEOUT_S)
+        return await self.session.request(request.method, url, data=body, timeout=timeout,
+                                          headers=self.worker_headers(dict(request.headers)))
+
+    async def _relay(self, w: Worker, units: int, upstream: aiohttp.ClientResponse) -> AsyncIterator[bytes]:
+        """The worker's event stream, chunk by chunk as it arrives; an error event if it breaks."""
+        at_event_end = True
+        try:
+            async for chunk in upstream.content.iter_any():
+                at_event_end = chunk.endswith(b"\n\n")
+                yield chunk
+        except FAILURES as e:
+            self.metrics.errors.labels(w.url).inc()
+            self.on_worker_failure(w)
+            logger.warning("stream from %s broke: %s: %s", w.url, type(e).__name__, e)
+            message = f"the worker {w.url} failed mid-stream: {type(e).__name__}"
+            yield (b"" if at_event_end else b"\n\n") + stream_error(message)
+        finally:
+            upstream.close()
+            w.end(units, got_first_byte=True)
+
+    def _prefill_units(self, w: Worker, key) -> int:
+        """Prompt units this request is expected to prefill on `w` (queueing estimate for tier_aware)."""
+        if not key:
+            return 0
+        return len(key) - (w.tree_for(key).match(key) if self.policy.uses_trees else 0)
+
+    def _taken_out(self, w: Worker, err: BaseException) -> None:
+        self.metrics.errors.labels(w.url).inc()
+        if isinstance(err, aiohttp.ClientConnectorError):   # refused: it is down (a dropped keep-alive is not)
+            mark_down(w, err)
+        else:
+            self.on_worker_failure(w)
+
+    # ------------------------------------------------------------------ every worker
+    async def broadcast(self, request: Request) -> Response:
+        """Send `request` to every healthy worker; 200 if all agree, else the first failure unchanged."""
+        body = await request.body()
+        targets = [w for w in self.workers.all() if w.healthy]
+        if not targets:
+            return error_response("no healthy worker", 503)
+        results = await asyncio.gather(*(self._send_and_read(w, request, body) for w in targets))
+        for status, headers, data in results:
+            if status != 200:
+                return Response(data, status_code=status, headers=headers)
+        return JSONResponse({"success": True, "workers": [w.url for w in targets]})
+
+    async def _send_and_read(self, w: Worker, request: Request, body: bytes) -> tuple[int, dict, bytes]:
+        try:
+            async with await self._send(w, request, body) as upstream:
+                return upstream.status, response_headers(upstream), await upstream.read()
+        except FAILURES as e:
+            err = ApiError(f"{w.url}: {type(e).__name__}: {e}", 502)
+            return 502, {"content-type": "application/json"}, JSONResponse(err.to_dict()).body
+
+
+def mark_down(w: Worker, reason: object) -> None:
+    """Take `w` out at once (its port refuses connections); health checks put it back."""
+    if w.healthy:
+        logger.warning("taking %s out: %s", w.url, reason)
+    w.healthy = False
+    w.success_streak = 0
+
+
+def _least_loaded(workers: list[Worker]) -> Decision:
+    return Decision(min(workers, key=lambda w: w.in_flight), "least_loaded")
+
+
+def response_headers(upstream: aiohttp.ClientResponse, worker: Optional[Worker] = None) -> dict:
+    """The worker's response headers minus hop-by-hop ones, plus which worker answered."""
+    out = {k: v for k, v in upstream.headers.items() if k.lower() not in SKIP_HEADERS}
+    if worker is not None:
+        out[WORKER_HEADER] = worker.url
+    return out
+
+
+def error_response(message: str, status: int) -> JSONResponse:
+    """A router-made error in the worker's error shape."""
+    return JSONResponse(ApiError(message, status).to_dict(), status_code=status)
+
+
+def stream_error(message: str) -> bytes:
+    """The error event and [DONE] that end a broken stream, as a worker ends a failed one."""
+    return (sse_event(ApiError(message, 502).to_dict()) + SSE_DONE).encode()
