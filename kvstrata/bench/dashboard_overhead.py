@@ -8,8 +8,7 @@ Decode throughput = generated tokens / wall seconds of the batch (prefill is a f
 
 Wall-clock throughput on a shared machine is noisy, so the scheduler process's own CPU time is reported
 too (it runs on this machine: the benchmark launches it): CPU milliseconds per generated token with and
-without the poller, and CPU milliseconds per second of an idle server with and without it (idle is the
-worst case: a sample then also runs the page-accounting check).
+without the poller, and CPU milliseconds per second of an idle server with and without it.
 
     kvstrata bench dashboard --model-path bench --streams 4 --output-len 128 --repeat 5
 """
@@ -123,8 +122,8 @@ def run(args: argparse.Namespace, url: str) -> dict:
     decode_batch(url, args, rng, sched)                # warm-up
     out: dict = {k: {"none": [], "poll": []} for k in ("tok_s", "cpu_ms_per_token", "idle_cpu_ms_per_s")}
     polls = rows = errors = 0
-    for _ in range(args.repeat):
-        for mode in ("none", "poll"):
+    for i in range(args.repeat):
+        for mode in ("none", "poll") if i % 2 == 0 else ("poll", "none"):    # neither mode always goes first
             with contextlib.ExitStack() as stack:
                 poller = stack.enter_context(Poller(url, args.poll_hz, auth(args))) if mode == "poll" else None
                 rate, cpu = decode_batch(url, args, rng, sched)

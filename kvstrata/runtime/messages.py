@@ -41,6 +41,8 @@ class FlushCacheReq:
 class GetStateReq:
     """frontend → scheduler: ask for internal state and metrics (for /server_info)."""
 
+    full: bool = True        # False: counters and gauges only (no tree walk, no accounting check)
+
 
 @dataclass
 class GetLoadReq:
