@@ -8,7 +8,10 @@ Decode throughput = generated tokens / wall seconds of the batch (prefill is a f
 
 Wall-clock throughput on a shared machine is noisy, so the scheduler process's own CPU time is reported
 too (it runs on this machine: the benchmark launches it): CPU milliseconds per generated token with and
-without the poller, and CPU milliseconds per second of an idle server with and without it.
+without the poller, and CPU milliseconds per second of an idle server with and without it. Last, what one
+sample costs the scheduler, timed in this process on an offline Engine of the same model after the same
+kind of requests, with the host tier on: `get_state(full=False)` (the dashboard's) next to `get_state()`
+(/server_info's).
 
     kvstrata bench dashboard --model-path bench --streams 4 --output-len 128 --repeat 5
 """
@@ -73,7 +76,7 @@ class Poller:
         self._thread.join()
 
     def _run(self) -> None:
-        since, session = 0.0, requests.Session()
+        since, session = time.time(), requests.Session()     # only samples taken while this poller runs
         session.headers.update(self.headers)
         while not self._stop.wait(self.period):
             try:
@@ -135,6 +138,29 @@ def run(args: argparse.Namespace, url: str) -> dict:
     return {**out, "polls": polls, "rows": rows, "poll_errors": errors}
 
 
+def sample_cost_ms(args: argparse.Namespace, n: int = 50) -> dict[str, float]:
+    """Best-of-n milliseconds of the scheduler's get_state, light and full, on an offline Engine."""
+    import kvstrata
+
+    engine = kvstrata.Engine(model_path=args.model_path, enable_hierarchical_cache=True)   # L2's stats included
+    try:
+        rng = random.Random(0)
+        for _ in range(2 * args.streams):
+            engine.generate(input_ids=[rng.randrange(100, 200) for _ in range(args.prompt_len)],
+                            sampling_params={"max_new_tokens": 8})
+        out = {}
+        for name, full in (("light", False), ("full", True)):
+            times = []
+            for _ in range(n):
+                start = time.perf_counter()
+                engine.scheduler.get_state(full)
+                times.append(time.perf_counter() - start)
+            out[name] = 1e3 * min(times)
+        return out
+    finally:
+        engine.shutdown()
+
+
 def report(result: dict, args: argparse.Namespace) -> str:
     """Medians (and ranges) of each measure in each mode, and the change."""
     lines = [f"decode batch: {args.streams} streams x {args.output_len} tokens, {args.repeat} batches per mode; "
@@ -147,6 +173,11 @@ def report(result: dict, args: argparse.Namespace) -> str:
         cells = [f"{statistics.median(v):8.2f} ({min(v):.2f}..{max(v):.2f})" for v in result[key].values()]
         change = f"{100 * (poll - none) / none:+.1f}%" if none else "n/a"
         lines.append(f"{label:34}{cells[0]:>22}{cells[1]:>22}  {change}")
+    cost = result.get("sample_ms")
+    if cost:
+        lines.append(f"one sample on the scheduler: get_state(full=False) {cost['light']:.3f} ms "
+                     f"(/server_info's full get_state on the idle scheduler: {cost['full']:.3f} ms); at one "
+                     f"sample per second that is {cost['light'] / 10:.4f}% of the scheduler's time")
     return "\n".join(lines)
 
 
@@ -158,5 +189,6 @@ def main(argv: Optional[list[str]] = None) -> int:
     with ServerProcess(flags, log).start(args.server_start_timeout) \
             as server:
         result = run(args, server.url)
+    result["sample_ms"] = sample_cost_ms(args)
     print(report(result, args))
     return 0

@@ -41,7 +41,7 @@ class FlushCacheReq:
 class GetStateReq:
     """frontend → scheduler: ask for internal state and metrics (for /server_info)."""
 
-    full: bool = True        # False: counters and gauges only (no tree walk, no accounting check)
+    full: bool = True        # False: without the idle accounting check and the L1 tree's metrics
 
 
 @dataclass

@@ -373,7 +373,7 @@ class Scheduler:
         self.cache.check_integrity(self.running)
 
     def get_state(self, full: bool = True) -> dict:
-        """Internal state and metrics for /server_info; `full=False` skips the tree walk and the idle check."""
+        """Internal state and metrics for /server_info; `full=False` skips the idle check and the tree's metrics."""
         m = dict(self.metrics)
         m["cache_hit_rate"] = m["cached_tokens"] / m["prompt_tokens"] if m["prompt_tokens"] else 0.0
         state = {"running_requests": len(self.running), "waiting_requests": len(self.waiting),

@@ -3,7 +3,7 @@
 However many pages poll, the scheduler is asked for its state at most once per SAMPLE_INTERVAL_S, and
 only while someone polls: every answer is read from a ring of samples that the polls themselves fill. A
 sample holds counters and gauges the scheduler keeps anyway (its /server_info state without the parts that
-cost it time: `get_state(full=False)` walks no tree and skips the idle page-accounting check) and latency
+cost it time: `get_state(full=False)` skips the idle page-accounting check and the L1 tree's metrics) and latency
 percentiles measured here, in the HTTP process; rates are differences against the sample RATE_WINDOW_S
 older.
 
@@ -23,7 +23,7 @@ from typing import Any, Optional
 
 from fastapi import FastAPI
 from starlette.requests import Request
-from starlette.responses import HTMLResponse
+from starlette.responses import HTMLResponse, JSONResponse
 
 from kvstrata.server.protocol import ApiError
 from kvstrata.server.seq_state import SeqState
@@ -55,14 +55,14 @@ def register_dashboard(app: FastAPI, tm: TokenizerManager) -> None:
         return HTMLResponse(page)
 
     @app.get("/dashboard/data")
-    async def dashboard_data(request: Request) -> dict:
+    async def dashboard_data(request: Request) -> JSONResponse:
         since = request.query_params.get("since", "0")
         try:
             since_t = float(since)
         except ValueError:
             raise ApiError(f"'since' must be a number of seconds, got {since!r}", param="since") from None
         await history.refresh()
-        return history.payload(since_t)
+        return JSONResponse(history.payload(since_t))
 
 
 class LatencyRecorder:
@@ -187,8 +187,7 @@ class DashboardHistory:
 
     def _minute(self, now: float, counters: dict) -> dict:
         """Prompt tokens of the last minute (or since the first sample) by the tier that served them."""
-        older = self._at_or_before(now - MINUTE_S) or self.samples[0]
-        t0, base = older[0], older[1]
+        t0, base, _ = self._at_or_before(now - MINUTE_S)
         out = {tier: counters[f"{tier}_hit_tokens"] - base[f"{tier}_hit_tokens"]
                for tier in ("device", "host", "storage")}
         cached = counters["cached_tokens"] - base["cached_tokens"]

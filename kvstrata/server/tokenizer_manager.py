@@ -282,7 +282,7 @@ class TokenizerManager:
         return await self._control_call(FlushCacheReq(), "flush_cache")
 
     async def get_state(self, full: bool = True) -> dict:
-        """The scheduler's internal state and metrics (`full=False`: without tree walks and checks)."""
+        """The scheduler's internal state and metrics (`full=False`: without the costly parts)."""
         return (await self._control_call(GetStateReq(full), "state")).state
 
     async def get_load(self) -> dict:
