@@ -22,12 +22,19 @@ class ConfigError(ValueError):
     """An invalid setting or combination of settings, raised at start-up."""
 
 
-def cli_option(help: str, choices: Optional[list] = None, cli: bool = True, aliases: tuple = ()) -> dict:
-    """Field metadata read by `add_dataclass_cli_args`: help text, allowed values, extra flag names."""
-    return {"help": help, "choices": choices, "cli": cli, "aliases": aliases}
+def cli_option(help: str, choices: Optional[list] = None, cli: bool = True, aliases: tuple[str, ...] = (),
+               no_effect: Optional[str] = None) -> dict:
+    """Field metadata read by `add_dataclass_cli_args`: help text, allowed values, extra flag names, and
+    why a flag has no effect here (if so)."""
+    return {"help": help, "choices": choices, "cli": cli, "aliases": aliases, "no_effect": no_effect}
 
 
 _opt = cli_option
+
+
+def _no_effect(why: str) -> dict:
+    """An SGLang flag accepted so that launch lines work unchanged; it changes nothing on this engine."""
+    return _opt(f"Accepted for SGLang compatibility; no effect here: {why}.", no_effect=why)
 
 
 SCHEDULE_POLICIES = ["fcfs", "lpm"]
@@ -37,6 +44,23 @@ MEM_LAYOUTS = ["layer_first", "page_first"]
 STORAGE_BACKENDS = ["file", "mooncake"]
 PREFETCH_POLICIES = ["best_effort", "wait_complete", "timeout"]
 DTYPES = ["auto", "bfloat16", "float32", "float16"]
+TOOL_CALL_PARSERS = ["hermes", "qwen", "qwen25", "qwen3", "llama3"]
+# Settings whose only value we can honour: (value, why another one cannot be).
+_SINGLE_VALUE = {
+    "tp_size": (1, "tensor parallelism is not implemented; run one server per device behind a router"),
+    "dp_size": (1, "data parallelism is not implemented; run one server per device behind a router"),
+    "pp_size": (1, "pipeline parallelism is not implemented"),
+    "ep_size": (1, "expert parallelism is not implemented (no MoE models)"),
+    "nnodes": (1, "multi-node serving is not implemented"),
+    "node_rank": (0, "multi-node serving is not implemented"),
+    "enable_dp_attention": (False, "data-parallel attention is not implemented"),
+    "speculative_algorithm": (None, "speculative decoding is not implemented"),
+    "quantization": (None, "quantized weights are not supported (a GGUF file is de-quantized on load)"),
+    "kv_cache_dtype": ("auto", "the KV cache uses the model dtype (--dtype)"),
+    "lora_paths": (None, "LoRA adapters are not supported"),
+}
+DISAGGREGATION_MODES = ["null", "prefill", "decode"]
+TRANSFER_BACKENDS = ["mooncake"]
 
 
 @dataclass(frozen=True)
@@ -115,6 +139,90 @@ class ServerArgs:
         "Constrained decoding backend.", ["xgrammar", "none"]))
     constrained_json_disable_any_whitespace: bool = field(default=False, metadata=_opt(
         "In JSON-schema decoding allow only compact whitespace (models that know nothing finish sooner)."))
+    constrained_json_whitespace_pattern: Optional[str] = field(default=None, metadata=_opt(
+        "Regex of the whitespace allowed between JSON tokens in JSON-schema decoding (default: at most a "
+        "newline and a few spaces, so that real models cannot loop on whitespace)."))
+
+    # --- chat, tools, logging, metrics ---
+    chat_template: Optional[str] = field(default=None, metadata=_opt(
+        "Chat template: a Jinja file (.jinja, or a .json with a 'chat_template' key) or a built-in name "
+        "(chatml, llama-3-instruct); default: the tokenizer's."))
+    tool_call_parser: Optional[str] = field(default=None, metadata=_opt(
+        "Tool-call format to parse from model output: hermes/qwen/qwen25/qwen3 (<tool_call> JSON) or llama3 "
+        "(a JSON object); default: inferred from the chat template.", TOOL_CALL_PARSERS))
+    reasoning_parser: Optional[str] = field(default=None, metadata=_opt(
+        "Reasoning format: text between <think> and </think> is returned as reasoning_content in chat "
+        "completions (SGLang's names, e.g. qwen3, deepseek-r1)."))
+    log_requests: bool = field(default=False, metadata=_opt("Log every request and its outcome."))
+    log_requests_level: int = field(default=0, metadata=_opt(
+        "With --log-requests: 0 metadata, 1 + sampling params, 2 + the first 200 characters of input "
+        "and output, 3 + the whole input and output.", [0, 1, 2, 3]))
+    enable_metrics: bool = field(default=True, metadata=_opt(
+        "Serve Prometheus metrics at /metrics (on by default here; --no-enable-metrics turns it off)."))
+
+    # --- SGLang settings with only one value here (any other is a start-up error) ---
+    tp_size: int = field(default=1, metadata=_opt("Tensor parallel size (only 1).",
+                                                  aliases=("--tp", "--tensor-parallel-size")))
+    dp_size: int = field(default=1, metadata=_opt("Data parallel size (only 1).",
+                                                  aliases=("--dp", "--data-parallel-size")))
+    pp_size: int = field(default=1, metadata=_opt("Pipeline parallel size (only 1).",
+                                                  aliases=("--pipeline-parallel-size",)))
+    ep_size: int = field(default=1, metadata=_opt("Expert parallel size (only 1).",
+                                                  aliases=("--expert-parallel-size",)))
+    nnodes: int = field(default=1, metadata=_opt("Number of nodes (only 1)."))
+    node_rank: int = field(default=0, metadata=_opt("Rank of this node (only 0)."))
+    enable_dp_attention: bool = field(default=False, metadata=_opt("Data-parallel attention (not supported)."))
+    speculative_algorithm: Optional[str] = field(default=None, metadata=_opt(
+        "Speculative decoding algorithm (not supported)."))
+    quantization: Optional[str] = field(default=None, metadata=_opt("Weight quantization (not supported)."))
+    kv_cache_dtype: str = field(default="auto", metadata=_opt("KV cache dtype (only auto: the model dtype)."))
+    lora_paths: Optional[str] = field(default=None, metadata=_opt("LoRA adapters (not supported)."))
+
+    # --- SGLang flags accepted with no effect on this engine (logged once at start) ---
+    trust_remote_code: bool = field(default=False, metadata=_no_effect(
+        "only the built-in Llama-family code runs; a checkpoint's own Python code is never executed"))
+    disable_cuda_graph: bool = field(default=False, metadata=_no_effect("CUDA graphs are not used"))
+    cuda_graph_max_bs: Optional[int] = field(default=None, metadata=_no_effect("CUDA graphs are not used"))
+    attention_backend: Optional[str] = field(default=None, metadata=_no_effect(
+        "attention always runs on torch SDPA over the paged pool"))
+    sampling_backend: Optional[str] = field(default=None, metadata=_no_effect("sampling always runs in torch"))
+    enable_cache_report: bool = field(default=False, metadata=_no_effect(
+        "usage.prompt_tokens_details.cached_tokens is always reported"))
+    show_time_cost: bool = field(default=False, metadata=_no_effect(
+        "per-request latencies are in /metrics (histograms) and meta_info.e2e_latency"))
+    disable_overlap_schedule: bool = field(default=False, metadata=_no_effect(
+        "the scheduler does not overlap CPU scheduling with the forward"))
+    enable_torch_compile: bool = field(default=False, metadata=_no_effect("torch.compile is not used"))
+    enable_mixed_chunk: bool = field(default=False, metadata=_no_effect(
+        "prefill chunks and decodes are always mixed in one batch"))
+    disable_custom_all_reduce: bool = field(default=False, metadata=_no_effect("there is one device"))
+    skip_server_warmup: bool = field(default=False, metadata=_no_effect("the server does no warm-up request"))
+    tokenizer_mode: str = field(default="auto", metadata=_no_effect("the fast tokenizer is always used"))
+    watchdog_timeout: Optional[float] = field(default=None, metadata=_no_effect(
+        "the HTTP process watches the scheduler process instead"))
+
+    # --- hardening: admin actions, request limits, shutdown ---
+    admin_api_key: Optional[str] = field(default=None, metadata=_opt(
+        "Key for admin actions (/abort_request); --api-key does not grant them. Without it, only loopback "
+        "clients may use them."))
+    max_request_body_bytes: int = field(default=16 << 20, metadata=_opt(
+        "Largest accepted request body; larger ones get HTTP 413 before they are read."))
+    graceful_shutdown_timeout: float = field(default=30.0, metadata=_opt(
+        "On SIGTERM, seconds that running requests may take to finish (new ones get 503); what is left "
+        "then ends with finish_reason 'abort'."))
+
+    # --- prefill/decode disaggregation (kvstrata/disagg) ---
+    disaggregation_mode: str = field(default="null", metadata=_opt(
+        "PD disaggregation role: null (co-located), prefill or decode.", DISAGGREGATION_MODES))
+    disaggregation_transfer_backend: str = field(default="mooncake", metadata=_opt(
+        "KV transfer engine between prefill and decode servers.", TRANSFER_BACKENDS))
+    disaggregation_bootstrap_port: int = field(default=8998, metadata=_opt(
+        "Prefill side: port of the bootstrap service decode servers connect to."))
+    disaggregation_ib_device: Optional[str] = field(default=None, metadata=_opt(
+        "RDMA device(s) for the transfer engine (accepted; TCP is used where no RDMA device exists)."))
+    disaggregation_bootstrap_timeout: float = field(default=30.0, metadata=_opt(
+        "Seconds either side waits for its peer (SGLang: SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT) before it "
+        "frees the request's KV and fails it."))
 
     # ------------------------------------------------------------------ CLI
     @staticmethod
@@ -144,6 +252,9 @@ class ServerArgs:
         check_choices(self)
         _positive(self, "page_size", "max_total_tokens", "max_running_requests", "context_length",
                   "max_prefill_tokens", "num_threads")
+        _positive(self, "max_request_body_bytes")
+        if self.graceful_shutdown_timeout < 0:
+            raise ConfigError(f"--graceful-shutdown-timeout must be >= 0, got {self.graceful_shutdown_timeout}")
         if self.port <= 0 or self.port > 65535:
             raise ConfigError(f"--port must be in 1..65535, got {self.port}")
         if self.chunked_prefill_size is not None and self.chunked_prefill_size != -1:
@@ -168,6 +279,35 @@ class ServerArgs:
             raise ConfigError("--hicache-storage-backend needs --enable-hierarchical-cache")
         if self.hicache_storage_backend_extra_config:
             self.storage_extra_config()  # raises on bad JSON
+        for name, (value, why) in _SINGLE_VALUE.items():
+            if getattr(self, name) != value:
+                raise ConfigError(f"--{_flag(name)} {getattr(self, name)} cannot be honoured: {why}")
+        if self.constrained_json_whitespace_pattern is not None:
+            if self.constrained_json_disable_any_whitespace:
+                raise ConfigError("--constrained-json-whitespace-pattern contradicts "
+                                  "--constrained-json-disable-any-whitespace (compact JSON only)")
+            _check_regex("--constrained-json-whitespace-pattern", self.constrained_json_whitespace_pattern)
+        if self.chat_template is not None:
+            from kvstrata.model.chat_template_flag import ChatTemplateNotFound, resolve_chat_template
+
+            try:
+                resolve_chat_template(self.chat_template)
+            except ChatTemplateNotFound as e:
+                raise ConfigError(str(e)) from None
+        if not 0 < self.disaggregation_bootstrap_port <= 65535:
+            raise ConfigError(f"--disaggregation-bootstrap-port must be in 1..65535, got "
+                              f"{self.disaggregation_bootstrap_port}")
+        if self.disaggregation_bootstrap_timeout <= 0:
+            raise ConfigError("--disaggregation-bootstrap-timeout must be positive")
+
+    def no_effect_notes(self) -> list[str]:
+        """One line per SGLang flag that was set but means nothing on this engine (logged once at start)."""
+        notes = []
+        for f in dataclasses.fields(self):
+            why = f.metadata.get("no_effect")
+            if why and getattr(self, f.name) != f.default:
+                notes.append(f"--{_flag(f.name)} has no effect on kvstrata: {why}")
+        return notes
 
     # ------------------------------------------------------------------ derived values
     def resolve(self) -> ServerArgs:
@@ -214,10 +354,11 @@ class ServerArgs:
         return value
 
     def to_dict(self) -> dict:
-        """Plain dict of all settings, with the API key hidden."""
+        """Plain dict of all settings, with the API keys hidden."""
         d = dataclasses.asdict(self)
-        if d.get("api_key"):
-            d["api_key"] = "***"
+        for secret in ("api_key", "admin_api_key"):
+            if d.get(secret):
+                d[secret] = "***"
         return d
 
     @property
@@ -284,6 +425,15 @@ def check_choices(config: Any) -> None:
 
 def _flag(name: str) -> str:
     return name.replace("_", "-")
+
+
+def _check_regex(flag: str, pattern: str) -> None:
+    import re
+
+    try:
+        re.compile(pattern)
+    except re.error as e:
+        raise ConfigError(f"{flag} is not a valid regular expression: {e}") from None
 
 
 def _positive(args: ServerArgs, *names: str) -> None:

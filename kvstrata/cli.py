@@ -12,6 +12,8 @@ commands:
   bench NAME    run a benchmark: engine (prefill/decode speed vs transformers), multiturn (multi-turn
                 cache benchmark against a server), compare (L1 vs L1+L2 vs L1+L2+L3), grammar
                 (structured-output overhead); `kvstrata bench NAME --help` for flags
+  cluster CMD   role-based deployment: spec, render (Kubernetes RoleBasedGroup), up, status, down, logs,
+                upgrade; `kvstrata cluster --help` for details
 """
 
 
@@ -34,6 +36,10 @@ def main(argv: list[str] | None = None) -> int:
         from kvstrata.bench import main as bench_main
 
         return bench_main(rest) or 0
+    if command == "cluster":
+        from kvstrata.cluster.cli import main as cluster_main
+
+        return cluster_main(rest)
     print(f"kvstrata: unknown command {command!r}\n\n{USAGE}", file=sys.stderr)
     return 2
 

@@ -8,8 +8,10 @@ import sys
 BENCHMARKS = {"engine": "kvstrata.bench.engine_bench", "multiturn": "kvstrata.bench.multiturn",
               "compare": "kvstrata.bench.compare"}
 BENCHMARKS["grammar"] = "kvstrata.bench.grammar_bench"
-BENCHMARKS["dashboard"] = "kvstrata.bench.dashboard_overhead"
 BENCHMARKS["router"] = "kvstrata.bench.router_bench"
+BENCHMARKS["upgrade"] = "kvstrata.bench.upgrade_bench"
+BENCHMARKS["pd"] = "kvstrata.bench.pd_bench"
+BENCHMARKS["dashboard"] = "kvstrata.bench.dashboard_overhead"
 
 
 def main(argv: list[str]) -> int:

@@ -56,7 +56,9 @@ def bench_kvstrata(args, deterministic: bool = False) -> dict:
         prompts = [prompt(args.context) for _ in range(streams)]
         t = time.perf_counter()
         eng.generate(input_ids=prompts, sampling_params=decode)
-        return streams * n / max(1e-9, time.perf_counter() - t - prefill_only)
+        decode_s = time.perf_counter() - t - prefill_only
+        # On a loaded machine the two prefills can differ by more than the decode: no number then.
+        return streams * n / decode_s if decode_s > 0 else float("nan")
 
     single = decode_rate(1)
     multi = decode_rate(args.streams)

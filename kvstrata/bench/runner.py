@@ -33,6 +33,7 @@ class RunConfig:
     ready_queue_policy: str = "random"     # random | fifo
     enable_round_barrier: bool = False
     request_timeout_s: float = 600.0
+    retry_failed: bool = False             # send a failed round again instead of ending its conversation
     seed: int = 1
     progress: bool = True
 
@@ -153,6 +154,11 @@ class MultiTurnRunner:
         self.pbar.update(1)
         conv = self.convs[rec.client]
         later = conv.num_rounds - rec.round - 1
+        if not rec.ok and self.cfg.retry_failed and not self.cfg.enable_round_barrier:
+            self.remaining += 1                 # the same round goes back in the queue
+            self.pbar.total += 1
+            self.ready.append((rec.client, rec.round))
+            return
         if not rec.ok:
             self.skipped += later
             self.remaining -= later

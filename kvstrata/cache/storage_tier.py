@@ -100,6 +100,7 @@ class StorageTier:
         c["prefetch_bytes_per_s"] = c["prefetch_bytes"] / c["prefetch_s"] if c["prefetch_s"] else 0.0
         c["backup_bytes_per_s"] = c["backup_bytes"] / c["backup_s"] if c["backup_s"] else 0.0
         c["backend"] = self.backend.stats()
+        c["corrupt_pages"] = c["backend"].get("corrupt", 0)   # failed their checksum: dropped and recomputed
         return c
 
     def shutdown(self) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib.util
 import logging
 import os
+import re
 from typing import Any, Optional
 
 import torch
@@ -24,6 +25,12 @@ _ANY_OBJECT_SCHEMA = '{"type": "object"}'
 # rewrite it to exclude all control characters (bounded strings still take no escape sequences).
 _LOOSE_STRING_CHAR = r'[^\"\\\r\n]'
 _JSON_STRING_CHAR = r'[^\0-\x1f\"\\]'
+
+# Whitespace between JSON tokens by default: compact, a space or two, or one line break with indentation.
+# xgrammar's own `[ \n\r\t]*` lets a small model loop on blank lines until max_tokens (finish "length").
+DEFAULT_JSON_WHITESPACE = r"(\n[ \t]{0,12}|[ \t]{0,2})"
+_XGRAMMAR_ANY_WHITESPACE = r"[ \n\r\t]*"
+_WS_RULE_PREFIX = "json_ws_"
 
 # xgrammar's kernels: C++ on CPU, Triton on CUDA; anywhere else our torch version is the safe choice.
 _HAS_TRITON = importlib.util.find_spec("triton") is not None
@@ -102,16 +109,21 @@ class XGrammarGrammar(Grammar):
 class XGrammarBackend(GrammarBackend):
     """Grammar backend on xgrammar's compiler and matcher.
 
-    `any_whitespace` lets JSON output use any whitespace between tokens (as models trained on pretty
-    JSON write it); `max_whitespace_cnt` bounds each run of it (None: unbounded).
+    `any_whitespace` lets JSON output use whitespace between tokens (as models trained on pretty JSON
+    write it): each run matches `whitespace_pattern` (a regex; None: DEFAULT_JSON_WHITESPACE), and
+    `max_whitespace_cnt` bounds its length. `any_whitespace=False` allows compact JSON only.
     """
 
     def __init__(self, tokenizer: Any, vocab_size: int, eos_token_ids: list[int], max_workers: int = 1,
                  cache_size: int = 256, any_whitespace: bool = True,
-                 max_whitespace_cnt: Optional[int] = None, compile_threads: Optional[int] = None):
+                 max_whitespace_cnt: Optional[int] = None, compile_threads: Optional[int] = None,
+                 whitespace_pattern: Optional[str] = None):
         super().__init__(tokenizer, vocab_size, eos_token_ids, max_workers, cache_size)
         self._any_whitespace = any_whitespace
         self._max_whitespace_cnt = max_whitespace_cnt
+        self._whitespace_rules = None
+        if any_whitespace and max_whitespace_cnt is None:
+            self._whitespace_rules = whitespace_rules(whitespace_pattern or DEFAULT_JSON_WHITESPACE)
         # The model's vocab (lm_head rows) may exceed the tokenizer's: xgrammar masks the extra ids.
         self.tokenizer_info = xgr.TokenizerInfo.from_huggingface(
             tokenizer, vocab_size=vocab_size, stop_token_ids=self.eos_token_ids)
@@ -138,22 +150,25 @@ class XGrammarBackend(GrammarBackend):
         if kind == "json_schema":
             return self._compiler.compile_grammar(self._json_schema_grammar(text))
         if kind == "json_object":
-            return self._compiler.compile_json_schema(
-                _ANY_OBJECT_SCHEMA, **self._json_options(), strict_mode=False)
+            return self._compiler.compile_grammar(self._json_schema_grammar(_ANY_OBJECT_SCHEMA, strict=False))
         return self._compiler.compile_grammar(text)
 
     def _new_grammar(self, compiled: xgr.CompiledGrammar) -> XGrammarGrammar:
         return XGrammarGrammar(compiled, self.eos_token_ids, self._keep_mask, self._guard)
 
-    def _json_schema_grammar(self, schema: str) -> xgr.Grammar:
-        grammar = xgr.Grammar.from_json_schema(schema, **self._json_options())
+    def _json_schema_grammar(self, schema: str, strict: bool = True) -> xgr.Grammar:
+        grammar = xgr.Grammar.from_json_schema(schema, **self._json_options(), strict_mode=strict)
         ebnf = str(grammar)
-        if _LOOSE_STRING_CHAR not in ebnf:
+        rewritten = ebnf.replace(_LOOSE_STRING_CHAR, _JSON_STRING_CHAR)
+        if self._whitespace_rules is not None:
+            rewritten = rewritten.replace(_XGRAMMAR_ANY_WHITESPACE, _WS_RULE_PREFIX + "root")
+            rewritten += "\n" + self._whitespace_rules
+        if rewritten == ebnf:
             return grammar
         try:
-            return xgr.Grammar.from_ebnf(ebnf.replace(_LOOSE_STRING_CHAR, _JSON_STRING_CHAR))
+            return xgr.Grammar.from_ebnf(rewritten)
         except RuntimeError:
-            logger.warning("could not tighten the string rules of a JSON schema grammar; using it as is")
+            logger.warning("could not rewrite the string/whitespace rules of a JSON schema grammar; using it as is")
             return grammar
 
     def _json_options(self) -> dict[str, Any]:
@@ -171,6 +186,14 @@ class XGrammarBackend(GrammarBackend):
         bitmask = bitmask.to(logits.device)
         indices = None if rows is None else [int(r) for r in rows.tolist()]
         xgr.apply_token_bitmask_inplace(logits, bitmask, indices=indices)
+
+
+def whitespace_rules(pattern: str) -> str:
+    """EBNF rules for `pattern` whose start rule is `json_ws_root` (to stand for JSON's whitespace runs)."""
+    rules = str(xgr.Grammar.from_regex(pattern))
+    for name in sorted(set(re.findall(r"^(\w+) ::=", rules, re.M)), key=len, reverse=True):
+        rules = re.sub(rf"\b{name}\b", _WS_RULE_PREFIX + name, rules)
+    return rules
 
 
 def _special_token_ids(tokenizer: Any, vocab_size: int, eos_token_ids: list[int]) -> list[int]:

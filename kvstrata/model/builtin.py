@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 from kvstrata.args import env_flag
 from kvstrata.model.builtin_tokenizer import TokenizerSpec, build_tokenizer
 from kvstrata.model.chat_templates import CHATML_TEMPLATE, LLAMA3_TEMPLATE
+from kvstrata.model.gguf import gguf_model_folder, is_gguf
 
 if TYPE_CHECKING:
     import torch
@@ -99,9 +100,11 @@ def resolve_model_path(name_or_path: str, cache_dir: str | None = None) -> str:
     Safe when several processes resolve the same built-in at once: each builds in its own temporary
     folder and renames it into place; whoever loses the race discards its copy and uses the winner's.
     """
+    models_dir = os.path.join(cache_dir or default_cache_dir(), "models")
+    if is_gguf(name_or_path):
+        return gguf_model_folder(name_or_path, models_dir)
     if name_or_path not in BUILTIN_MODELS:
         return name_or_path
-    models_dir = os.path.join(cache_dir or default_cache_dir(), "models")
     target = os.path.join(models_dir, f"{name_or_path}-{BUILD_VERSION}")
     if os.path.isdir(target):
         return target

@@ -58,11 +58,15 @@ def attend_decodes(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, le
 
 
 def _key_layout(keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """float32 keys `[B, KVH, D, P]` and values `[B, KVH, P, D]`, zero-padded to whole tiles (P)."""
-    pad = -keys.shape[1] % KEY_TILE
-    k = F.pad(keys.float(), (0, 0, 0, 0, 0, pad)).permute(0, 2, 3, 1).contiguous()
-    v = F.pad(values.float(), (0, 0, 0, 0, 0, pad)).transpose(1, 2).contiguous()
-    return k, v
+    """float32 keys and values `[B, KVH, P, D]`, zero-padded to whole tiles (P); one copy each."""
+    batch, num_keys, num_kv_heads, head_dim = keys.shape
+    padded = -(-num_keys // KEY_TILE) * KEY_TILE
+    out = []
+    for src in (keys, values):
+        dst = torch.zeros(batch, num_kv_heads, padded, head_dim, device=src.device)
+        dst[:, :, :num_keys].copy_(src.transpose(1, 2))
+        out.append(dst)
+    return out[0], out[1]
 
 
 def _attend(q: torch.Tensor, k_tiles: torch.Tensor, v_tiles: torch.Tensor, num_tiles: int,
@@ -89,7 +93,7 @@ def _attend(q: torch.Tensor, k_tiles: torch.Tensor, v_tiles: torch.Tensor, num_t
     lowest_row_pos = int(positions.min())
     for t in range(num_tiles):
         lo = t * KEY_TILE
-        scores = torch.matmul(qg, k_tiles[..., lo:lo + KEY_TILE])                      # [B, KVH, R, TILE]
+        scores = torch.matmul(qg, k_tiles[:, :, lo:lo + KEY_TILE].transpose(-1, -2))   # [B, KVH, R, TILE]
         if lo + KEY_TILE - 1 > lowest_row_pos:   # some key is after some row (or padding): mask it
             scores.masked_fill_(lo + key_pos > row_pos, float("-inf"))
         m_new = torch.maximum(m, scores.amax(dim=-1, keepdim=True))

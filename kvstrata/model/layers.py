@@ -47,21 +47,26 @@ class Linear(nn.Linear):
         return F.linear(x, self.weight, self.bias)
 
 
-# Measured on x86 CPUs (MKL/oneDNN, float32): GEMMs of fewer than 12 rows take kernels that round a row
+# Measured on x86 CPUs (MKL/oneDNN): float32 GEMMs of fewer than 12 rows take kernels that round a row
 # differently from the same row in a larger product; from 12 rows on, each row's result is independent of
-# the row count and of its position. tests/model/test_batch_invariance.py checks this on every machine.
+# the row count and of its position. Native bf16 GEMMs (AVX-512 BF16 / AMX) are row-invariant at any
+# count. tests/model/test_batch_invariance.py checks both on every machine.
 BATCH_INVARIANT_MIN_ROWS = 16
 
 
 def make_batch_invariant(model: nn.Module) -> None:
     """Configure every Linear of `model` so that a row's output never depends on the other rows.
 
-    Few-row inputs are padded to BATCH_INVARIANT_MIN_ROWS, and the float32 upcast of emulated bf16 GEMMs
-    applies at every row count (instead of switching kernels at `upcast_min_rows`).
+    Inputs that a float32 GEMM will multiply are padded to BATCH_INVARIANT_MIN_ROWS rows, and the float32
+    upcast of emulated bf16 GEMMs applies at every row count (instead of switching kernels at
+    `upcast_min_rows`). Native low-precision GEMMs on CPU need no padding (and a decode step would pay
+    for it).
     """
     for module in model.modules():
         if isinstance(module, Linear):
-            module.min_rows = BATCH_INVARIANT_MIN_ROWS
+            w = module.weight
+            native = w.device.type == "cpu" and w.dtype in _LOW_PRECISION and not upcasts_on_cpu(w.dtype)
+            module.min_rows = 1 if native else BATCH_INVARIANT_MIN_ROWS
             module.upcast_min_rows = 1
 
 

@@ -23,8 +23,11 @@ class ChatTemplateError(ValueError):
     """The messages cannot be rendered with the tokenizer's chat template (a client error)."""
 
 
-def load_tokenizer(path: str) -> PreTrainedTokenizerBase:
-    """Load the tokenizer of a local HF folder (or of a built-in model name); never touches the hub."""
+def load_tokenizer(path: str, chat_template: str | None = None) -> PreTrainedTokenizerBase:
+    """Load the tokenizer of a local HF folder (or of a built-in model name); never touches the hub.
+
+    `chat_template`: a `--chat-template` value (file or built-in name) replacing the tokenizer's own.
+    """
     from transformers import AutoTokenizer
 
     from kvstrata.model.builtin import resolve_model_path
@@ -35,9 +38,14 @@ def load_tokenizer(path: str) -> PreTrainedTokenizerBase:
     if not any(os.path.isfile(os.path.join(folder, name)) for name in _TOKENIZER_FILES):
         raise TokenizerLoadError(f"no tokenizer files ({', '.join(_TOKENIZER_FILES)}) in {folder!r}")
     try:
-        return AutoTokenizer.from_pretrained(folder, local_files_only=True, trust_remote_code=False)
+        tokenizer = AutoTokenizer.from_pretrained(folder, local_files_only=True, trust_remote_code=False)
     except Exception as e:  # transformers raises many types (OSError, ValueError, JSON and Rust errors)
         raise TokenizerLoadError(f"cannot load the tokenizer in {folder!r}: {type(e).__name__}: {e}") from e
+    if chat_template is not None:
+        from kvstrata.model.chat_template_flag import resolve_chat_template
+
+        tokenizer.chat_template = resolve_chat_template(chat_template)
+    return tokenizer
 
 
 def apply_chat_template(

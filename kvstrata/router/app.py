@@ -16,6 +16,7 @@ from kvstrata.router.args import RouterArgs, check_worker_url
 from kvstrata.router.dashboard import dashboard_routes
 from kvstrata.router.metrics import CONTENT_TYPE, RouterMetrics
 from kvstrata.router.monitor import WorkerMonitor
+from kvstrata.router.pd import PDRouter, pd_worker_urls
 from kvstrata.router.policies import make_policy
 from kvstrata.router.proxy import Proxy, error_response
 from kvstrata.router.workers import WorkerRegistry
@@ -38,11 +39,12 @@ class Router:
         self.metrics = RouterMetrics(self.workers)
         self.proxy = Proxy(args, self.workers, make_policy(args), self.metrics)
         self.monitor = WorkerMonitor(args, self.workers, self.proxy)
+        self.pd = PDRouter(args, self.workers, self.proxy) if args.pd_disaggregation else None
 
     async def start(self) -> None:
         """Open connections, check the configured workers once, start the background loops."""
         await self.proxy.start()
-        for url in self.args.worker_urls:
+        for url in (*self.args.worker_urls, *pd_worker_urls(self.args)):
             self.workers.add(check_worker_url(url))
         await self.monitor.check_all()
         await self.monitor.poll_loads()
@@ -90,7 +92,8 @@ class Router:
     async def list_workers(self, request: Request) -> Response:
         """The workers and their state."""
         workers = self.workers.all()
-        return JSONResponse({"urls": [w.url for w in workers], "workers": [w.summary() for w in workers]})
+        return JSONResponse({"urls": [w.url for w in workers], "workers": [w.summary() for w in workers],
+                             "active_requests": self.proxy.active})
 
     async def prometheus(self, request: Request) -> Response:
         """Prometheus text."""
@@ -110,6 +113,8 @@ def create_app(args: RouterArgs) -> Starlette:
             await router.stop()
 
     async def routed(request: Request) -> Response:
+        if router.pd is not None:
+            return await router.pd.route(request)
         return await router.proxy.route(request, affinity=True)
 
     async def passed(request: Request) -> Response:

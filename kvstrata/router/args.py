@@ -72,6 +72,14 @@ class RouterArgs:
     tier_storage_weight: float = field(default=0.3, metadata=cli_option(
         "tier_aware: cost of a prompt token loaded from a shared storage tier (L3), relative to "
         "prefilling it (1.0)."))
+    pd_disaggregation: bool = field(default=False, metadata=cli_option(
+        "PD mode: every request goes to one --prefill and one --decode server (see router/pd.py)."))
+    prefill: tuple = field(default=(), metadata=cli_option("PD: (url, bootstrap port) pairs.", cli=False))
+    decode: tuple = field(default=(), metadata=cli_option("PD: decode server URLs.", cli=False))
+    prefill_policy: str = field(default="cache_aware", metadata=cli_option(
+        "PD: policy that picks the prefill server (prefix affinity).", POLICIES))
+    decode_policy: str = field(default="power_of_two", metadata=cli_option(
+        "PD: policy that picks the decode server (load).", POLICIES))
     tier_decode_weight: float = field(default=8.0, metadata=cli_option(
         "tier_aware: queueing cost of one request already decoding on a worker, in prompt tokens."))
 
@@ -79,16 +87,25 @@ class RouterArgs:
     @staticmethod
     def add_cli_args(parser: argparse.ArgumentParser) -> None:
         """Add one `--flag-name` per field to `parser`."""
+        from kvstrata.router.pd import add_pd_cli_args  # pd.py imports this module
+
         add_dataclass_cli_args(parser, RouterArgs)
+        add_pd_cli_args(parser)
 
     @staticmethod
     def from_cli_args(ns: argparse.Namespace) -> RouterArgs:
         """Build RouterArgs from parsed CLI arguments."""
+        from kvstrata.router.pd import pd_servers_from_cli
+
+        ns.prefill, ns.decode = pd_servers_from_cli(ns.prefill), pd_servers_from_cli(ns.decode)
         return dataclass_from_cli_args(RouterArgs, ns)
 
     # ------------------------------------------------------------------ checks
     def __post_init__(self) -> None:
+        from kvstrata.router.pd import check_pd_args
+
         check_choices(self)
+        check_pd_args(self)
         for url in self.worker_urls:
             check_worker_url(url)
         if not 0 < self.port <= 65535:

@@ -27,7 +27,7 @@ from kvstrata.router.policies import Decision, Policy
 from kvstrata.router.request_key import route_key
 from kvstrata.router.workers import Worker, WorkerRegistry
 from kvstrata.server.protocol import ApiError
-from kvstrata.server.streaming import SSE_DONE, sse_event
+from kvstrata.server.streaming import SSE_DONE, SSEResponse, sse_event
 
 logger = logging.getLogger(__name__)
 
@@ -37,7 +37,10 @@ SKIP_HEADERS = frozenset({"connection", "keep-alive", "transfer-encoding", "cont
 WORKER_HEADER = "x-kvstrata-worker"     # added to proxied answers: which worker served it
 CONNECT_TIMEOUT_S = 5.0
 ATTEMPTS = 2              # the first try and one retry on another worker
-FAILURES = (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError, asyncio.TimeoutError)
+# A worker failure worth another worker (connect timeouts are ClientConnectionErrors); the overall
+# --request-timeout-secs is not: it is answered 504 before the stream, or ends the stream.
+FAILURES = (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError)
+STREAM_FAILURES = (*FAILURES, asyncio.TimeoutError)
 
 
 class _RetryableFailure(Exception):
@@ -80,31 +83,44 @@ class Proxy:
         if limit > 0 and self.active >= limit:
             return error_response(f"the router is at --max-concurrent-requests ({limit})", 429)
         self.active += 1
+        response: Optional[Response] = None
         try:
             body = await request.body()
             key = route_key(request.url.path, body) if affinity else None
-            return await self._forward(request, body, key, affinity)
+            response = await self._forward(request, body, key, affinity)
+            return response
         finally:
-            self.active -= 1
+            if isinstance(response, RelayResponse):
+                response.closers.append(self._release_slot)   # a stream holds its slot until it ends
+            else:
+                self._release_slot()
+
+    def _release_slot(self) -> None:
+        self.active -= 1
 
     async def _forward(self, request: Request, body: bytes, key, affinity: bool) -> Response:
         tried: list[Worker] = []
         last_error = "no healthy worker"
-        for _ in range(ATTEMPTS):
+        for attempt in range(ATTEMPTS):
             candidates = [w for w in self.workers.routable() if w not in tried]
             if not candidates:
                 break
+            if tried:
+                self.metrics.retries.labels(tried[-1].url).inc()
             decision = self.policy.select(candidates, key) if affinity else _least_loaded(candidates)
+            final = attempt == ATTEMPTS - 1 or len(candidates) == 1
             try:
-                return await self._attempt(request, body, key, decision)
+                return await self._attempt(request, body, key, decision, pass_5xx=final)
             except _RetryableFailure as e:
                 last_error = str(e)
                 tried.append(decision.worker)
-                self.metrics.retries.labels(decision.worker.url).inc()
         status = 503 if not tried else 502
         return error_response(f"no worker could serve the request: {last_error}", status)
 
-    async def _attempt(self, request: Request, body: bytes, key, decision: Decision) -> Response:
+    async def _attempt(self, request: Request, body: bytes, key, decision: Decision,
+                       pass_5xx: bool) -> Response:
+        """One try on one worker; raises _RetryableFailure when nothing reached the client (a 5xx is
+        passed on unchanged when `pass_5xx`: there is no other worker left to try)."""
         w = decision.worker
         units = self._prefill_units(w, key)
         self.policy.record(w, key)
@@ -117,21 +133,24 @@ class Proxy:
             w.first_byte(units)
             got_first_byte = True
             if upstream.status >= 500:
-                text = await upstream.text(errors="replace")
-                upstream.release()
-                raise _RetryableFailure(f"{w.url} answered {upstream.status}: {text[:200]}")
+                self.metrics.errors.labels(w.url).inc()
+                if not pass_5xx:
+                    text = await upstream.text(errors="replace")
+                    upstream.release()
+                    raise _RetryableFailure(f"{w.url} answered {upstream.status}: {text[:200]}")
             if upstream.content_type == "text/event-stream":
                 streaming = True
-                return StreamingResponse(self._relay(w, units, upstream), status_code=upstream.status,
-                                         headers=response_headers(upstream, w))
+                return RelayResponse(self._relay(w, upstream), upstream.status, response_headers(upstream, w),
+                                     closers=[upstream.close, lambda: w.end(units, got_first_byte=True)])
             data = await upstream.read()
             return Response(data, status_code=upstream.status, headers=response_headers(upstream, w))
         except FAILURES as e:
             self._taken_out(w, e)
             raise _RetryableFailure(f"{w.url}: {type(e).__name__}: {e}") from None
-        except _RetryableFailure:
+        except asyncio.TimeoutError:
             self.metrics.errors.labels(w.url).inc()
-            raise
+            return error_response(f"{w.url} did not answer within --request-timeout-secs "
+                                  f"({self.args.request_timeout_secs:g} s)", 504)
         finally:
             if not streaming:
                 w.end(units, got_first_byte)
@@ -143,22 +162,19 @@ class Proxy:
         return await self.session.request(request.method, url, data=body, timeout=timeout,
                                           headers=self.worker_headers(dict(request.headers)))
 
-    async def _relay(self, w: Worker, units: int, upstream: aiohttp.ClientResponse) -> AsyncIterator[bytes]:
+    async def _relay(self, w: Worker, upstream: aiohttp.ClientResponse) -> AsyncIterator[bytes]:
         """The worker's event stream, chunk by chunk as it arrives; an error event if it breaks."""
         at_event_end = True
         try:
             async for chunk in upstream.content.iter_any():
                 at_event_end = chunk.endswith(b"\n\n")
                 yield chunk
-        except FAILURES as e:
+        except STREAM_FAILURES as e:
             self.metrics.errors.labels(w.url).inc()
             self.on_worker_failure(w)
             logger.warning("stream from %s broke: %s: %s", w.url, type(e).__name__, e)
             message = f"the worker {w.url} failed mid-stream: {type(e).__name__}"
             yield (b"" if at_event_end else b"\n\n") + stream_error(message)
-        finally:
-            upstream.close()
-            w.end(units, got_first_byte=True)
 
     def _prefill_units(self, w: Worker, key) -> int:
         """Prompt units this request is expected to prefill on `w` (queueing estimate for tier_aware)."""
@@ -190,9 +206,27 @@ class Proxy:
         try:
             async with await self._send(w, request, body) as upstream:
                 return upstream.status, response_headers(upstream), await upstream.read()
-        except FAILURES as e:
+        except STREAM_FAILURES as e:
             err = ApiError(f"{w.url}: {type(e).__name__}: {e}", 502)
             return 502, {"content-type": "application/json"}, JSONResponse(err.to_dict()).body
+
+
+class RelayResponse(SSEResponse):
+    """A relayed event stream with the worker's status and headers.
+
+    SSEResponse's handling of a client that leaves (stop, close the generator) is what a relay needs;
+    `closers` run once when the response is over, however it ended, even if the stream never started.
+    """
+
+    def __init__(self, content: AsyncIterator[bytes], status: int, headers: dict,
+                 closers: list[Callable[[], None]]):
+        StreamingResponse.__init__(self, content, status_code=status, headers=headers)   # not SSEResponse's
+        self.closers = closers
+        self.on_close = self._close
+
+    def _close(self) -> None:
+        for close in self.closers:
+            close()
 
 
 def mark_down(w: Worker, reason: object) -> None:

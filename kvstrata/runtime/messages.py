@@ -23,6 +23,7 @@ class TokenizedGenerateReq:
     top_logprobs_num: int = 0
     stream: bool = False
     cache_namespace: Optional[str] = None  # requests in different namespaces never share KV
+    bootstrap: Optional[BootstrapInfo] = None  # set when a PD router sent the request (disaggregation)
 
 
 @dataclass
@@ -96,3 +97,17 @@ class BatchOutput:
     """scheduler → frontend: all ReqOutputs of one scheduler step."""
 
     outputs: list[ReqOutput]
+
+
+@dataclass(frozen=True)
+class BootstrapInfo:
+    """The PD handshake fields of a request (SGLang's names): which prefill serves it, and its room id."""
+
+    host: str                          # the prefill server's host
+    port: int                          # its --disaggregation-bootstrap-port
+    room: int                          # unique per request across the prefill and decode servers
+
+    @property
+    def address(self) -> str:
+        """ZMQ address of the prefill's bootstrap service."""
+        return f"tcp://{self.host}:{self.port}"

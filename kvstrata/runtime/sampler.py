@@ -1,6 +1,7 @@
 """Sampler: turns one logits row per sequence into the next token, honoring each request's params.
 
-Order per row: penalties -> grammar mask -> (greedy argmax | temperature, top_k, top_p, min_p, draw).
+Order per row: penalties -> logit bias -> grammar mask -> (greedy argmax | temperature, top_k, top_p, min_p,
+draw).
 Logprobs returned to clients are those of the model's raw distribution (log_softmax of the logits).
 """
 
@@ -46,6 +47,7 @@ class Sampler:
         raw_logits = logits
         raw_logprobs = torch.log_softmax(logits, dim=-1) if want_logprobs else None
         logits = self._apply_penalties(logits, reqs)
+        logits = self._apply_logit_bias(logits, reqs)
         if masks is not None:
             if want_logprobs and logits is raw_logits:
                 logits = logits.clone()   # the mask is applied in place; logprobs rank the raw logits
@@ -81,6 +83,20 @@ class Sampler:
                 row -= s.frequency_penalty * counts.to(row.dtype)
             if s.presence_penalty:
                 row -= s.presence_penalty * (counts > 0).to(row.dtype)
+        return logits
+
+    @staticmethod
+    def _apply_logit_bias(logits: torch.Tensor, reqs: list[Req]) -> torch.Tensor:
+        """Add each request's `logit_bias` to its row (a copy; the raw logits give the logprobs)."""
+        rows = [i for i, r in enumerate(reqs) if r.sampling.logit_bias]
+        if not rows:
+            return logits
+        logits = logits.clone()
+        for i in rows:
+            bias = reqs[i].sampling.logit_bias
+            ids = torch.tensor(list(bias), dtype=torch.long, device=logits.device)
+            logits[i].index_add_(0, ids, torch.tensor(list(bias.values()), dtype=logits.dtype,
+                                                      device=logits.device))
         return logits
 
     def _choose(self, logits: torch.Tensor, reqs: list[Req]) -> torch.Tensor:

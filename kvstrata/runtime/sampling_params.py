@@ -43,10 +43,12 @@ class SamplingParams:
     json_schema: Optional[str] = None
     ebnf: Optional[str] = None
     sampling_seed: Optional[int] = None
+    logit_bias: Optional[dict[int, float]] = None   # token id -> added to its logit (OpenAI: [-100, 100])
 
     @staticmethod
     def from_dict(d: Optional[dict[str, Any]]) -> SamplingParams:
-        """Build from a client's JSON dict: null means default, unknown keys are ignored, types checked."""
+        """Build from a client's JSON dict: null means default, types checked, unknown keys rejected (as SGLang
+        does: a parameter we would silently ignore is worse than a 400)."""
         if d is None:
             d = {}
         if not isinstance(d, dict):
@@ -54,8 +56,10 @@ class SamplingParams:
         known = {f.name for f in dataclasses.fields(SamplingParams)}
         kwargs: dict[str, Any] = {}
         for key, value in d.items():
-            if key not in known or value is None:
+            if value is None or _is_neutral_extra(key, value):
                 continue
+            if key not in known:
+                raise InvalidRequest(f"unknown or unsupported sampling parameter {key!r}")
             kwargs[key] = _coerce(key, value)
         params = SamplingParams(**kwargs)
         params.verify()
@@ -109,6 +113,10 @@ class SamplingParams:
             except re.error as e:
                 raise InvalidRequest(f"stop_regex {pattern!r} is not a valid regular expression: {e}") from e
         if vocab_size is not None:
+            bad_bias = [t for t in self.logit_bias or {} if not 0 <= t < vocab_size]
+            if bad_bias:
+                raise InvalidRequest(f"logit_bias token ids out of vocabulary range [0, {vocab_size}): "
+                                     f"{bad_bias[:5]}")
             if self.top_k >= vocab_size:
                 self.top_k = -1             # keeping every token is what top_k >= vocab means
             bad = [t for t in self.stop_token_ids if not 0 <= t < vocab_size]
@@ -144,6 +152,8 @@ def _coerce(key: str, value: Any) -> Any:
                                                   for t in value):
             raise InvalidRequest("stop_token_ids must be a list of integers")
         return value
+    if key == "logit_bias":
+        return _logit_bias(value)
     if key == "json_schema" and isinstance(value, (dict, bool)):
         import json
         return json.dumps(value)
@@ -152,3 +162,30 @@ def _coerce(key: str, value: Any) -> Any:
             raise InvalidRequest(f"{key} must be a string")
         return value
     return value
+
+
+MAX_LOGIT_BIAS = 100.0
+# SGLang sampling parameters we have no use for, accepted only with the value that changes nothing.
+_NEUTRAL_EXTRAS = {"stream_interval": (1,), "custom_params": ({},), "structural_tag": ("",)}
+
+
+def _is_neutral_extra(key: str, value: Any) -> bool:
+    return key in _NEUTRAL_EXTRAS and value in _NEUTRAL_EXTRAS[key]
+
+
+def _logit_bias(value: Any) -> dict[int, float]:
+    """OpenAI's logit_bias: {"token id": bias in [-100, 100]} (keys as strings or integers)."""
+    if not isinstance(value, dict):
+        raise InvalidRequest("logit_bias must be an object mapping token ids to biases")
+    out: dict[int, float] = {}
+    for key, bias in value.items():
+        token = key if isinstance(key, int) and not isinstance(key, bool) else None
+        if isinstance(key, str) and key.strip().lstrip("-").isdigit():
+            token = int(key)
+        if token is None:
+            raise InvalidRequest(f"logit_bias keys must be token ids, got {key!r}")
+        number = isinstance(bias, (int, float)) and not isinstance(bias, bool)
+        if not number or not -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS:
+            raise InvalidRequest(f"logit_bias[{key!r}] must be a number in [-100, 100], got {bias!r}")
+        out[token] = float(bias)
+    return out

@@ -19,6 +19,7 @@ from kvstrata.cache.manager import KVCacheManager, build_tree
 from kvstrata.memory.allocator import PageAllocator
 from kvstrata.memory.req_slots import ReqSlotTable
 from kvstrata.runtime.batch import BatchEntry, ScheduledBatch, StepResult
+from kvstrata.runtime.disagg_hooks import add_bootstrapped, create_handoff
 from kvstrata.runtime.messages import ControlOut, ReqOutput, TokenizedGenerateReq
 from kvstrata.runtime.model_runner import ModelRunner
 from kvstrata.runtime.req import Req, ReqState, finish_abort
@@ -58,6 +59,7 @@ class Scheduler:
         self.engine_meter = UtilizationMeter()   # share of wall clock spent in forwards
         self._grammar = None
         self.grammar_backend()   # built now: its vocabulary scan would otherwise stall the first request
+        self.handoff = create_handoff(self)   # PD disaggregation (None when co-located)
 
     # ------------------------------------------------------------------ inputs
     def add_request(self, msg: TokenizedGenerateReq) -> Optional[ReqOutput]:
@@ -75,6 +77,8 @@ class Scheduler:
         elif self.args.enable_deterministic_inference and not s.is_greedy:
             # Its own generator, seeded at arrival: its draws never depend on what else is in the batch.
             req.generator = torch.Generator().manual_seed(self.runner.sampler.next_seed())
+        if msg.bootstrap is not None:
+            return add_bootstrapped(self, req, msg.bootstrap)
         if s.constraint is not None:
             backend = self.grammar_backend()
             if backend is None:
@@ -113,13 +117,14 @@ class Scheduler:
             self._grammar = create_grammar_backend(
                 self.args.grammar_backend, self.stop.tokenizer, self.runner.vocab_size,
                 sorted(self.stop.eos_token_ids),
-                any_whitespace=not self.args.constrained_json_disable_any_whitespace)
+                any_whitespace=not self.args.constrained_json_disable_any_whitespace,
+                whitespace_pattern=self.args.constrained_json_whitespace_pattern)
             self.runner.grammar_backend = self._grammar
         return self._grammar
 
     def abort(self, rid: str) -> list[ReqOutput]:
         """Abort a waiting or running request (and its n-copies' prefixed rids); frees its KV."""
-        outs = []
+        outs = self.handoff.abort(rid) if self.handoff is not None else []
         for queue in (self.waiting, self.running):
             for req in [r for r in queue if r.rid == rid]:
                 queue.remove(req)
@@ -133,7 +138,7 @@ class Scheduler:
 
     def flush_cache(self) -> ControlOut:
         """Empty the radix tree; refused while requests are queued or running."""
-        if self.waiting or self.running:
+        if self.waiting or self.running or self._handoff_busy():
             return ControlOut("flush_cache", False, f"cannot flush the cache while {len(self.running)} requests "
                               f"run and {len(self.waiting)} wait")
         self.cache.flush()
@@ -141,22 +146,50 @@ class Scheduler:
 
     def has_work(self) -> bool:
         """Whether step() would do anything."""
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running) or self._handoff_busy()
+
+    def _handoff_busy(self) -> bool:
+        return self.handoff is not None and self.handoff.has_work()
 
     # ------------------------------------------------------------------ one step
     def step(self) -> list[ReqOutput]:
         """Schedule, run one forward, process results. Returns outputs to send."""
         outputs = self._poll_grammars()
         self.cache.begin_step()
+        if self.handoff is not None:
+            outputs.extend(self.handoff.poll())
         batch = self._schedule()
         batch.layer_wait = self.cache.take_layer_wait()
         if batch.is_empty():
             time.sleep(0.001)   # waiting on a grammar compile, an L3 prefetch or free pages
             return outputs
-        with self.engine_meter.measure():
-            result = self.runner.forward(batch, self.cache.slot_table)
-        outputs.extend(self._process(batch, result))
+        try:
+            with self.engine_meter.measure():
+                result = self.runner.forward(batch, self.cache.slot_table)
+            outputs.extend(self._process(batch, result))
+        except Exception as e:  # one bad batch (a bug, an odd shape, out of memory) must not end the server
+            outputs.extend(self._fail_batch(batch, e))
         self.step_count += 1
+        return outputs
+
+    def _fail_batch(self, batch: ScheduledBatch, exc: Exception) -> list[ReqOutput]:
+        """End the requests of a batch whose step raised: error outputs, KV freed without caching it."""
+        reqs = list({id(e.req): e.req for e in batch.entries}.values())
+        logger.exception("a step failed (%s); failing its requests %s", type(exc).__name__, [r.rid for r in reqs])
+        message = f"internal error while running this request: {type(exc).__name__}: {exc}"
+        outputs = []
+        for req in reqs:
+            if req.state == ReqState.FINISHED:     # finished (and released) by _process before the failure
+                outputs.append(self._output(req))
+                continue
+            if req in self.running:
+                self.running.remove(req)
+            self.cache.release(req, cache=False)   # what this step wrote may be garbage: never cache it
+            req.finish_reason = finish_abort(message)
+            req.state = ReqState.FINISHED
+            out = self._output(req)
+            out.error, out.error_status = message, 500
+            outputs.append(out)
         return outputs
 
     def _poll_grammars(self) -> list[ReqOutput]:
@@ -307,6 +340,8 @@ class Scheduler:
             if e.extend_len > 1 and not req.finished:
                 self.cache.commit(req)           # share the prompt with other requests right away
             if req.finished:
+                if self.handoff is not None and self.handoff.hold(req):
+                    continue                     # a prefill's KV goes to its decode server first
                 self._finish(req)
                 outputs.append(self._output(req))
             elif req.stream and len(req.output_ids) > req.sent_tokens:
@@ -314,12 +349,17 @@ class Scheduler:
         return outputs
 
     def _append_token(self, req: Req, result: StepResult, k: int) -> None:
-        token = result.next_token_ids[k]
+        logprobs = req.return_logprob and result.next_logprobs is not None
+        self.accept_token(req, result.next_token_ids[k], result.next_logprobs[k] if logprobs else None,
+                          result.next_top_logprobs[k] if logprobs else None)
+
+    def accept_token(self, req: Req, token: int, logprob: Optional[float], top: Optional[list]) -> None:
+        """Append one sampled token (and its logprobs when given) to req, then check its stop conditions."""
         req.output_ids.append(token)
         self.metrics["generated_tokens"] += 1
-        if req.return_logprob and result.next_logprobs is not None:
-            req.output_logprobs.append((result.next_logprobs[k], token))
-            req.output_top_logprobs.append(result.next_top_logprobs[k])
+        if logprob is not None:
+            req.output_logprobs.append((logprob, token))
+            req.output_top_logprobs.append(top)
         if req.grammar is not None:
             req.grammar.accept_token(token)
         req.finish_reason = self.stop.check(req, self.context_len)
@@ -364,13 +404,16 @@ class Scheduler:
     def close(self) -> None:
         """Release background resources (copy workers, grammar compile threads)."""
         self.cache.close()
+        if self.handoff is not None:
+            self.handoff.close()
         if self._grammar is not None:
             self._grammar.close()
 
     # ------------------------------------------------------------------ introspection
     def check_integrity(self) -> None:
         """Assert page and row accounting (callable between steps)."""
-        self.cache.check_integrity(self.running)
+        held = self.handoff.held() if self.handoff is not None else []
+        self.cache.check_integrity(self.running + held)
 
     def get_state(self, full: bool = True) -> dict:
         """Internal state and metrics for /server_info; `full=False` skips the idle check and the tree's metrics."""
@@ -385,7 +428,9 @@ class Scheduler:
             return state
         if self.cache.tree is not None:
             state["radix_cache"] = self.cache.tree.metrics()
-        if not self.running and not self.waiting:
+        if self.handoff is not None:
+            state["disaggregation"] = self.handoff.state()
+        if not self.running and not self.waiting and not self._handoff_busy():
             try:
                 self.check_integrity()
                 state["integrity_ok"] = True

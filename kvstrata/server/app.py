@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hmac
 import logging
 import time
 from collections.abc import AsyncIterator, Callable
@@ -15,13 +14,16 @@ from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response
-from starlette.types import ASGIApp, Receive, Scope, Send
 
 import kvstrata
 from kvstrata.runtime.sampling_params import SamplingParams
 from kvstrata.server import native_api, openai_api
+from kvstrata.server.auth import ApiKeyMiddleware, require_admin
+from kvstrata.server.drain import DrainMiddleware
+from kvstrata.server.limits import BodySizeLimitMiddleware
 from kvstrata.server.load_api import register_load_api
-from kvstrata.server.metrics import render_prometheus
+from kvstrata.server.metrics import CONTENT_TYPE
+from kvstrata.server.openapi_schema import install_openapi
 from kvstrata.server.protocol import ApiError, GenerateRequest, PromptSpec, get_bool, new_rid, parse_json_body
 from kvstrata.server.tokenizer_manager import TokenizerManager
 
@@ -29,28 +31,6 @@ logger = logging.getLogger(__name__)
 
 WATCHDOG_INTERVAL_S = 0.25
 HEALTH_GENERATE_TIMEOUT_S = 30.0
-
-
-class ApiKeyMiddleware:
-    """Reject requests without `Authorization: Bearer <api key>` (401); /health*, /metrics and the static
-    /dashboard page (its data at /dashboard/data needs the key) stay open."""
-
-    def __init__(self, app: ASGIApp, api_key: str):
-        self.app = app
-        self.expected = f"Bearer {api_key}".encode()
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and scope["method"] != "OPTIONS" and not _is_open_path(scope["path"]):
-            headers = dict(scope["headers"])
-            if not hmac.compare_digest(headers.get(b"authorization", b""), self.expected):
-                err = ApiError("invalid or missing API key (send 'Authorization: Bearer <key>')", 401)
-                await JSONResponse(err.to_dict(), status_code=401)(scope, receive, send)
-                return
-        await self.app(scope, receive, send)
-
-
-def _is_open_path(path: str) -> bool:
-    return path.startswith("/health") or path in ("/metrics", "/dashboard")
 
 
 def create_app(tm: TokenizerManager, is_scheduler_alive: Callable[[], bool],
@@ -73,10 +53,13 @@ def create_app(tm: TokenizerManager, is_scheduler_alive: Callable[[], bool],
             await tm.close()
 
     app = FastAPI(title="kvstrata", version=kvstrata.__version__, lifespan=lifespan, docs_url=None,
-                  redoc_url=None, openapi_url=None)
+                  redoc_url=None, openapi_url="/openapi.json")
     if args.api_key:
-        app.add_middleware(ApiKeyMiddleware, api_key=args.api_key)
+        app.add_middleware(ApiKeyMiddleware, api_key=args.api_key, admin_key_set=bool(args.admin_api_key))
+    app.add_middleware(BodySizeLimitMiddleware, max_bytes=args.max_request_body_bytes)
+    app.add_middleware(DrainMiddleware, tm=tm)     # outermost: a draining server answers 503 to everything
     _add_error_handlers(app)
+    install_openapi(app)
     register_load_api(app, tm)
 
     # ------------------------------------------------------------------ health and info
@@ -110,9 +93,10 @@ def create_app(tm: TokenizerManager, is_scheduler_alive: Callable[[], bool],
 
     @app.get("/metrics")
     async def metrics() -> Response:
+        if not args.enable_metrics:
+            return _error(ApiError("metrics are disabled (--no-enable-metrics)", 404))
         state = await tm.get_state() if tm.dead_reason is None else {}
-        return PlainTextResponse(render_prometheus(tm.metrics, state, args.served_model_name or ""),
-                                 media_type="text/plain; version=0.0.4")
+        return Response(tm.prometheus.render(state), media_type=CONTENT_TYPE)
 
     @app.api_route("/flush_cache", methods=["GET", "POST"])
     async def flush_cache() -> Response:
@@ -128,6 +112,7 @@ def create_app(tm: TokenizerManager, is_scheduler_alive: Callable[[], bool],
 
     @app.post("/abort_request")
     async def abort_request(request: Request) -> Response:
+        require_admin(request, args.admin_api_key)
         body = parse_json_body(await request.body())
         rid = body.get("rid")
         abort_all = get_bool(body, "abort_all")

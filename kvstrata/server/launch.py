@@ -27,6 +27,7 @@ logger = logging.getLogger(__name__)
 EXIT_GRACE_S = 2.0          # time /health answers 503 before the process exits after a scheduler death
 STOP_TIMEOUT_S = 10.0
 SCHEDULER_DIED_EXIT_CODE = 3
+IPC_PREFIX = "kvstrata-ipc-"     # + the owning server's pid + "-" + a random suffix
 
 
 class _Shutdown(SystemExit):
@@ -43,6 +44,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     except ConfigError as e:
         parser.error(str(e))
     logging.basicConfig(level=args.log_level.upper(), format="[%(asctime)s] %(levelname)s %(name)s: %(message)s")
+    for note in args.no_effect_notes():
+        logger.warning("%s", note)
     signal.signal(signal.SIGTERM, _raise_shutdown)
     try:
         return serve(args)
@@ -64,10 +67,12 @@ def serve(args: ServerArgs) -> int:
     from kvstrata.model.builtin import resolve_model_path
     from kvstrata.model.tokenizer import TokenizerLoadError, load_tokenizer
     from kvstrata.server.app import create_app
+    from kvstrata.server.drain import DrainingServer, drain
     from kvstrata.server.tokenizer_manager import TokenizerManager
 
     sock = _bind(args.host, args.port)
-    ipc_dir = tempfile.mkdtemp(prefix="kvstrata-ipc-")
+    remove_stale_ipc_dirs()
+    ipc_dir = tempfile.mkdtemp(prefix=f"{IPC_PREFIX}{os.getpid()}-")
     recv_addr, send_addr = f"ipc://{ipc_dir}/to-scheduler", f"ipc://{ipc_dir}/from-scheduler"
     proc = None
     try:
@@ -75,7 +80,7 @@ def serve(args: ServerArgs) -> int:
         tokenizer_dir = resolve_model_path(args.tokenizer_path or args.model_path)
         resolve_model_path(args.model_path)
         proc, ready_conn = spawn_scheduler(args, recv_addr, send_addr)
-        tokenizer = load_tokenizer(tokenizer_dir)        # while the scheduler loads the model
+        tokenizer = load_tokenizer(tokenizer_dir, args.chat_template)   # while the scheduler loads the model
         info = wait_scheduler_ready(proc, ready_conn)
         tm = TokenizerManager(args, tokenizer, info, recv_addr, send_addr)
         exit_code = {"value": 0}
@@ -88,7 +93,7 @@ def serve(args: ServerArgs) -> int:
         app = create_app(tm, proc.is_alive, on_scheduler_death, scheduler_pid=proc.pid)
         config = uvicorn.Config(app, log_level=args.log_level, timeout_graceful_shutdown=5, access_log=False,
                                 timeout_keep_alive=30)
-        server = uvicorn.Server(config)
+        server = DrainingServer(config, on_drain=lambda: drain(tm, args.graceful_shutdown_timeout))
         server.run(sockets=[sock])
         return exit_code["value"]
     except (SchedulerStartError, TokenizerLoadError) as e:
@@ -99,6 +104,30 @@ def serve(args: ServerArgs) -> int:
         if proc is not None:
             stop_scheduler(proc)
         shutil.rmtree(ipc_dir, ignore_errors=True)
+
+
+def remove_stale_ipc_dirs(tmp_dir: Optional[str] = None) -> list[str]:
+    """Delete IPC directories left by servers that died without cleaning up (kill -9); returns them."""
+    tmp_dir = tmp_dir or tempfile.gettempdir()
+    removed = []
+    for name in os.listdir(tmp_dir):
+        owner = name[len(IPC_PREFIX):].split("-", 1)[0] if name.startswith(IPC_PREFIX) else ""
+        if owner.isdigit() and not _pid_alive(int(owner)):
+            shutil.rmtree(os.path.join(tmp_dir, name), ignore_errors=True)
+            removed.append(name)
+    if removed:
+        logger.info("removed %d stale IPC directories: %s", len(removed), ", ".join(removed))
+    return removed
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True      # exists, owned by someone else
+    return True
 
 
 class SchedulerStartError(RuntimeError):

@@ -10,6 +10,7 @@ from typing import Any, Optional
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
+from kvstrata.server.disagg_fields import attach_bootstrap
 from kvstrata.server.protocol import ApiError, GenerateRequest, parse_generate, parse_json_body
 from kvstrata.server.seq_state import SeqState
 from kvstrata.server.streaming import SSE_DONE, SSEResponse, sse_event, watch_disconnect
@@ -22,7 +23,9 @@ MIN_LOGPROB = -9999.0
 
 async def handle_generate(request: Request, tm: TokenizerManager) -> Response:
     """POST /generate."""
-    req = parse_generate(parse_json_body(await request.body()))
+    body = parse_json_body(await request.body())
+    req = parse_generate(body)
+    attach_bootstrap(body, req)
     return await run_request(request, tm, req, native_response, native_stream)
 
 
@@ -34,6 +37,7 @@ async def run_request(request: Request, tm: TokenizerManager, req: GenerateReque
     Errors the scheduler reports before the first output (e.g. an invalid grammar) become HTTP errors,
     for streaming requests too.
     """
+    await tm.tokenize(req)
     states = tm.submit(req)
     disconnected = watch_disconnect(request)
     try:

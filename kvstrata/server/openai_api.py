@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import json
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -11,12 +13,14 @@ from typing import Any, Optional
 from starlette.requests import Request
 from starlette.responses import Response
 
+from kvstrata.server.disagg_fields import attach_bootstrap
 from kvstrata.server.native_api import finite_logprob, run_request
-from kvstrata.server.openai_protocol import OpenAIOptions, parse_chat, parse_completion
+from kvstrata.server.openai_protocol import ChatPrompt, OpenAIOptions, parse_chat, parse_completion
 from kvstrata.server.protocol import ApiError, GenerateRequest, parse_json_body
 from kvstrata.server.seq_state import SeqState
 from kvstrata.server.streaming import SSE_DONE, sse_event
 from kvstrata.server.tokenizer_manager import TokenizerManager
+from kvstrata.server.tool_calls import ToolCall, forced_call_schema, new_streamer, select_parser
 
 
 async def handle_chat(request: Request, tm: TokenizerManager) -> Response:
@@ -25,20 +29,41 @@ async def handle_chat(request: Request, tm: TokenizerManager) -> Response:
 
     body = parse_json_body(await request.body())
     chat, req, opts = parse_chat(body, tm.args.served_model_name or "")
+    attach_bootstrap(body, req)
     cont = chat.continue_final_message
+    tm.check_prompt_chars(sum(len(m["content"]) for m in chat.messages), "messages")
     try:
-        prompt = apply_chat_template(tm.tokenizer, chat.messages, add_generation_prompt=not cont,
-                                     continue_final_message=cont, tools=chat.tools)
+        prompt = await tm.run_blocking(apply_chat_template, tm.tokenizer, chat.messages,
+                                       add_generation_prompt=not cont, continue_final_message=cont,
+                                       tools=chat.tools)
     except Exception as e:  # a template that rejects these messages is the client's problem
         raise ApiError(f"cannot apply the chat template to these messages: {e}", param="messages") from e
-    req.prompts[0].input_ids = prompt if isinstance(prompt, list) else tm.encode(prompt, add_special_tokens=False)
+    req.prompts[0].input_ids = prompt if isinstance(prompt, list) else \
+        await tm.run_blocking(tm.encode, prompt, add_special_tokens=False)
+    _set_up_tool_calls(tm, chat, req, opts)
     return await _run(request, tm, req, opts)
+
+
+def _set_up_tool_calls(tm: TokenizerManager, chat: ChatPrompt, req: GenerateRequest, opts: OpenAIOptions) -> None:
+    """Pick the tool-call parser; a forced call (required / named) constrains the output to its schema."""
+    if not chat.tools:
+        return
+    opts.tool_parser = select_parser(tm.args.tool_call_parser, getattr(tm.tokenizer, "chat_template", None),
+                                     chat.tools)
+    opts.parallel_tool_calls = chat.parallel_tool_calls
+    if chat.tool_choice == "auto":
+        return
+    opts.forced_tool_call = True
+    schema = forced_call_schema(chat.tools, chat.tool_name, opts.tool_parser)
+    prompt = req.prompts[0]
+    prompt.sampling = dataclasses.replace(prompt.sampling, json_schema=json.dumps(schema))
 
 
 async def handle_completion(request: Request, tm: TokenizerManager) -> Response:
     """POST /v1/completions."""
     body = parse_json_body(await request.body())
     req, opts = parse_completion(body, tm.args.served_model_name or "")
+    attach_bootstrap(body, req)
     return await _run(request, tm, req, opts)
 
 
@@ -86,7 +111,11 @@ def openai_response(tm: TokenizerManager, req: GenerateRequest, states: list[Seq
         choice: dict[str, Any] = {"index": s.index, "logprobs": None, "finish_reason": finish_reason(s),
                                   "matched_stop": matched_stop(s)}
         if opts.kind == "chat":
-            choice["message"] = {"role": "assistant", "content": text, "tool_calls": None}
+            content, calls = _split_tool_calls(opts, text)
+            choice["message"] = {"role": "assistant", "content": content,
+                                 "tool_calls": [c.to_openai() for c in calls] or None}
+            if calls:
+                choice["finish_reason"] = "tool_calls"
             if opts.logprobs:
                 choice["logprobs"] = chat_logprobs(tm, s.output_token_logprobs, s.output_top_logprobs)
         else:
@@ -113,6 +142,9 @@ async def openai_stream(tm: TokenizerManager, req: GenerateRequest, states: list
                           "choices": choices, "usage": usage_})
 
     text_offsets = {s.index: 0 for s in states}
+    streamers = {s.index: new_streamer(opts.tool_parser, opts.forced_tool_call)
+                 for s in states} if opts.tool_parser else {}
+    call_counts = {s.index: 0 for s in states}
     for s in states:
         if opts.kind == "chat":
             yield chunk([{"index": s.index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
@@ -132,9 +164,12 @@ async def openai_stream(tm: TokenizerManager, req: GenerateRequest, states: list
                 if s.index in finish_sent:
                     continue
                 choice, changed_ = _delta_choice(tm, s, opts, text_offsets)
+                if s.index in streamers:
+                    changed_ = _stream_tool_calls(choice, streamers[s.index], s.finished, call_counts, s.index,
+                                                  opts.parallel_tool_calls)
                 if s.finished:
                     finish_sent.add(s.index)
-                    choice["finish_reason"] = finish_reason(s)
+                    choice["finish_reason"] = "tool_calls" if call_counts[s.index] else finish_reason(s)
                     choice["matched_stop"] = matched_stop(s)
                 elif not changed_:
                     continue
@@ -165,6 +200,38 @@ def _delta_choice(tm: TokenizerManager, s: SeqState, opts: OpenAIOptions,
             text_offsets[s.index] += sum(len(t) for t in lp["tokens"])
             choice["logprobs"] = lp
     return choice, bool(text or entries)
+
+
+def _split_tool_calls(opts: OpenAIOptions, text: str) -> tuple[Optional[str], list[ToolCall]]:
+    """(message content, tool calls) of a whole reply; content is None when only calls were written."""
+    if opts.tool_parser is None:
+        return text, []
+    streamer = new_streamer(opts.tool_parser, opts.forced_tool_call)
+    content, calls = streamer.feed(text)
+    rest, more = streamer.finish()
+    content, calls = content + rest, calls + more
+    if not opts.parallel_tool_calls:
+        calls = calls[:1]
+    return (content if content.strip() or not calls else None), calls
+
+
+def _stream_tool_calls(choice: dict, streamer: Any, finished: bool, counts: dict[int, int], index: int,
+                       parallel: bool) -> bool:
+    """Route a chat chunk's content through the tool-call streamer; whether the chunk has anything new."""
+    delta = choice["delta"]
+    content, calls = streamer.feed(delta.pop("content", ""))
+    if finished:
+        rest, more = streamer.finish()
+        content, calls = content + rest, calls + more
+    if not parallel:
+        calls = calls[:max(0, 1 - counts[index])]
+    if content:
+        delta["content"] = content
+    if calls:
+        first = counts[index]
+        delta["tool_calls"] = [c.to_openai(first + k) for k, c in enumerate(calls)]
+        counts[index] += len(calls)
+    return bool(content or calls or choice.get("logprobs"))
 
 
 def finish_reason(s: SeqState) -> Optional[str]:

@@ -44,6 +44,9 @@ class OpenAIOptions:
     top_logprobs: int = 0
     echo: bool = False
     prompt_texts: list[str] = field(default_factory=list)   # per prompt, for echo
+    tool_parser: Any = None        # a ToolCallParser when the chat request has tools
+    forced_tool_call: bool = False  # tool_choice required / named: the reply is one JSON call
+    parallel_tool_calls: bool = True
 
 
 @dataclass
@@ -53,12 +56,15 @@ class ChatPrompt:
     messages: list[dict]
     tools: Optional[list[dict]]
     continue_final_message: bool
+    tool_choice: str = "auto"            # "auto" | "required" | "function" (a named one: `tool_name`)
+    tool_name: Optional[str] = None
+    parallel_tool_calls: bool = True
 
 
 def parse_chat(body: dict, default_model: str) -> tuple[ChatPrompt, GenerateRequest, OpenAIOptions]:
     """Validate a chat completions body; the GenerateRequest's prompt ids are filled in by the caller."""
     messages = _parse_messages(body.get("messages"))
-    tools = _parse_tools(body)
+    tools, tool_choice, tool_name = _parse_tools(body)
     cont = get_bool(body, "continue_final_message")
     if cont and messages[-1]["role"] != "assistant":
         raise ApiError("continue_final_message needs the last message to be from the assistant",
@@ -78,7 +84,12 @@ def parse_chat(body: dict, default_model: str) -> tuple[ChatPrompt, GenerateRequ
                         add_special_tokens=False)
     req = GenerateRequest(prompts=[prompt], stream=opts.stream, return_text_in_logprobs=True,
                           cache_salt=get_cache_salt(body))
-    return ChatPrompt(messages, tools, cont), req, opts
+    if tool_choice != "auto" and sampling.constraint is not None:
+        raise ApiError("a forced tool call (tool_choice) cannot be combined with response_format, regex, ebnf "
+                       "or json_schema", param="tool_choice")
+    chat = ChatPrompt(messages, tools, cont, tool_choice, tool_name,
+                      get_bool(body, "parallel_tool_calls", default=True))
+    return chat, req, opts
 
 
 def parse_completion(body: dict, default_model: str) -> tuple[GenerateRequest, OpenAIOptions]:
@@ -130,13 +141,12 @@ def _options(body: dict, kind: str, default_model: str, n: int) -> OpenAIOptions
 
 def _sampling(body: dict, max_tokens: Optional[int]) -> tuple[Any, bool]:
     """SamplingParams from OpenAI fields (+ SGLang extras); also whether max_tokens was explicit."""
-    if body.get("logit_bias"):
-        raise ApiError("'logit_bias' is not supported", param="logit_bias")
     get_number(body, "temperature", 0.0, 2.0)
     get_number(body, "top_p", 0.0, 1.0)
     get_number(body, "presence_penalty", -2.0, 2.0)
     get_number(body, "frequency_penalty", -2.0, 2.0)
     n = get_int(body, "n", 1, lo=1, hi=128)
+    get_int(body, "min_tokens", lo=0)
     seed = body.get("seed")
     if seed is not None:
         check_int(seed, "seed")
@@ -144,6 +154,7 @@ def _sampling(body: dict, max_tokens: Optional[int]) -> tuple[Any, bool]:
         "temperature": body.get("temperature"), "top_p": body.get("top_p"),
         "presence_penalty": body.get("presence_penalty"), "frequency_penalty": body.get("frequency_penalty"),
         "n": n, "stop": body.get("stop"), "sampling_seed": seed, "min_new_tokens": body.get("min_tokens"),
+        "logit_bias": body.get("logit_bias") or None,
     }
     for name in _EXTRA_SAMPLING:
         if body.get(name) is not None:
@@ -226,7 +237,11 @@ def _flatten_content(content: Any, i: int, role: str, has_tool_calls: bool) -> s
     raise ApiError(f"messages[{i}].content must be a string or a list of text parts", param="messages")
 
 
-def _parse_tools(body: dict) -> Optional[list[dict]]:
+def _parse_tools(body: dict) -> tuple[Optional[list[dict]], str, Optional[str]]:
+    """(tools for the template, tool_choice as "auto" | "required" | "function", the named function)."""
+    for legacy in ("functions", "function_call"):
+        if body.get(legacy) is not None:
+            raise ApiError(f"'{legacy}' is not supported; use 'tools' and 'tool_choice'", param=legacy)
     tools = body.get("tools")
     if tools is not None:
         if not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools):
@@ -236,13 +251,29 @@ def _parse_tools(body: dict) -> Optional[list[dict]]:
             if t.get("type", "function") != "function" or not isinstance(fn, dict) \
                     or not isinstance(fn.get("name"), str):
                 raise ApiError("each tool must be {'type': 'function', 'function': {'name': ...}}", param="tools")
-    choice = body.get("tool_choice")
-    if choice not in (None, "none", "auto"):
-        raise ApiError("tool_choice must be 'none' or 'auto' (forced tool calls are not supported)",
-                       param="tool_choice")
+            if fn.get("parameters") is not None and not isinstance(fn["parameters"], dict):
+                raise ApiError(f"tool {fn['name']!r}: 'parameters' must be a JSON schema object", param="tools")
+    choice, name = _tool_choice(body.get("tool_choice"))
     if choice == "none":
-        return None
-    return tools or None
+        return None, "auto", None
+    if choice != "auto" and not tools:
+        raise ApiError(f"tool_choice {body.get('tool_choice')!r} needs 'tools'", param="tool_choice")
+    if name is not None and name not in {t["function"]["name"] for t in tools or []}:
+        raise ApiError(f"tool_choice names the function {name!r}, which is not in 'tools'", param="tool_choice")
+    return tools or None, choice, name
+
+
+def _tool_choice(choice: Any) -> tuple[str, Optional[str]]:
+    if choice is None:
+        return "auto", None
+    if choice in ("none", "auto", "required"):
+        return choice, None
+    fn = choice.get("function") if isinstance(choice, dict) else None
+    if isinstance(choice, dict) and choice.get("type") == "function" and isinstance(fn, dict) \
+            and isinstance(fn.get("name"), str):
+        return "function", fn["name"]
+    raise ApiError("tool_choice must be 'none', 'auto', 'required' or {'type': 'function', 'function': "
+                   "{'name': ...}}", param="tool_choice")
 
 
 def _completion_prompts(prompt: Any) -> list:

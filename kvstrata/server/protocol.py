@@ -7,6 +7,8 @@ Every problem raises ApiError naming the field, which the app answers with
 from __future__ import annotations
 
 import json
+import math
+import re
 import uuid
 from dataclasses import dataclass, field
 from typing import Any, Optional
@@ -32,7 +34,8 @@ class ApiError(Exception):
                           "code": self.status}}
 
 
-_ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
+_ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+                404: "not_found_error",
                 405: "invalid_request_error", 413: "invalid_request_error", 503: "service_unavailable"}
 
 # Seeds seed a 64-bit generator; copy j of an n > 1 request uses seed + j (n <= 128).
@@ -41,6 +44,23 @@ MAX_SEED = 2 ** 63 - 1 - 128
 # Native fields that we cannot honour: rejecting them beats silently ignoring them.
 _UNSUPPORTED_FIELDS = ("input_embeds", "image_data", "audio_data", "video_data", "lora_path", "lora_id",
                        "session_params", "custom_logit_processor", "token_ids_logprob")
+# Flags SGLang's clients send as false; only true asks for something we do not have.
+_UNSUPPORTED_FLAGS = ("return_hidden_states", "return_routed_experts")
+
+
+def is_neutral(value: Any) -> bool:
+    """A value that asks for nothing: null, "", false, or an empty / all-neutral list or object.
+
+    SGLang's own clients always send some fields (`"lora_path": ""` in bench_multiturn.py, `null` in
+    bench_serving.py); those must be accepted, and only a real value rejected.
+    """
+    if value is None or value == "" or value is False:
+        return True
+    if isinstance(value, list):
+        return all(is_neutral(v) for v in value)
+    if isinstance(value, dict):
+        return all(is_neutral(v) for v in value.values())
+    return False
 
 
 @dataclass
@@ -81,6 +101,8 @@ def parse_json_body(raw: bytes) -> dict:
         raise ApiError(f"the request body is not valid JSON: {e}") from e
     if not isinstance(body, dict):
         raise ApiError(f"the request body must be a JSON object, got {type(body).__name__}")
+    if b"\\u" in raw or b"\xed" in raw:     # a surrogate can only come from an escape or surrogatepass bytes
+        check_no_surrogates(body)
     return body
 
 
@@ -119,7 +141,8 @@ def get_int(body: dict, name: str, default: Optional[int] = None, lo: Optional[i
 
 def check_int(value: Any, name: str, lo: Optional[int] = None, hi: Optional[int] = None) -> int:
     """Validate one integer value and its range."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or int(value) != value:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) \
+            or (isinstance(value, float) and not math.isfinite(value)) or int(value) != value:
         raise ApiError(f"'{name}' must be an integer, got {value!r}", param=name)
     value = int(value)
     if lo is not None and value < lo:
@@ -168,11 +191,10 @@ def new_rid() -> str:
 # ---------------------------------------------------------------------- native /generate
 def parse_generate(body: dict) -> GenerateRequest:
     """Validate a native `/generate` body (SGLang's GenerateReqInput)."""
-    for name in _UNSUPPORTED_FIELDS:
-        if body.get(name) not in (None, [], {}):
-            raise ApiError(f"'{name}' is not supported by this server", param=name)
-    if body.get("return_hidden_states"):
-        raise ApiError("'return_hidden_states' is not supported by this server", param="return_hidden_states")
+    for name in _UNSUPPORTED_FIELDS + _UNSUPPORTED_FLAGS:
+        if not is_neutral(body.get(name)):
+            raise ApiError(f"'{name}' is not supported by this server (got {repr(body[name])[:60]}; only an "
+                           f"empty value is accepted)", param=name)
     texts, ids, is_batch = _native_prompts(body)
     count = len(texts) if texts is not None else len(ids)
     sp_dicts = _per_prompt(body.get("sampling_params"), count, "sampling_params", dict)
@@ -259,3 +281,23 @@ def _check_unique_rids(prompts: list[PromptSpec]) -> None:
     rids = [p.rid for p in prompts]
     if len(set(rids)) != len(rids):
         raise ApiError("request ids ('rid') must be unique within a batch", param="rid")
+
+
+# ---------------------------------------------------------------------- text validity
+def check_no_surrogates(value: Any, path: str = "") -> None:
+    """Reject a lone UTF-16 surrogate anywhere in a parsed body: it cannot be tokenized or sent back as UTF-8."""
+    if isinstance(value, str):
+        if _SURROGATE.search(value):
+            name = path or "body"
+            raise ApiError(f"'{name}' contains a lone UTF-16 surrogate, which is not valid Unicode text",
+                           param=name.split("[")[0].split(".")[0])
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            check_no_surrogates(key, path or "body")
+            check_no_surrogates(item, f"{path}.{key}" if path else str(key))
+    elif isinstance(value, list):
+        for i, item in enumerate(value):
+            check_no_surrogates(item, f"{path}[{i}]")
+
+
+_SURROGATE = re.compile("[\ud800-\udfff]")

@@ -81,6 +81,7 @@ class SeqState:
         self.sent_logprobs = 0
         self.sent_input_logprobs = False
         self._failed_unseen = False         # fail() happened and no drain() has reported it yet
+        self.stream = False                 # the client reads a stream (set by the TokenizerManager)
         # Arrival times of token deltas (receive loop), for the latency histograms.
         self.first_token_at: Optional[float] = None
         self.last_token_at: Optional[float] = None
@@ -110,6 +111,19 @@ class SeqState:
         self._finish({"type": "abort", "message": message})
         self._failed_unseen = True
         self.wake.set()
+
+    def end_now(self, message: str, status: int) -> None:
+        """Queue the end of this sequence after what is pending: a stream gets finish_reason 'abort',
+        a non-streaming request an error with `status` (used by the graceful shutdown)."""
+        if self.finished:
+            return
+        last = self.pending[-1] if self.pending else None
+        self.push(ReqOutput(
+            rid=self.rid, new_token_ids=[], finished=True, finish_reason={"type": "abort", "message": message},
+            prompt_tokens=last.prompt_tokens if last else self.prompt_tokens,
+            completion_tokens=last.completion_tokens if last else self.completion_tokens,
+            cached_tokens=last.cached_tokens if last else self.cached_tokens,
+            error=None if self.stream else message, error_status=status))
 
     def pending_error(self) -> Optional[tuple[str, int]]:
         """(message, status) of an error not yet drained, if any."""

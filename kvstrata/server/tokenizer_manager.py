@@ -15,6 +15,7 @@ import dataclasses
 import logging
 from collections import defaultdict, deque
 from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Optional
 
 import zmq
@@ -33,7 +34,9 @@ from kvstrata.runtime.messages import (
     TokenizedGenerateReq,
 )
 from kvstrata.runtime.sampling_params import SamplingParams
+from kvstrata.server.metrics import ServerMetrics
 from kvstrata.server.protocol import ApiError, GenerateRequest, PromptSpec
+from kvstrata.server.request_log import RequestLog
 from kvstrata.server.seq_state import SeqState
 
 logger = logging.getLogger(__name__)
@@ -68,8 +71,15 @@ class TokenizerManager:
         self.release_hooks: list[Callable[[SeqState], None]] = []   # each sees every sequence once, at its end
         self._token_texts: dict[int, str] = {}
         self.dead_reason: Optional[str] = None
+        self.draining_reason: Optional[str] = None   # set on SIGTERM: new requests get 503
+        # Tokenizing and rendering chat templates run here, off the event loop, so a huge prompt never
+        # delays other requests' streams or /health.
+        self._cpu_pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="kvstrata-tokenize")
+        self.max_prompt_chars = self.context_length * longest_token_chars(tokenizer)
         self.metrics = {"requests_total": 0, "prompt_tokens_total": 0, "generation_tokens_total": 0,
                         "cached_tokens_total": 0, "aborted_requests_total": 0, "failed_requests_total": 0}
+        self.prometheus = ServerMetrics(args.served_model_name or args.model_path)
+        self.request_log = RequestLog(args)
 
     # ------------------------------------------------------------------ life cycle
     def start(self) -> None:
@@ -84,6 +94,7 @@ class TokenizerManager:
                 await self._recv_task
             except (asyncio.CancelledError, Exception):
                 pass
+        self._cpu_pool.shutdown(wait=False, cancel_futures=True)
         self._pull.close(0)
         self._push.close(0)
         self._async_ctx.term()
@@ -122,6 +133,26 @@ class TokenizerManager:
             self._token_texts[token_id] = text
         return text
 
+    async def run_blocking(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        """Run CPU-heavy tokenizer work in the tokenizer threads and await it."""
+        return await asyncio.get_running_loop().run_in_executor(self._cpu_pool, lambda: fn(*args, **kwargs))
+
+    def check_prompt_chars(self, chars: int, param: str) -> None:
+        """400 when `chars` characters are already more tokens than the context holds (no tokenizing needed)."""
+        if chars > self.max_prompt_chars:
+            raise ApiError(f"the prompt ({chars} characters) is longer than the model's context length "
+                           f"({self.context_length} tokens) can hold", param=param)
+
+    async def tokenize(self, req: GenerateRequest) -> None:
+        """Fill in `input_ids` of the text prompts of `req`, off the event loop; rejects overlong ones first."""
+        texts = [p for p in req.prompts if p.input_ids is None]
+        for p in texts:
+            self.check_prompt_chars(len(p.text or ""), "text")
+        if texts:
+            ids = await self.run_blocking(lambda: [self.encode(p.text or "", p.add_special_tokens) for p in texts])
+            for p, prompt_ids in zip(texts, ids):
+                p.input_ids = prompt_ids
+
     # ------------------------------------------------------------------ generation
     def submit(self, req: GenerateRequest) -> list[SeqState]:
         """Tokenize, validate and send every sequence of `req`; returns them in response order (i*n+j)."""
@@ -136,15 +167,18 @@ class TokenizerManager:
             states += self._expand(p, i, ids, sampling, wake, first_index=len(states))
         try:
             for state in states:
+                state.stream = req.stream
                 p = req.prompts[state.prompt_index]
                 self._send(TokenizedGenerateReq(
                     rid=state.rid, input_ids=state.input_ids, sampling_params=state.sampling,
                     return_logprob=p.return_logprob, logprob_start_len=p.logprob_start_len if p.return_logprob else -1,
-                    top_logprobs_num=p.top_logprobs_num, stream=req.stream, cache_namespace=req.cache_salt))
+                    top_logprobs_num=p.top_logprobs_num, stream=req.stream, cache_namespace=req.cache_salt,
+                    bootstrap=req.extra.get("bootstrap")))
         except ApiError:
             self.release(states)
             raise
         self.metrics["requests_total"] += len(req.prompts)
+        self.request_log.submitted(req, states)
         return states
 
     def _expand(self, p: PromptSpec, prompt_index: int, ids: list[int], sampling: SamplingParams,
@@ -249,6 +283,8 @@ class TokenizerManager:
         for s in states:
             if self.states.pop(s.rid, None) is None:
                 continue
+            self.prometheus.observe(s)
+            self.request_log.released(s)
             if not s.finished:
                 self.metrics["aborted_requests_total"] += 1
                 self._try_send(AbortReq(rid=s.rid))
@@ -265,16 +301,24 @@ class TokenizerManager:
                 del self.groups[s.group_rid]
 
     def abort_request(self, rid: Optional[str] = None, abort_all: bool = False) -> int:
-        """Abort a request by its user rid (all its sequences) or a sequence rid; returns how many."""
+        """Abort a request by its user rid (all its sequences) or a sequence rid; returns how many were running."""
         if abort_all:
             rids = list(self.states)
         elif rid in self.groups:
-            rids = list(self.groups[rid])
+            rids = [r for r in self.groups[rid] if r in self.states]
         else:
-            rids = [rid] if rid is not None else []
+            rids = [rid] if rid in self.states else []
         for r in rids:
             self._try_send(AbortReq(rid=r))
         return len(rids)
+
+    def end_all(self, message: str) -> int:
+        """End every running sequence now (shutdown): the scheduler frees them, their clients get a clean end."""
+        states = [s for s in self.states.values() if not s.finished]
+        for state in states:
+            self._try_send(AbortReq(rid=state.rid))
+            state.end_now(message, 503)
+        return len(states)
 
     # ------------------------------------------------------------------ control requests
     async def flush_cache(self) -> ControlOut:
@@ -306,6 +350,8 @@ class TokenizerManager:
     def _check_alive(self) -> None:
         if self.dead_reason is not None:
             raise ApiError(self.dead_reason, 503)
+        if self.draining_reason is not None:
+            raise ApiError(self.draining_reason, 503)
 
     def _send(self, msg: Any) -> None:
         try:
@@ -347,3 +393,11 @@ class TokenizerManager:
                     break
         else:
             logger.error("unexpected message from the scheduler: %r", type(msg).__name__)
+
+
+def longest_token_chars(tokenizer: Any) -> int:
+    """An upper bound on the characters one token stands for (its vocabulary spelling is never shorter)."""
+    try:
+        return max(1, max(len(token) for token in tokenizer.get_vocab()))
+    except (AttributeError, TypeError, ValueError):
+        return 1 << 10      # no vocabulary to look at: a loose bound that still stops absurd bodies

@@ -1,13 +1,14 @@
 """The file backend: one file per page in a local directory, shared by every process on the machine.
 
-    <root>/<first 2 chars of key>/<key>         a page: exactly page_bytes bytes
+    <root>/<first 2 chars of key>/<key>         a page: page_bytes bytes, then its checksum trailer
     <root>/<shard>/.<key>.<pid>.<nonce>.tmp     a page being written (renamed into place when complete)
 
 Why this is safe with several processes and no locks:
 - a page appears only by `os.replace` of a complete temp file from the same directory, so a reader sees
   either no file or a whole page; two writers of one key each rename their own complete file;
 - a file that vanishes between `batch_exists` and `batch_get` (evicted by another process) is a miss;
-- a file of the wrong size (truncated by a crash of the disk, not by us) is a miss and is deleted.
+- a file of the wrong size, or whose bytes fail their checksum (page_checksum.py: flipped bits, a
+  zero-filled file, a page copied under another key), is a miss: it is deleted and counted `corrupt`.
 
 Recency for LRU is the file's mtime, set explicitly with nanosecond time on write and on every read, so
 the eviction order does not depend on the filesystem's timestamp granularity or atime settings. The
@@ -29,6 +30,7 @@ import torch
 
 from kvstrata.args import env_flag
 from kvstrata.storage.base import StorageBackend, StorageError, byte_view
+from kvstrata.storage.page_checksum import TRAILER_BYTES, page_digest, page_is_intact
 
 logger = logging.getLogger(__name__)
 
@@ -63,6 +65,7 @@ class FileBackend(StorageBackend):
         if not 0.0 < low_watermark <= 1.0:
             raise StorageError(f"low_watermark must be in (0, 1], got {low_watermark}")
         self.capacity_bytes = capacity_bytes
+        self.stored_bytes = page_bytes + TRAILER_BYTES
         self.rescan_interval_s = rescan_interval_s
         self.low_watermark = low_watermark
         try:
@@ -113,7 +116,7 @@ class FileBackend(StorageBackend):
         self._check_batch(keys, buffers)
         read = 0
         for key, buffer in zip(keys, buffers, strict=True):
-            if not self._read_page(self.page_path(key), buffer):
+            if not self._read_page(key, buffer):
                 break
             read += 1
         self._counter.add(gets=len(keys), hits=read, bytes_read=read * self.page_bytes)
@@ -128,13 +131,13 @@ class FileBackend(StorageBackend):
             if self._page_ok(path) and _touch(path):
                 stored += 1
                 continue
-            if not self._write_page(path, buffer):
+            if not self._write_page(key, path, buffer):
                 break
             stored += 1
             written += 1
         self._counter.add(sets=len(keys), stored=stored, bytes_written=written * self.page_bytes)
         if written:
-            self._after_write(written * self.page_bytes)
+            self._after_write(written * self.stored_bytes)
         return stored
 
     # ------------------------------------------------------------------ page files
@@ -146,37 +149,37 @@ class FileBackend(StorageBackend):
         except OSError as e:
             self._error("stat", path, e)
             return False
-        if size != self.page_bytes:
-            self._drop_corrupt(path, size)
+        if size != self.stored_bytes:
+            self._drop_corrupt(path, f"{size} bytes, expected {self.stored_bytes}")
             return False
         return True
 
-    def _read_page(self, path: Path, buffer: torch.Tensor) -> bool:
+    def _read_page(self, key: str, buffer: torch.Tensor) -> bool:
+        path = self.page_path(key)
         view = byte_view(buffer)
+        trailer = bytearray(TRAILER_BYTES)
         try:
             with open(path, "rb", buffering=0) as f:
                 size = os.fstat(f.fileno()).st_size
-                if size != self.page_bytes:
-                    self._drop_corrupt(path, size)
+                if size != self.stored_bytes:
+                    self._drop_corrupt(path, f"{size} bytes, expected {self.stored_bytes}")
                     return False
-                got = 0
-                while got < self.page_bytes:
-                    n = f.readinto(view[got:])
-                    if not n:
-                        break
-                    got += n
+                got = _read_fully(f, view) + _read_fully(f, memoryview(trailer))
         except FileNotFoundError:
             return False  # evicted or never written: a miss
         except OSError as e:
             self._error("read", path, e)
             return False
-        if got != self.page_bytes:
-            self._drop_corrupt(path, got)
+        if got != self.stored_bytes:
+            self._drop_corrupt(path, f"read {got} bytes, expected {self.stored_bytes}")
+            return False
+        if not page_is_intact(key, view, trailer):
+            self._drop_corrupt(path, "checksum mismatch")
             return False
         _touch(path)
         return True
 
-    def _write_page(self, path: Path, buffer: torch.Tensor) -> bool:
+    def _write_page(self, key: str, path: Path, buffer: torch.Tensor) -> bool:
         temp = path.parent / f".{path.name}.{os.getpid()}.{threading.get_ident()}.{time.monotonic_ns()}.tmp"
         try:
             try:
@@ -186,9 +189,8 @@ class FileBackend(StorageBackend):
                 f = open(temp, "wb", buffering=0)
             with f:
                 view = byte_view(buffer)
-                done = 0
-                while done < self.page_bytes:
-                    done += f.write(view[done:])
+                _write_fully(f, view)
+                _write_fully(f, memoryview(page_digest(key, view)))
             _touch(temp)
             os.replace(temp, path)
             return True
@@ -197,8 +199,8 @@ class FileBackend(StorageBackend):
             _unlink_quietly(temp)
             return False
 
-    def _drop_corrupt(self, path: Path, size: int) -> None:
-        logger.warning("dropping corrupt page file %s (%d bytes, expected %d)", path, size, self.page_bytes)
+    def _drop_corrupt(self, path: Path, why: str) -> None:
+        logger.warning("dropping corrupt page file %s (%s)", path, why)
         self._counter.add(corrupt=1)
         try:
             path.unlink()
@@ -265,6 +267,23 @@ class FileBackend(StorageBackend):
                 pages.append((st.st_mtime_ns, st.st_size, entry.path))
                 total += st.st_size
         return pages, total
+
+
+def _read_fully(f, view: memoryview) -> int:
+    """Read into all of `view` (short only at end of file); returns the bytes read."""
+    got = 0
+    while got < len(view):
+        n = f.readinto(view[got:])
+        if not n:
+            break
+        got += n
+    return got
+
+
+def _write_fully(f, view: memoryview) -> None:
+    done = 0
+    while done < len(view):
+        done += f.write(view[done:])
 
 
 def _touch(path: Path) -> bool:

@@ -5,6 +5,8 @@ with the Mooncake client once, and pages that live inside registered memory move
 `batch_put_from` / `batch_get_into` straight from / into their addresses. A page buffer outside any
 registered region goes through a small registered staging buffer owned by the backend (one extra
 memcpy), so the same zero-copy calls serve both cases and nothing depends on the copy APIs' buffer.
+Each object is a page followed by its checksum trailer (page_checksum.py), moved as two buffers of one
+object (`batch_*_multi_buffers`); a page that fails its checksum on load is removed and counted `corrupt`.
 
 Faults never reach the caller: an exception or an RPC failure marks the backend down (see
 Availability), later calls answer 0 at once and count `skipped_unavailable`, and the backend probes the
@@ -23,13 +25,14 @@ import time
 import torch
 
 from kvstrata.storage.availability import Availability
-from kvstrata.storage.base import StorageBackend, StorageError
+from kvstrata.storage.base import StorageBackend, StorageError, byte_view
 from kvstrata.storage.mooncake_config import (
     MooncakeConfig,
     client_hostname,
     import_mooncake,
     resolve_mooncake_config,
 )
+from kvstrata.storage.page_checksum import TRAILER_BYTES, page_digest, page_is_intact
 
 logger = logging.getLogger(__name__)
 
@@ -40,6 +43,9 @@ OBJECT_ALREADY_EXISTS = -705
 RPC_ERRORS = range(-999, -899)  # RPC_FAIL and friends: the master is unreachable
 CALL_FAILED = -999  # our code: the client call raised or answered nonsense
 SKIPPED = -(1 << 30)  # our code: not attempted, the backend is down or closed
+CORRUPT = -(1 << 29)  # our code: read, but the page failed its checksum (or had another size); removed
+TRANSFER_ERRORS = (-800,)  # TRANSFER_FAIL: also what reading an object of another size answers
+TRAILER_SLOTS = 1024  # pages per call: one registered checksum trailer each
 STAGING_BYTES = 16 << 20
 # Failed calls after a successful reachability probe before the client is rebuilt.
 RECREATE_AFTER_FAILED_PROBES = 2
@@ -61,6 +67,8 @@ class MooncakeBackend(StorageBackend):
         self._client_lock = threading.Lock()
         self._staging_lock = threading.Lock()
         self._staging: torch.Tensor | None = None
+        self._trailers: torch.Tensor | None = None
+        self.stored_bytes = page_bytes + TRAILER_BYTES
         self._retired: list = []  # replaced clients, closed at close() (another thread may still use one)
         self._failed_probes = 0
         self.client_recreations = 0
@@ -94,9 +102,11 @@ class MooncakeBackend(StorageBackend):
         self._check_batch(keys, buffers)
         codes = self._transfer("get", keys, buffers)
         read = _leading(codes, self._succeeded("get"))
-        # Misses are not errors; an object of the wrong size is.
-        errors = sum(1 for c in codes if c not in (self.page_bytes, OBJECT_NOT_FOUND, SKIPPED))
-        self._counter.add(gets=len(keys), hits=read, bytes_read=read * self.page_bytes, errors=errors)
+        # Misses are not errors; corrupt pages are counted on their own.
+        corrupt = codes.count(CORRUPT)
+        errors = sum(1 for c in codes if c not in (self.stored_bytes, OBJECT_NOT_FOUND, SKIPPED, CORRUPT))
+        self._counter.add(gets=len(keys), hits=read, bytes_read=read * self.page_bytes, errors=errors,
+                          corrupt=corrupt)
         if errors:
             self._warn_burst("get", f"{errors} of {len(keys)} pages failed (codes {sorted(set(codes))})")
         return read
@@ -151,28 +161,31 @@ class MooncakeBackend(StorageBackend):
 
     # ------------------------------------------------------------------ transfers
     def _transfer(self, op: str, keys: list[str], buffers: list[torch.Tensor]) -> list[int]:
-        """Run a put/get over registered addresses; unregistered pages go through staging in chunks."""
+        """Run a put/get of pages + checksum trailers, in chunks; unregistered pages go through staging."""
         if not keys:
             return []
-        if all(self._registered(b) for b in buffers):
-            ptrs = [b.data_ptr() for b in buffers]
-            return self._zero_copy(op, keys, ptrs)
         with self._staging_lock:
-            staging = self._staging_pages()
-            if staging is None:
+            trailers = self._registered_scratch("_trailers", TRAILER_SLOTS, TRAILER_BYTES)
+            chunk = TRAILER_SLOTS
+            staging = None
+            if not all(self._registered(b) for b in buffers):
+                staging = self._registered_scratch("_staging", max(1, STAGING_BYTES // self.page_bytes),
+                                                   self.page_bytes)
+                chunk = min(chunk, staging.shape[0]) if staging is not None else 0
+            if trailers is None or chunk == 0:
                 return [CALL_FAILED] * len(keys)
             codes: list[int] = []
-            chunk = staging.shape[0]
             for start in range(0, len(keys), chunk):
                 part = slice(start, start + chunk)
-                chunk_codes = self._staged(op, keys[part], buffers[part], staging)
+                chunk_codes = self._staged(op, keys[part], buffers[part], staging, trailers)
                 codes.extend(chunk_codes)
                 if _leading(chunk_codes, self._succeeded(op)) < len(chunk_codes):
                     codes.extend([SKIPPED] * (len(keys) - len(codes)))  # no use going past a gap
                     break
             return codes
 
-    def _staged(self, op: str, keys: list[str], buffers: list[torch.Tensor], staging: torch.Tensor) -> list[int]:
+    def _staged(self, op: str, keys: list[str], buffers: list[torch.Tensor], staging: torch.Tensor | None,
+                trailers: torch.Tensor) -> list[int]:
         ptrs, copies = [], []
         for buffer in buffers:
             if self._registered(buffer):
@@ -182,38 +195,75 @@ class MooncakeBackend(StorageBackend):
                 copies.append((slot, buffer.reshape(-1).view(torch.uint8)))
                 ptrs.append(slot.data_ptr())
         if op == "set":
+            for i, (key, buffer) in enumerate(zip(keys, buffers)):
+                byte_view(trailers[i])[:] = page_digest(key, byte_view(buffer))
             for slot, page in copies:
                 slot.copy_(page)
-        codes = self._zero_copy(op, keys, ptrs)
+        codes = self._multi_buffer(op, keys, ptrs, [trailers[i].data_ptr() for i in range(len(keys))])
         if op == "get":
             for slot, page in copies:
                 page.copy_(slot)
+            codes = self._verified(keys, buffers, codes, trailers)
         return codes
 
-    def _zero_copy(self, op: str, keys: list[str], ptrs: list[int]) -> list[int]:
-        sizes = [self.page_bytes] * len(keys)
+    def _multi_buffer(self, op: str, keys: list[str], ptrs: list[int], trailer_ptrs: list[int]) -> list[int]:
+        """One object per key: its page bytes, then its trailer, moved in place."""
+        all_ptrs = [[p, t] for p, t in zip(ptrs, trailer_ptrs)]
+        sizes = [[self.page_bytes, TRAILER_BYTES]] * len(keys)
         if op == "get":
-            return self._call(op, len(keys), lambda store: store.batch_get_into(keys, ptrs, sizes))
+            return self._call(op, len(keys), lambda store: store.batch_get_into_multi_buffers(keys, all_ptrs, sizes))
         return self._call(op, len(keys),
-                          lambda store: store.batch_put_from(keys, ptrs, sizes, self._replicate))
+                          lambda store: store.batch_put_from_multi_buffers(keys, all_ptrs, sizes, self._replicate))
 
-    def _staging_pages(self) -> torch.Tensor | None:
-        if self._staging is None:
-            pages = max(1, STAGING_BYTES // self.page_bytes)
-            staging = torch.empty(pages, self.page_bytes, dtype=torch.uint8)
-            self.register_buffer(staging)
-            if not self._registered(staging[0]):
+    def _verified(self, keys: list[str], buffers: list[torch.Tensor], codes: list[int],
+                  trailers: torch.Tensor) -> list[int]:
+        """Codes of a get with every read page checked against its trailer; bad pages are CORRUPT, removed."""
+        out = list(codes)
+        for i, (key, code) in enumerate(zip(keys, codes)):
+            if code == self.stored_bytes:
+                intact = page_is_intact(key, byte_view(buffers[i]), byte_view(trailers[i]))
+            elif code in TRANSFER_ERRORS:
+                intact = self._object_size(key) in (None, self.stored_bytes)   # another size: an old or alien object
+            else:
+                continue
+            if not intact:
+                out[i] = CORRUPT
+                self._drop_corrupt(key)
+        return out
+
+    def _object_size(self, key: str) -> int | None:
+        try:
+            size = int(self._store.get_size(key))
+        except Exception:  # the store is failing: not evidence of corruption
+            return None
+        return size if size >= 0 else None
+
+    def _drop_corrupt(self, key: str) -> None:
+        self._warn_burst("corrupt", f"page {key} failed its checksum; removed it from the store")
+        try:
+            self._store.remove(key, True)
+        except Exception as e:  # another process may have removed it already
+            logger.debug("removing corrupt Mooncake object %s failed: %s", key, e)
+
+    def _registered_scratch(self, name: str, rows: int, row_bytes: int) -> torch.Tensor | None:
+        """A lazily created registered buffer of `rows` x `row_bytes` (None if it cannot be registered)."""
+        scratch = getattr(self, name)
+        if scratch is None:
+            scratch = torch.zeros(rows, row_bytes, dtype=torch.uint8)
+            self.register_buffer(scratch)
+            if not self._registered(scratch[0], row_bytes):
                 return None
-            self._staging = staging
-        return self._staging
+            setattr(self, name, scratch)
+        return scratch
 
     def _succeeded(self, op: str):
         if op == "get":
-            return lambda code: code == self.page_bytes
+            return lambda code: code == self.stored_bytes
         return lambda code: code in (0, OBJECT_ALREADY_EXISTS)
 
-    def _registered(self, buffer: torch.Tensor) -> bool:
-        ptr, end = buffer.data_ptr(), buffer.data_ptr() + self.page_bytes
+    def _registered(self, buffer: torch.Tensor, nbytes: int | None = None) -> bool:
+        ptr = buffer.data_ptr()
+        end = ptr + (self.page_bytes if nbytes is None else nbytes)
         return any(p <= ptr and end <= p + s for p, s, _ in self._regions)
 
     # ------------------------------------------------------------------ faults

@@ -247,10 +247,10 @@ def _check_alive(proc: subprocess.Popen, log: Path) -> None:
 
 
 # ---------------------------------------------------------------------- store service process
-def serve_segment(master: str, metadata: str, segment_bytes: int, ready_file: str) -> int:
+def serve_segment(master: str, metadata: str, segment_bytes: int, ready_file: str, host: str = HOST) -> int:
     """Hold a Mooncake client whose global segment is the cluster's memory, until SIGTERM."""
     config = resolve_mooncake_config({"master_server_address": master, "metadata_server": metadata,
-                                      "local_hostname": HOST, "global_segment_size": segment_bytes,
+                                      "local_hostname": host, "global_segment_size": segment_bytes,
                                       "local_buffer_size": 16 * MIB})
     store = import_mooncake().MooncakeDistributedStore()
     rc = store.setup(client_hostname(config), config.metadata_server, config.global_segment_size,
@@ -287,10 +287,12 @@ def main(argv: list[str] | None = None) -> int:
     seg.add_argument("--metadata", required=True)
     seg.add_argument("--segment-size", type=int, required=True)
     seg.add_argument("--ready-file", required=True)
+    seg.add_argument("--local-hostname", default=HOST, help="address the store advertises (a pod IP on k8s)")
     args = parser.parse_args(argv)
 
     if args.command == "serve-segment":
-        return serve_segment(args.master, args.metadata, args.segment_size, args.ready_file)
+        return serve_segment(args.master, args.metadata, args.segment_size, args.ready_file,
+                             args.local_hostname)
     state_path = Path(args.workdir) / "cluster.json"
     if args.command == "start":
         if state_path.exists():

@@ -12,13 +12,17 @@ import torch
 import torch.nn.functional as F
 
 from kvstrata.model import invariant_attention as ia
+from kvstrata.model import layers
 from kvstrata.model.layers import Linear, make_batch_invariant
 
 DTYPES = [torch.float32, torch.bfloat16]
 
 
+@pytest.mark.parametrize("native_bf16", [True, False], ids=["native-bf16", "emulated-bf16"])
 @pytest.mark.parametrize("dtype", DTYPES, ids=["f32", "bf16"])
-def test_linear_row_does_not_depend_on_row_count_or_position(dtype):
+def test_linear_row_does_not_depend_on_row_count_or_position(dtype, native_bf16, monkeypatch):
+    # On CPUs without AVX-512 BF16 a bf16 Linear upcasts to a float32 GEMM: exercise that path on any CPU.
+    monkeypatch.setattr(layers, "_CPU_NATIVE_LOW_PRECISION", native_bf16 and layers._CPU_NATIVE_LOW_PRECISION)
     torch.manual_seed(0)
     layer = Linear(256, 384).to(dtype)
     make_batch_invariant(layer)

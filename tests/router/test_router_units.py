@@ -221,3 +221,39 @@ def test_bad_settings():
     with pytest.raises(ConfigError):
         RouterArgs(max_concurrent_requests=0)
     assert check_worker_url("http://127.0.0.1:8000/") == "http://127.0.0.1:8000"
+
+
+# ---------------------------------------------------------------------- commands
+def test_cli_registers_router_and_its_benchmark(capsys):
+    from kvstrata.bench import BENCHMARKS
+    from kvstrata.cli import main
+
+    with pytest.raises(SystemExit) as exc:
+        main(["router", "--help"])
+    assert exc.value.code == 0
+    out = capsys.readouterr().out
+    for flag in ("--worker-urls", "--policy", "--cache-threshold", "--balance-abs-threshold",
+                 "--balance-rel-threshold", "--eviction-interval-secs", "--eviction-interval", "--max-tree-size",
+                 "--api-key", "--request-timeout-secs", "--max-concurrent-requests", "--log-level"):
+        assert flag in out
+    assert BENCHMARKS["router"] == "kvstrata.bench.router_bench"
+
+
+def test_bench_report_and_targets():
+    from kvstrata.bench.router_bench import render
+
+    def run(hit: float, ttft: float, per_worker: dict) -> dict:
+        s = {"cache_hit_rate": hit, "ideal_hit_rate": 0.6, "mean_ttft": ttft, "p90_ttft": ttft * 2,
+             "input_throughput": 100.0, "failed": 0}
+        return {"multiturn": dict(s), "hot": {**s, "per_worker": per_worker}}
+
+    rows = [{"policy": "round_robin", **run(0.3, 1.0, {"a": 20, "b": 20})},
+            {"policy": "cache_aware", **run(0.6, 0.8, {"a": 36, "b": 4})},
+            {"policy": "tier_aware", **run(0.59, 0.6, {"a": 21, "b": 19})}]
+    overhead = {"direct_ttft": 0.0300, "routed_ttft": 0.0305, "generate_rps_direct": 100.0,
+                "generate_rps_routed": 99.0, "info_rps_direct": 3000.0, "info_rps_routed": 1500.0}
+    md = render(rows, overhead, "kvstrata bench router", "test machine", "today")
+    assert "| cache_aware | 60.0% |" in md and "9.00" in md          # 36/4 concentrated
+    assert "98.3% of cache_aware's (>= 98%): met" in md
+    assert "60.0% of round_robin's (<= 70%): met" in md
+    assert "= 1.11 (<= 1.3): met" in md and "= 0.50 ms (<= 1 ms): met" in md

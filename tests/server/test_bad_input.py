@@ -56,7 +56,7 @@ CASES = {
     "chat-n-string": ("POST", CHAT, {"model": "tiny", "messages": USER, "n": "two"}, 400),
     "chat-schema-missing": ("POST", CHAT, {"model": "tiny", "messages": USER,
                                            "response_format": {"type": "json_schema"}}, 400),
-    "chat-logit-bias": ("POST", CHAT, {"model": "tiny", "messages": USER, "logit_bias": {"1": 5}}, 400),
+    "chat-logit-bias": ("POST", CHAT, {"model": "tiny", "messages": USER, "logit_bias": {"1": 500}}, 400),
     "chat-top-logprobs-50": ("POST", CHAT, {"model": "tiny", "messages": USER, "logprobs": True,
                                             "top_logprobs": 50}, 400),
     "chat-over-context": ("POST", CHAT, {"model": "tiny", "messages": USER, "max_tokens": 10 ** 6}, 400),

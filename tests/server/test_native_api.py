@@ -172,5 +172,5 @@ def test_info_and_control_routes(server):
     assert server.get("/health_generate").status_code == 200
     assert server.post("/concate_and_append_request", json={}).status_code == 200
     metrics = server.get("/metrics")
-    assert metrics.status_code == 200 and "kvstrata_requests_total" in metrics.text
+    assert metrics.status_code == 200 and "sglang:num_requests_total" in metrics.text
     assert "sglang:cache_hit_rate" in metrics.text and "sglang:num_running_reqs" in metrics.text

@@ -40,8 +40,10 @@ def test_streamed_prefixes_are_prefixes_of_the_final_text():
 
 def test_native_single_batch_and_per_prompt_params():
     single = parse_generate({"text": "hi", "sampling_params": {"max_new_tokens": 3, "temperature": 0,
-                                                                "top_k": -1, "unknown_field": 1}})
+                                                                "top_k": -1}})
     assert not single.is_batch and single.prompts[0].sampling.max_new_tokens == 3
+    with pytest.raises(ApiError, match="unknown_field"):      # rejected, never silently ignored
+        parse_generate({"text": "hi", "sampling_params": {"unknown_field": 1}})
     batch = parse_generate({"input_ids": [[1, 2], [3]], "sampling_params": [{"n": 2}, {"n": 1}],
                             "return_logprob": [True, False], "rid": ["a", "b"]})
     assert batch.is_batch and [p.rid for p in batch.prompts] == ["a", "b"]

@@ -10,8 +10,10 @@ import torch
 
 from kvstrata.storage.base import StorageError, create_backend
 from kvstrata.storage.file_backend import FileBackend
+from kvstrata.storage.page_checksum import TRAILER_BYTES
 
 PAGE_BYTES = 4096
+STORED_BYTES = PAGE_BYTES + TRAILER_BYTES   # a page file: the page, then its checksum
 
 
 def pages(n: int, seed: int = 0, dtype=torch.float32) -> list[torch.Tensor]:
@@ -81,7 +83,7 @@ def test_restart_sees_old_pages(tmp_path):
 
 
 def test_capacity_evicts_least_recently_used(tmp_path):
-    backend = FileBackend(PAGE_BYTES, tmp_path, capacity_bytes=10 * PAGE_BYTES, low_watermark=0.9)
+    backend = FileBackend(PAGE_BYTES, tmp_path, capacity_bytes=10 * STORED_BYTES, low_watermark=0.9)
     ks = keys("lru", 10)
     backend.batch_set(ks, pages(10))
     assert backend.stats()["evictions"] == 0
@@ -94,7 +96,7 @@ def test_capacity_evicts_least_recently_used(tmp_path):
 
 def test_capacity_from_extra_config_and_scan_at_start(tmp_path):
     FileBackend(PAGE_BYTES, tmp_path).batch_set(keys("old", 8), pages(8))
-    backend = create_backend("file", PAGE_BYTES, {"capacity_bytes": 4 * PAGE_BYTES}, storage_dir=str(tmp_path))
+    backend = create_backend("file", PAGE_BYTES, {"capacity_bytes": 4 * STORED_BYTES}, storage_dir=str(tmp_path))
     assert backend.stats()["evictions"] >= 4  # the first scan trims what an earlier run left
     assert sum(backend.batch_exists([k]) for k in keys("old", 8)) <= 4
     gb = create_backend("file", PAGE_BYTES, {"capacity_gb": 0.5}, storage_dir=str(tmp_path / "gb"))
@@ -118,6 +120,32 @@ def test_corrupt_file_is_a_miss_and_is_deleted(tmp_path):
     assert backend.stats()["corrupt"] == 2 and backend.stats()["errors"] == 0
 
 
+@pytest.mark.parametrize("damage", ["flip", "zero", "swap", "trailer"])
+def test_damaged_page_fails_its_checksum_and_is_dropped(tmp_path, damage):
+    backend = FileBackend(PAGE_BYTES, tmp_path)
+    ks = keys("sum", 3)
+    data = pages(3)
+    backend.batch_set(ks, data)
+    path = backend.page_path(ks[1])
+    raw = bytearray(path.read_bytes())
+    if damage == "flip":
+        raw[100:116] = bytes(b ^ 0xFF for b in raw[100:116])
+    elif damage == "zero":
+        raw = bytearray(len(raw))
+    elif damage == "swap":        # a whole valid page of another key, checksum included
+        raw = bytearray(backend.page_path(ks[2]).read_bytes())
+    else:
+        raw[-1] ^= 1
+    path.write_bytes(bytes(raw))
+    assert backend.batch_exists(ks) == 3            # same size: only reading can tell
+    out = empty(3)
+    assert backend.batch_get(ks, out) == 1
+    assert torch.equal(out[0], data[0])
+    assert not path.exists() and backend.stats()["corrupt"] == 1
+    assert backend.batch_set(ks, data) == 3         # the next backup writes it again
+    assert backend.batch_get(ks, empty(3)) == 3
+
+
 def test_file_vanishing_between_exists_and_get_is_a_miss(tmp_path):
     backend = FileBackend(PAGE_BYTES, tmp_path)
     ks = keys("gone", 2)
@@ -129,7 +157,7 @@ def test_file_vanishing_between_exists_and_get_is_a_miss(tmp_path):
 
 
 def test_stale_temp_files_are_removed_by_a_scan(tmp_path):
-    backend = FileBackend(PAGE_BYTES, tmp_path, capacity_bytes=100 * PAGE_BYTES)
+    backend = FileBackend(PAGE_BYTES, tmp_path, capacity_bytes=100 * STORED_BYTES)
     backend.batch_set(["abc"], pages(1))
     stale = backend.page_path("abc").parent / ".abc.1.2.3.tmp"
     stale.write_bytes(b"partial")

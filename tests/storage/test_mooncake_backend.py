@@ -210,3 +210,47 @@ def test_concurrent_threads(backend, host_pool):
         t.join(timeout=60)
     assert not any(t.is_alive() for t in threads)
     assert results == [4] * 40
+
+
+def overwrite_object(backend, key: str, data: bytes) -> None:
+    """Replace an object in the store with raw bytes, as any other writer of the cluster could."""
+    store = backend._store      # the raw Mooncake client of this process
+    assert store.remove(key, True) == 0
+    assert store.put(key, data) == 0
+
+
+@pytest.mark.parametrize("damage", ["flip", "zero", "swap", "old_format"])
+def test_damaged_page_fails_its_checksum_and_is_removed(backend, host_pool, damage):
+    from kvstrata.storage.page_checksum import TRAILER_BYTES
+
+    ks = unique_keys(3)
+    host_pool[:3] = random_pages(3, seed=8)
+    assert backend.batch_set(ks, [host_pool[i] for i in range(3)]) == 3
+    good = [bytes(host_pool[i].numpy()) for i in range(3)]
+    tampered = {"flip": bytes(b ^ 0xFF for b in good[1][:16]) + good[1][16:] + bytes(TRAILER_BYTES),
+                "zero": bytes(PAGE_BYTES + TRAILER_BYTES),
+                "old_format": good[1]}        # a page without a trailer (the previous format)
+    if damage == "swap":                      # a valid page of another key, with its own trailer
+        assert backend._store.get_size(ks[2]) == PAGE_BYTES + TRAILER_BYTES
+        tampered["swap"] = bytes(backend._store.get(ks[2]))
+    overwrite_object(backend, ks[1], tampered[damage])
+    before = backend.stats()
+    assert backend.batch_exists(ks) == 3
+    out = [host_pool[10 + i] for i in range(3)]
+    assert backend.batch_get(ks, out) == 1
+    assert torch.equal(host_pool[10], host_pool[0])
+    after = backend.stats()
+    assert after["corrupt"] - before["corrupt"] == 1 and after["errors"] == before["errors"]
+    assert backend.batch_exists(ks[1:2]) == 0                # removed from the store
+    assert backend.batch_set(ks, [host_pool[i] for i in range(3)]) == 3
+    assert backend.batch_get(ks, out) == 3 and torch.equal(host_pool[10:13], host_pool[0:3])
+
+
+def test_staged_pages_carry_checksums_too(backend):
+    ks = unique_keys(2)
+    data = [random_pages(1, seed=9)[0].clone() for _ in range(2)]
+    assert backend.batch_set(ks, data) == 2
+    overwrite_object(backend, ks[0], bytes(PAGE_BYTES) + bytes(backend._store.get(ks[0]))[PAGE_BYTES:])
+    out = [torch.zeros(PAGE_BYTES, dtype=torch.uint8) for _ in range(2)]
+    assert backend.batch_get(ks, out) == 0
+    assert backend.batch_get(ks[1:], out[1:]) == 1 and torch.equal(out[1], data[1])

@@ -1,0 +1,185 @@
+"""Each member's command line, environment, ports and readiness probe, derived from the spec.
+
+One function, `member_command`, serves both deployments: the local launcher calls it with a
+`LocalNetwork` (127.0.0.1, a free port per member), the Kubernetes renderer with a `KubeNetwork` (the pod
+IP, fixed container ports, Service names). Service discovery lives here and only here:
+
+    router          --worker-urls  every member of the server roles it depends on
+    worker          MOONCAKE_MASTER / MOONCAKE_TE_META_DATA_SERVER of the group's mooncake-master role
+    mooncake-store  --master / --metadata of the same role
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional, Protocol
+
+from kvstrata.cluster.spec import SERVER_KINDS, GroupSpec, RoleSpec, to_flags
+from kvstrata.storage.mooncake_config import parse_size
+
+# Container ports on Kubernetes (locally each member gets free ports under the same names).
+KIND_PORTS = {
+    "router": ("http",), "worker": ("http",), "prefill": ("http",), "decode": ("http",),
+    "mooncake-master": ("rpc", "metadata", "metrics"), "mooncake-store": (),
+}
+DEFAULT_PORTS = {"http": 30000, "rpc": 50051, "metadata": 8080, "metrics": 9003}
+MC_ENV = {"MC_LEGACY_RPC_PORT_BINDING": "1"}
+MASTER_EXTRA_PREFIX = "--"       # extra master args are passed on as Mooncake gflags (--name=value)
+
+
+@dataclass(frozen=True)
+class Probe:
+    """Readiness of a member: an HTTP GET answering 200, TCP ports accepting, or a file existing."""
+
+    kind: str                                  # "http" | "tcp" | "file"
+    path: str = ""                             # http: URL path; file: file path
+    ports: tuple[str, ...] = ()                # port names (http: one)
+
+
+@dataclass(frozen=True)
+class MemberCommand:
+    """What runs as one member: `program args...` with `env` added, listening on `ports`."""
+
+    role: str
+    index: int
+    program: str                               # "python" or an executable name; the launcher resolves it
+    args: tuple[str, ...]
+    env: dict[str, str] = field(default_factory=dict)
+    ports: dict[str, int] = field(default_factory=dict)
+    probe: Probe = Probe("tcp")
+
+    @property
+    def name(self) -> str:
+        """Member name: role-index."""
+        return f"{self.role}-{self.index}"
+
+
+class Network(Protocol):
+    """Where members bind and how they reach each other."""
+
+    bind_host: str
+
+    def member_host(self, role: RoleSpec, index: int) -> str:
+        """The host other members reach member `index` of `role` at."""
+
+    def port(self, role: RoleSpec, index: int, name: str) -> int:
+        """The port called `name` of a member."""
+
+    def ready_file(self, role: RoleSpec, index: int) -> str:
+        """Where a member that signals readiness by a file writes it."""
+
+
+@dataclass
+class LocalNetwork:
+    """127.0.0.1 and ports chosen by the launcher (kept for a member's whole life, upgrades included)."""
+
+    ports: dict[tuple[str, int], dict[str, int]]
+    run_dir: str
+    bind_host: str = "127.0.0.1"
+
+    def member_host(self, role: RoleSpec, index: int) -> str:
+        """Every member is on this machine."""
+        return self.bind_host
+
+    def port(self, role: RoleSpec, index: int, name: str) -> int:
+        """The allocated port."""
+        return self.ports[(role.name, index)][name]
+
+    def ready_file(self, role: RoleSpec, index: int) -> str:
+        """A file in the run directory."""
+        return f"{self.run_dir}/{role.name}-{index}.ready"
+
+
+@dataclass
+class KubeNetwork:
+    """Pod IP to bind, per-member DNS names through each role's headless Service, fixed container ports."""
+
+    group: str
+    bind_host: str = "$(POD_IP)"
+
+    def service(self, role: RoleSpec) -> str:
+        """The Service of a role."""
+        return f"{self.group}-{role.name}"
+
+    def member_host(self, role: RoleSpec, index: int) -> str:
+        """Pod hostname.subdomain: stable across in-place updates."""
+        return f"{self.group}-{role.name}-{index}.{self.service(role)}"
+
+    def port(self, role: RoleSpec, index: int, name: str) -> int:
+        """The role's port (spec `port:` overrides the first one)."""
+        if role.port and KIND_PORTS[role.kind] and name == KIND_PORTS[role.kind][0]:
+            return role.port
+        return DEFAULT_PORTS[name]
+
+    def ready_file(self, role: RoleSpec, index: int) -> str:
+        """Inside the container."""
+        return "/tmp/kvstrata-member.ready"
+
+
+def member_command(spec: GroupSpec, role: RoleSpec, index: int, net: Network,
+                   args_override: Optional[dict] = None) -> MemberCommand:
+    """The command line, environment, ports and probe of member `index` of `role`."""
+    role_args = {**role.args, **(args_override or {})}
+    ports = {name: net.port(role, index, name) for name in KIND_PORTS[role.kind]}
+    host = net.bind_host
+    mooncake_env = dict(MC_ENV) | {"MC_TCP_BIND_ADDRESS": host}
+    env: dict[str, str] = {}
+    if role.kind == "mooncake-master":
+        args = ["-m", "kvstrata.cluster.mooncake_master", "--host", host, "--rpc-port", str(ports["rpc"]),
+                "--metadata-port", str(ports["metadata"]), "--metrics-port", str(ports["metrics"])]
+        args += [f"{MASTER_EXTRA_PREFIX}{k.replace('-', '_')}={v}" for k, v in role_args.items()]
+        probe = Probe("tcp", ports=("rpc", "metadata"))
+        env |= mooncake_env
+    elif role.kind == "mooncake-store":
+        master, metadata = mooncake_addresses(spec, net)
+        size = parse_size(role_args.get("segment-size", "256mb"))
+        args = ["-m", "kvstrata.storage.mooncake_services", "serve-segment", "--master", master,
+                "--metadata", metadata, "--segment-size", str(size), "--local-hostname", host,
+                "--ready-file", net.ready_file(role, index)]
+        probe = Probe("file", path=net.ready_file(role, index))
+        env |= mooncake_env
+    elif role.kind == "router":
+        urls = [f"http://{net.member_host(w, i)}:{net.port(w, i, 'http')}"
+                for w in worker_roles(spec, role) for i in range(w.replicas)]
+        args = ["-m", "kvstrata.router", "--host", host, "--port", str(ports["http"]), "--worker-urls", *urls,
+                *to_flags(role_args)]
+        probe = Probe("http", path="/health", ports=("http",))
+    else:
+        args = ["-m", "kvstrata.launch_server", "--host", host, "--port", str(ports["http"]),
+                *to_flags(role_args)]
+        if role.resources.threads:
+            args += ["--num-threads", str(role.resources.threads)]
+        if role_args.get("hicache-storage-backend") == "mooncake":
+            env |= mooncake_env | mooncake_client_env(spec, net)
+        probe = Probe("http", path="/health", ports=("http",))
+    if role.resources.threads:
+        env["OMP_NUM_THREADS"] = str(role.resources.threads)
+    return MemberCommand(role=role.name, index=index, program="python", args=tuple(args),
+                         env=env | role.env, ports=ports, probe=probe)
+
+
+def group_commands(spec: GroupSpec, net: Network) -> list[MemberCommand]:
+    """Every member of the group, roles in start order, members by index."""
+    return [member_command(spec, role, i, net) for role in spec.start_order() for i in range(role.replicas)]
+
+
+def worker_roles(spec: GroupSpec, router: RoleSpec) -> list[RoleSpec]:
+    """The server roles a router fronts: its dependencies of a server kind."""
+    return [spec.role(d) for d in router.dependencies if spec.role(d).kind in SERVER_KINDS]
+
+
+def mooncake_addresses(spec: GroupSpec, net: Network) -> tuple[str, str]:
+    """(master host:port, metadata server URL) of the group's mooncake-master role."""
+    master = spec.roles_of("mooncake-master")[0]
+    host = net.member_host(master, 0)
+    if isinstance(net, KubeNetwork):
+        host = net.service(master)
+    return (f"{host}:{net.port(master, 0, 'rpc')}",
+            f"http://{host}:{net.port(master, 0, 'metadata')}/metadata")
+
+
+def mooncake_client_env(spec: GroupSpec, net: Network) -> dict[str, str]:
+    """SGLang's Mooncake variables pointing a worker at the group's master (it contributes no memory)."""
+    master, metadata = mooncake_addresses(spec, net)
+    return {"MOONCAKE_MASTER": master, "MOONCAKE_TE_META_DATA_SERVER": metadata, "MOONCAKE_PROTOCOL": "tcp",
+            "MOONCAKE_LOCAL_HOSTNAME": net.bind_host, "MOONCAKE_GLOBAL_SEGMENT_SIZE": "0"}

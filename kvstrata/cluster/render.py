@@ -1,0 +1,118 @@
+"""Kubernetes manifests of a spec: one RoleBasedGroup (workloads.x-k8s.io/v1alpha1) plus the Services.
+
+Every container runs `member_command(...)` with a `KubeNetwork`, so its arguments and environment are
+those of the local launcher with the pod IP, container ports and Service names in place of 127.0.0.1 and
+free ports. Roles that hold KV (workers, the Mooncake store) are InstanceSets updated in place
+(`InPlaceIfPossible`): an image change restarts the container, keeping the pod, its IP and its name.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Optional
+
+import yaml
+
+from kvstrata.cluster.plan import KIND_PORTS, KubeNetwork, MemberCommand, Probe, member_command
+from kvstrata.cluster.spec import SERVER_KINDS, GroupSpec, RoleSpec
+
+API_VERSION = "workloads.x-k8s.io/v1alpha1"
+LABEL_GROUP = "rolebasedgroup.workloads.x-k8s.io/name"
+LABEL_ROLE = "rolebasedgroup.workloads.x-k8s.io/role"
+IN_PLACE_GRACE_S = 30      # not-ready before the image is swapped: the router drains the member meanwhile
+PROGRAMS = {"python": "python3"}
+
+
+def render(spec: GroupSpec, image: Optional[str] = None) -> list[dict]:
+    """The manifests: the RoleBasedGroup first, then one Service per role that others address."""
+    net = KubeNetwork(spec.name)
+    roles = [_role(spec, role, net, spec.image_for(role, image)) for role in spec.roles]
+    rbg = {"apiVersion": API_VERSION, "kind": "RoleBasedGroup",
+           "metadata": {"name": spec.name, "labels": {"app.kubernetes.io/name": "kvstrata"}},
+           "spec": {"roles": roles}}
+    return [rbg, *(_service(spec, role, net) for role in spec.roles if _role_ports(role, net))]
+
+
+def to_yaml(docs: list[dict]) -> str:
+    """Multi-document YAML."""
+    return yaml.safe_dump_all(docs, sort_keys=False, default_flow_style=False)
+
+
+def write_manifests(docs: list[dict], out_dir: str) -> list[str]:
+    """One file per manifest, named kind-name.yaml; returns the paths."""
+    os.makedirs(out_dir, exist_ok=True)
+    paths = []
+    for doc in docs:
+        path = os.path.join(out_dir, f"{doc['kind'].lower()}-{doc['metadata']['name']}.yaml")
+        with open(path, "w", encoding="utf-8") as fh:
+            fh.write(yaml.safe_dump(doc, sort_keys=False))
+        paths.append(path)
+    return paths
+
+
+def _role(spec: GroupSpec, role: RoleSpec, net: KubeNetwork, image: str) -> dict:
+    cmd = member_command(spec, role, 0, net)
+    item: dict[str, Any] = {"name": role.name, "replicas": role.replicas}
+    if role.dependencies:
+        item["dependencies"] = list(role.dependencies)
+    if role.holds_cache:
+        item["workload"] = {"apiVersion": API_VERSION, "kind": "InstanceSet"}
+        item["rolloutStrategy"] = {"type": "RollingUpdate", "rollingUpdate": {
+            "type": "InPlaceIfPossible", "maxUnavailable": 1, "maxSurge": 0,
+            "inPlaceUpdateStrategy": {"gracePeriodSeconds": IN_PLACE_GRACE_S}}}
+    else:
+        item["rolloutStrategy"] = {"type": "RollingUpdate", "rollingUpdate": {"maxUnavailable": 1}}
+    pod_spec: dict[str, Any] = {"containers": [_container(role, cmd, image)]}
+    if role.kind in SERVER_KINDS:
+        pod_spec["subdomain"] = net.service(role)    # member DNS names: <pod>.<service>
+    item["template"] = {"metadata": {"labels": {"app.kubernetes.io/name": "kvstrata",
+                                                "app.kubernetes.io/component": role.kind}},
+                        "spec": pod_spec}
+    return item
+
+
+def _container(role: RoleSpec, cmd: MemberCommand, image: str) -> dict:
+    env = [{"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}}]
+    env += [{"name": k, "value": v} for k, v in cmd.env.items()]
+    container: dict[str, Any] = {
+        "name": role.kind.replace("mooncake-", "mooncake"), "image": image,
+        "command": [PROGRAMS.get(cmd.program, cmd.program)], "args": list(cmd.args), "env": env,
+    }
+    if cmd.ports:
+        container["ports"] = [{"name": name, "containerPort": port, "protocol": "TCP"}
+                              for name, port in cmd.ports.items()]
+    container["readinessProbe"] = _probe(cmd.probe, cmd.ports, role)
+    resources = {k: dict(v) for k, v in (("requests", role.resources.requests),
+                                         ("limits", role.resources.limits)) if v}
+    if resources:
+        container["resources"] = resources
+    return container
+
+
+def _probe(probe: Probe, ports: dict[str, int], role: RoleSpec) -> dict:
+    timing = {"periodSeconds": max(1, round(role.readiness.period_s)), "failureThreshold": 3}
+    if probe.kind == "http":
+        return {"httpGet": {"path": probe.path, "port": ports[probe.ports[0]]}, **timing}
+    if probe.kind == "tcp":
+        return {"tcpSocket": {"port": ports[probe.ports[0]]}, **timing}
+    return {"exec": {"command": ["test", "-f", probe.path]}, **timing}
+
+
+def _role_ports(role: RoleSpec, net: KubeNetwork) -> dict[str, int]:
+    return {name: net.port(role, 0, name) for name in KIND_PORTS[role.kind]}
+
+
+def _service(spec: GroupSpec, role: RoleSpec, net: KubeNetwork) -> dict:
+    """Server roles get a headless Service (per-member DNS for the router); others a ClusterIP."""
+    svc: dict[str, Any] = {
+        "selector": {LABEL_GROUP: spec.name, LABEL_ROLE: role.name},
+        "ports": [{"name": name, "port": port, "targetPort": port, "protocol": "TCP"}
+                  for name, port in _role_ports(role, net).items()],
+    }
+    if role.kind in SERVER_KINDS:
+        svc["clusterIP"] = "None"
+    else:
+        svc["type"] = "ClusterIP"
+    return {"apiVersion": "v1", "kind": "Service",
+            "metadata": {"name": net.service(role), "labels": {LABEL_GROUP: spec.name, LABEL_ROLE: role.name}},
+            "spec": svc}

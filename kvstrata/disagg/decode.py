@@ -1,0 +1,177 @@
+"""DecodeHandoff: the decode server's side of the PD handshake, driven by its scheduler once per step.
+
+A request with bootstrap fields never enters the scheduler's waiting queue. It waits in the bootstrap
+queue until the pool has room, then it is admitted (slot-table row + its own cached prefix, locked) and
+gets slots for the rest of its prompt; those slots go to the prefill in a KVTransferRequest. When the
+KVTransferDone arrives, the slots hold the prompt's KV: the request joins `running` with the first token
+and decodes from there. On a failure, a timeout or an abort it is released like any request (its pages
+go back to the free list; the locked prefix is unlocked).
+
+Who frees: this side frees its reserved slots; it tells the prefill (KVTransferAbort) when it gives up.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from typing import Optional
+
+from kvstrata.disagg.channel import BootstrapChannel
+from kvstrata.disagg.common import HandoffStats, check_disagg_request, prompt_digest
+from kvstrata.disagg.messages import KVTransferAbort, KVTransferDone, KVTransferFailed, KVTransferRequest
+from kvstrata.disagg.transfer import (
+    TransferBackend,
+    create_transfer,
+    pool_layout,
+    pool_pointers,
+    register_pool,
+    slots_list,
+)
+from kvstrata.runtime.messages import BootstrapInfo, ReqOutput
+from kvstrata.runtime.req import Req, ReqState
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class _Waiting:
+    req: Req
+    info: BootstrapInfo
+    arrived_at: float
+    deadline: float          # monotonic
+    sent_at: float = 0.0     # when the KVTransferRequest went out (0: still in the bootstrap queue)
+
+
+class DecodeHandoff:
+    """Bootstrap queue, transfers in flight, and their completion for one decode scheduler."""
+
+    mode = "decode"
+
+    def __init__(self, scheduler, transfer: Optional[TransferBackend] = None):
+        args = scheduler.args
+        self.sched = scheduler
+        self.timeout_s = args.disaggregation_bootstrap_timeout
+        pool = scheduler.runner.pool
+        self.transfer = transfer or create_transfer(args.disaggregation_transfer_backend, args.host,
+                                                    args.disaggregation_ib_device)
+        register_pool(self.transfer, pool)
+        self.layout = pool_layout(pool)
+        self.k_ptrs, self.v_ptrs = pool_pointers(pool)
+        self.channel = BootstrapChannel(args.host)
+        self.queue: list[_Waiting] = []            # waiting for slots (the bootstrap queue)
+        self.inflight: dict[int, _Waiting] = {}    # room → slots reserved, KVTransferRequest sent
+        self.stats = HandoffStats(self.mode)
+
+    # ------------------------------------------------------------------ scheduler hooks
+    def add(self, req: Req, info: BootstrapInfo) -> Optional[ReqOutput]:
+        """Take a bootstrapped request; an error output if it cannot be served."""
+        problem = check_disagg_request(req)
+        if problem is None and self._known(info.room):
+            problem = f"bootstrap_room {info.room} is already in use on this decode server"
+        if problem is not None:
+            return self.sched.error_for(req, problem)
+        now = time.monotonic()
+        self.queue.append(_Waiting(req, info, now, now + self.timeout_s))
+        return None
+
+    def poll(self) -> list[ReqOutput]:
+        """Apply the prefill's answers, fail what timed out, start what fits. Outputs to send."""
+        outputs: list[ReqOutput] = []
+        for msg in self.channel.receive():
+            w = self.inflight.pop(getattr(msg, "room", -1), None)
+            if w is None:
+                continue                 # a late answer for a request already given up
+            if isinstance(msg, KVTransferDone):
+                outputs.extend(self._activate(w, msg))
+            elif isinstance(msg, KVTransferFailed):
+                outputs.append(self._fail(w, f"prefill failed: {msg.reason}", msg.status))
+        outputs.extend(self._expire())
+        self._start_transfers()
+        return outputs
+
+    def abort(self, rid: str) -> list[ReqOutput]:
+        """Client abort: free the request if it is still waiting for its KV."""
+        outs = []
+        for w in [w for w in self.queue + list(self.inflight.values()) if w.req.rid == rid]:
+            self._drop(w, "aborted by client")
+            w.req.finish_reason = {"type": "abort", "message": "aborted by client"}
+            outs.append(self.sched.output_for(w.req))
+        return outs
+
+    def hold(self, req: Req) -> bool:
+        """Decode requests finish like any other."""
+        return False
+
+    def held(self) -> list[Req]:
+        """Requests that hold a slot-table row and pages but are not running (integrity checks)."""
+        return [w.req for w in self.inflight.values()]
+
+    def has_work(self) -> bool:
+        """Whether anything waits on this side."""
+        return bool(self.queue or self.inflight)
+
+    def state(self) -> dict:
+        """Counters and queue lengths for /server_info."""
+        return self.stats.state(bootstrap_queue=len(self.queue), transfers_in_flight=len(self.inflight))
+
+    def close(self) -> None:
+        """Close the sockets."""
+        self.channel.close()
+
+    # ------------------------------------------------------------------ internals
+    def _known(self, room: int) -> bool:
+        return room in self.inflight or any(w.info.room == room for w in self.queue)
+
+    def _start_transfers(self) -> None:
+        cache = self.sched.cache
+        while self.queue:
+            w = self.queue[0]
+            req = w.req
+            n = len(req.prompt_ids)
+            if not cache.admit(req):
+                return
+            need = cache.pages_for(req, n - req.kv_len) + self.sched.decode_headroom_pages()
+            if need > cache.available_pages() or not cache.reserve(req, n - req.kv_len):
+                cache.release(req, cache=False)
+                return                  # FCFS: the head waits for room, the rest behind it
+            self.queue.pop(0)
+            w.sent_at = time.monotonic()
+            self.inflight[w.info.room] = w
+            self.channel.send(w.info.address, KVTransferRequest(
+                room=w.info.room, reply_to=self.channel.address, session_id=self.transfer.session_id,
+                layout=self.layout, k_ptrs=self.k_ptrs, v_ptrs=self.v_ptrs, prompt_len=n,
+                prompt_digest=prompt_digest(req.prompt_ids), start_token=req.kv_len,
+                dst_slots=slots_list(cache.slots_of(req, req.kv_len, n)),
+                deadline=time.time() + (w.deadline - w.sent_at)))
+
+    def _activate(self, w: _Waiting, done: KVTransferDone) -> list[ReqOutput]:
+        req, sched = w.req, self.sched
+        self.stats.ok(req.rid, w.info.room, done.transferred_bytes, done.transfer_seconds,
+                      w.sent_at - w.arrived_at)
+        req.cached_tokens = req.kv_len
+        req.kv_len = len(req.prompt_ids)
+        return sched.start_decoding(req, done.first_token, done.first_logprob, done.first_top_logprobs)
+
+    def _expire(self) -> list[ReqOutput]:
+        now = time.monotonic()
+        outs = []
+        for w in [w for w in self.queue + list(self.inflight.values()) if now >= w.deadline]:
+            where = "slots on this decode server" if w.sent_at == 0 else f"the prefill at {w.info.address}"
+            outs.append(self._fail(w, f"timed out after {self.timeout_s:g} s waiting for {where}", 504,
+                                   timeout=True))
+        return outs
+
+    def _fail(self, w: _Waiting, reason: str, status: int, timeout: bool = False) -> ReqOutput:
+        self.stats.failed(w.req.rid, w.info.room, reason, timeout)
+        self._drop(w, reason)
+        return self.sched.error_for(w.req, reason, status)
+
+    def _drop(self, w: _Waiting, reason: str) -> None:
+        """Forget a request and free what it holds; tell the prefill if it was asked for KV."""
+        if w in self.queue:
+            self.queue.remove(w)
+        if self.inflight.pop(w.info.room, None) is not None:
+            self.channel.send(w.info.address, KVTransferAbort(w.info.room, reason))
+        self.sched.cache.release(w.req, cache=False)
+        w.req.state = ReqState.FINISHED

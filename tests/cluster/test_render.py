@@ -1,0 +1,133 @@
+"""`kvstrata cluster render`: manifests valid against the RBG CRD and core schemas, offline; local and
+rendered deployments run the same roles, in the same order, with the same arguments."""
+
+import subprocess
+import sys
+
+import jsonschema
+import pytest
+import yaml
+
+from kvstrata.cluster.plan import KubeNetwork, member_command
+from kvstrata.cluster.render import API_VERSION, render
+from kvstrata.cluster.spec import load_spec
+from kvstrata.cluster.supervisor import Supervisor
+from tests.cluster.k8s_schema import crd_dir, validate_core, validate_crd_object
+
+needs_crd = pytest.mark.skipif(crd_dir() is None, reason="RBG CRD not found at ../shared/rbg-crd "
+                               "(nor $KVSTRATA_RBG_CRD_DIR): schema validation skipped")
+# Flags whose values are addresses: 127.0.0.1 and free ports locally, pod IP and Service names on Kubernetes.
+ADDRESS_FLAGS = {"--host", "--port", "--rpc-port", "--metadata-port", "--metrics-port", "--master",
+                 "--metadata", "--local-hostname", "--ready-file", "--worker-urls"}
+ADDRESS_ENV = {"MC_TCP_BIND_ADDRESS", "MOONCAKE_MASTER", "MOONCAKE_TE_META_DATA_SERVER", "MOONCAKE_LOCAL_HOSTNAME"}
+
+
+@pytest.fixture(scope="module")
+def docs():
+    return render(load_spec(), image="registry.example/kvstrata:0.1")
+
+
+@needs_crd
+def test_rolebasedgroup_fits_the_crd_schema(docs):
+    rbg = docs[0]
+    assert rbg["apiVersion"] == API_VERSION and rbg["kind"] == "RoleBasedGroup"
+    validate_crd_object(rbg, "v1alpha1")
+
+
+@needs_crd
+def test_schema_check_catches_mistakes(docs):
+    bad = yaml.safe_load(yaml.safe_dump(docs[0]))
+    bad["spec"]["roles"][0]["replicas"] = "two"
+    with pytest.raises(jsonschema.ValidationError):
+        validate_crd_object(bad, "v1alpha1")
+    bad = yaml.safe_load(yaml.safe_dump(docs[0]))
+    bad["spec"]["roles"][2]["template"]["spec"]["containers"][0]["readinessProbe"]["httpGett"] = {}
+    with pytest.raises(jsonschema.ValidationError, match="httpGett"):
+        validate_crd_object(bad, "v1alpha1")
+
+
+def test_services_and_pod_templates_fit_the_core_schemas(docs):
+    services = [d for d in docs if d["kind"] == "Service"]
+    assert {s["metadata"]["name"] for s in services} == {"kvstrata-mooncake-master", "kvstrata-worker",
+                                                          "kvstrata-router"}
+    for svc in services:
+        validate_core(svc)
+    for role in docs[0]["spec"]["roles"]:
+        validate_core({"apiVersion": "v1", "kind": "PodTemplate", "metadata": {"name": role["name"]},
+                       "template": role["template"]})
+
+
+def test_roles_dependencies_probes_and_in_place_updates(docs):
+    roles = {r["name"]: r for r in docs[0]["spec"]["roles"]}
+    assert list(roles) == ["mooncake-master", "mooncake-store", "worker", "router"]
+    assert roles["worker"]["replicas"] == 2
+    assert roles["worker"]["dependencies"] == ["mooncake-master", "mooncake-store"]
+    assert roles["router"]["dependencies"] == ["worker"]
+    for name in ("worker", "mooncake-store"):
+        update = roles[name]["rolloutStrategy"]["rollingUpdate"]
+        assert update["type"] == "InPlaceIfPossible" and update["inPlaceUpdateStrategy"]["gracePeriodSeconds"] > 0
+        assert roles[name]["workload"]["kind"] == "InstanceSet"
+    assert "inPlaceUpdateStrategy" not in roles["router"]["rolloutStrategy"]["rollingUpdate"]
+    worker = roles["worker"]["template"]["spec"]["containers"][0]
+    assert worker["readinessProbe"]["httpGet"] == {"path": "/health", "port": 30000}
+    assert worker["image"] == "registry.example/kvstrata:0.1"
+    assert worker["resources"] == {"requests": {"cpu": "1", "memory": "2Gi"}, "limits": {"cpu": "2", "memory": "4Gi"}}
+    env = {e["name"]: e.get("value") for e in worker["env"]}
+    assert env["MOONCAKE_MASTER"] == "kvstrata-mooncake-master:50051"
+    router = roles["router"]["template"]["spec"]["containers"][0]
+    urls = router["args"][router["args"].index("--worker-urls") + 1:]
+    assert urls == ["http://kvstrata-worker-0.kvstrata-worker:30000", "http://kvstrata-worker-1.kvstrata-worker:30000"]
+
+
+def _masked(args):
+    """Arguments with address values replaced by a placeholder (--worker-urls takes every value after it)."""
+    out, flag = [], None
+    for token in args:
+        if token.startswith("--"):
+            flag = token
+            out.append(token)
+        else:
+            out.append("<address>" if flag in ADDRESS_FLAGS else token)
+    return out
+
+
+def test_local_and_rendered_members_run_the_same_commands(docs, tmp_path):
+    spec = load_spec()
+    local = Supervisor(spec, tmp_path)   # not started: its members' commands are what `up` would spawn
+    rendered = docs[0]["spec"]["roles"]
+    local_roles = list(local.members)
+    assert local_roles == [r.name for r in spec.start_order()]
+    assert sorted(local_roles) == sorted(r["name"] for r in rendered)
+    # the rendered dependencies give the same start order
+    placed = []
+    for name in local_roles:
+        role = next(r for r in rendered if r["name"] == name)
+        assert set(role.get("dependencies", [])) <= set(placed)
+        placed.append(name)
+    for role in rendered:
+        container = role["template"]["spec"]["containers"][0]
+        members = local.members[role["name"]]
+        assert len(members) == role["replicas"]
+        for m in members:
+            assert container["command"] == ["python3"] and m.cmd.program == "python"
+            assert _masked(m.cmd.args) == _masked(container["args"])
+            rendered_env = {e["name"]: e["value"] for e in container["env"] if "value" in e}
+            assert set(rendered_env) == set(m.cmd.env)
+            assert {k: v for k, v in rendered_env.items() if k not in ADDRESS_ENV} == \
+                   {k: v for k, v in m.cmd.env.items() if k not in ADDRESS_ENV}
+    # and one function made both
+    kube = member_command(spec, spec.role("worker"), 1, KubeNetwork(spec.name))
+    assert list(kube.args) == rendered[2]["template"]["spec"]["containers"][0]["args"]
+
+
+def test_cli_render_to_stdout_and_to_files(tmp_path):
+    base = [sys.executable, "-m", "kvstrata.cli", "cluster", "render", "--image", "kvstrata:x"]
+    out = subprocess.run(base, capture_output=True, text=True, check=True).stdout
+    kinds = [d["kind"] for d in yaml.safe_load_all(out)]
+    assert kinds == ["RoleBasedGroup", "Service", "Service", "Service"]
+    listed = subprocess.run(base + ["-o", str(tmp_path)], capture_output=True, text=True, check=True).stdout
+    files = sorted(p.name for p in tmp_path.iterdir())
+    assert files == ["rolebasedgroup-kvstrata.yaml", "service-kvstrata-mooncake-master.yaml",
+                     "service-kvstrata-router.yaml", "service-kvstrata-worker.yaml"]
+    assert len(listed.split()) == 4
+
