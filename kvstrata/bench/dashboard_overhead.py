@@ -5,8 +5,13 @@ Launches one server (flags this command does not know are passed to it), then ru
 `--repeat` times each, alternating "no poller" and "poller" so that slow spells of a shared machine fall
 on both. The poller asks for /dashboard/data?since=... at `--poll-hz` like a page would, only faster.
 Decode throughput = generated tokens / wall seconds of the batch (prefill is a few tokens per stream).
-Also reported, as a bound that a busy machine's noise does not hide: the round trip of /server_info on the
-idle server (IPC + the scheduler's get_state, which is all a dashboard sample asks of the scheduler).
+
+Wall-clock throughput on a shared machine is noisy, so the scheduler process's own CPU time is reported
+too (it runs on this machine: the benchmark launches it): CPU milliseconds per generated token with and
+without the poller, and CPU milliseconds per second of an idle server with and without it. Last, what one
+sample costs the scheduler, timed in this process on an offline Engine of the same model after the same
+kind of requests, with the host tier on: `get_state(full=False)` (the dashboard's) next to `get_state()`
+(/server_info's).
 
     kvstrata bench dashboard --model-path bench --streams 4 --output-len 128 --repeat 5
 """
@@ -15,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures
+import contextlib
 import os
 import random
 import statistics
@@ -24,6 +30,7 @@ import threading
 import time
 from typing import Optional
 
+import psutil
 import requests
 
 from kvstrata.bench.launcher import ServerProcess
@@ -39,6 +46,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--output-len", type=int, default=128)
     p.add_argument("--repeat", type=int, default=5, help="Batches per mode (alternating).")
     p.add_argument("--poll-hz", type=float, default=10.0)
+    p.add_argument("--idle-s", type=float, default=5.0, help="Idle seconds measured after each batch.")
     p.add_argument("--api-key", default=os.environ.get("KVSTRATA_API_KEY"),
                    help="Bearer token (also given to the server).")
     p.add_argument("--server-start-timeout", type=float, default=600.0)
@@ -68,7 +76,7 @@ class Poller:
         self._thread.join()
 
     def _run(self) -> None:
-        since, session = 0.0, requests.Session()
+        since, session = time.time(), requests.Session()     # only samples taken while this poller runs
         session.headers.update(self.headers)
         while not self._stop.wait(self.period):
             try:
@@ -80,8 +88,14 @@ class Poller:
             self.polls += 1
 
 
-def decode_batch(url: str, args: argparse.Namespace, rng: random.Random) -> float:
-    """Generated tokens per second of one batch of concurrent requests."""
+def cpu_s(proc: psutil.Process) -> float:
+    """User + system CPU seconds of a process so far."""
+    t = proc.cpu_times()
+    return t.user + t.system
+
+
+def decode_batch(url: str, args: argparse.Namespace, rng: random.Random, sched: psutil.Process) -> tuple[float, float]:
+    """(generated tokens per second, scheduler CPU ms per token) of one batch of concurrent requests."""
     body = {"sampling_params": {"temperature": 0, "max_new_tokens": args.output_len, "ignore_eos": True}}
 
     def one(_: int) -> int:
@@ -90,50 +104,81 @@ def decode_batch(url: str, args: argparse.Namespace, rng: random.Random) -> floa
         r.raise_for_status()
         return r.json()["meta_info"]["completion_tokens"]
 
-    start = time.perf_counter()
+    start, cpu0 = time.perf_counter(), cpu_s(sched)
     with concurrent.futures.ThreadPoolExecutor(args.streams) as pool:
         tokens = sum(pool.map(one, range(args.streams)))
-    return tokens / (time.perf_counter() - start)
+    return tokens / (time.perf_counter() - start), 1e3 * (cpu_s(sched) - cpu0) / tokens
+
+
+def idle_cpu(sched: psutil.Process, seconds: float) -> float:
+    """Scheduler CPU milliseconds per second over `seconds` of wall clock."""
+    cpu0 = cpu_s(sched)
+    time.sleep(seconds)
+    return 1e3 * (cpu_s(sched) - cpu0) / seconds
 
 
 def run(args: argparse.Namespace, url: str) -> dict:
-    """Alternate the two modes; returns tokens/s per batch for each, and the poller's counts."""
+    """Alternate the two modes; per mode: tokens/s and scheduler CPU ms/token per batch, idle CPU ms/s."""
     rng = random.Random(0)
-    decode_batch(url, args, rng)                       # warm-up
-    rates: dict[str, list[float]] = {"none": [], "poll": []}
+    info = requests.get(url + "/server_info", headers=auth(args), timeout=30).json()
+    sched = psutil.Process(info["scheduler_pid"])
+    decode_batch(url, args, rng, sched)                # warm-up
+    out: dict = {k: {"none": [], "poll": []} for k in ("tok_s", "cpu_ms_per_token", "idle_cpu_ms_per_s")}
     polls = rows = errors = 0
-    for _ in range(args.repeat):
-        rates["none"].append(decode_batch(url, args, rng))
-        with Poller(url, args.poll_hz, auth(args)) as poller:
-            rates["poll"].append(decode_batch(url, args, rng))
-        polls, rows, errors = polls + poller.polls, rows + poller.rows, errors + poller.errors
-    return {"rates": rates, "polls": polls, "rows": rows, "poll_errors": errors, "sample_s": sample_cost(url, auth(args))}
+    for i in range(args.repeat):
+        for mode in ("none", "poll") if i % 2 == 0 else ("poll", "none"):    # neither mode always goes first
+            with contextlib.ExitStack() as stack:
+                poller = stack.enter_context(Poller(url, args.poll_hz, auth(args))) if mode == "poll" else None
+                rate, cpu = decode_batch(url, args, rng, sched)
+                out["idle_cpu_ms_per_s"][mode].append(idle_cpu(sched, args.idle_s))
+            out["tok_s"][mode].append(rate)
+            out["cpu_ms_per_token"][mode].append(cpu)
+            if poller is not None:
+                polls, rows, errors = polls + poller.polls, rows + poller.rows, errors + poller.errors
+    return {**out, "polls": polls, "rows": rows, "poll_errors": errors}
 
 
-def sample_cost(url: str, headers: dict[str, str], n: int = 50) -> list[float]:
-    """Seconds per /server_info round trip on the idle server, n times."""
-    session, out = requests.Session(), []
-    session.headers.update(headers)
-    for _ in range(n):
-        start = time.perf_counter()
-        session.get(url + "/server_info", timeout=30).raise_for_status()
-        out.append(time.perf_counter() - start)
-    return out
+def sample_cost_ms(args: argparse.Namespace, n: int = 50) -> dict[str, float]:
+    """Best-of-n milliseconds of the scheduler's get_state, light and full, on an offline Engine."""
+    import kvstrata
+
+    engine = kvstrata.Engine(model_path=args.model_path, enable_hierarchical_cache=True)   # L2's stats included
+    try:
+        rng = random.Random(0)
+        for _ in range(2 * args.streams):
+            engine.generate(input_ids=[rng.randrange(100, 200) for _ in range(args.prompt_len)],
+                            sampling_params={"max_new_tokens": 8})
+        out = {}
+        for name, full in (("light", False), ("full", True)):
+            times = []
+            for _ in range(n):
+                start = time.perf_counter()
+                engine.scheduler.get_state(full)
+                times.append(time.perf_counter() - start)
+            out[name] = 1e3 * min(times)
+        return out
+    finally:
+        engine.shutdown()
 
 
 def report(result: dict, args: argparse.Namespace) -> str:
-    """Median tokens/s of each mode and the change."""
-    none, poll = (statistics.median(result["rates"][k]) for k in ("none", "poll"))
-    spread = {k: f"{min(v):.1f}..{max(v):.1f}" for k, v in result["rates"].items()}
-    return "\n".join([
-        f"decode batch: {args.streams} streams x {args.output_len} tokens, {args.repeat} batches per mode",
-        f"no poller:           {none:8.1f} tok/s (median; range {spread['none']})",
-        f"poller at {args.poll_hz:g} Hz:    {poll:8.1f} tok/s (median; range {spread['poll']})",
-        f"change: {100 * (poll - none) / none:+.1f}%; the poller made {result['polls']} requests and got "
-        f"{result['rows']} new samples ({result['poll_errors']} errors)",
-        f"one sample's round trip on the idle server (/server_info): min {1e3 * min(result['sample_s']):.2f} ms, "
-        f"median {1e3 * statistics.median(result['sample_s']):.2f} ms; at one sample per second that bounds the "
-        f"scheduler's share at {100 * statistics.median(result['sample_s']):.2f}%"])
+    """Medians (and ranges) of each measure in each mode, and the change."""
+    lines = [f"decode batch: {args.streams} streams x {args.output_len} tokens, {args.repeat} batches per mode; "
+             f"poller at {args.poll_hz:g} Hz made {result['polls']} requests, got {result['rows']} new samples, "
+             f"{result['poll_errors']} errors",
+             f"{'':34}{'no poller':>22}{'poller':>22}  change"]
+    for key, label in (("tok_s", "decode tokens/s"), ("cpu_ms_per_token", "scheduler CPU ms per token"),
+                       ("idle_cpu_ms_per_s", f"idle scheduler CPU ms/s ({args.idle_s:g} s)")):
+        none, poll = (statistics.median(result[key][m]) for m in ("none", "poll"))
+        cells = [f"{statistics.median(v):8.2f} ({min(v):.2f}..{max(v):.2f})" for v in result[key].values()]
+        change = f"{100 * (poll - none) / none:+.1f}%" if none else "n/a"
+        lines.append(f"{label:34}{cells[0]:>22}{cells[1]:>22}  {change}")
+    cost = result.get("sample_ms")
+    if cost:
+        lines.append(f"one sample on the scheduler: get_state(full=False) {cost['light']:.3f} ms "
+                     f"(/server_info's full get_state on the idle scheduler: {cost['full']:.3f} ms); at one "
+                     f"sample per second that is {cost['light'] / 10:.4f}% of the scheduler's time")
+    return "\n".join(lines)
 
 
 def main(argv: Optional[list[str]] = None) -> int:
@@ -144,5 +189,6 @@ def main(argv: Optional[list[str]] = None) -> int:
     with ServerProcess(flags, log).start(args.server_start_timeout) \
             as server:
         result = run(args, server.url)
+    result["sample_ms"] = sample_cost_ms(args)
     print(report(result, args))
     return 0

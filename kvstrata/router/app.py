@@ -13,6 +13,7 @@ from starlette.routing import Route
 
 from kvstrata.args import ConfigError
 from kvstrata.router.args import RouterArgs, check_worker_url
+from kvstrata.router.dashboard import dashboard_routes
 from kvstrata.router.metrics import CONTENT_TYPE, RouterMetrics
 from kvstrata.router.monitor import WorkerMonitor
 from kvstrata.router.pd import PDRouter, pd_worker_urls
@@ -127,6 +128,7 @@ def create_app(args: RouterArgs) -> Starlette:
                Route("/remove_worker", router.remove_worker, methods=["GET", "POST"]),
                Route("/list_workers", router.list_workers, methods=["GET"]),
                Route("/metrics", router.prometheus, methods=["GET"])]
+    routes += dashboard_routes(router)
     app = Starlette(routes=routes, lifespan=lifespan)
     app.state.router = router
     if args.api_key:

@@ -60,7 +60,7 @@ class SchedulerLoop:
             elif isinstance(msg, FlushCacheReq):
                 self.send(s.flush_cache())
             elif isinstance(msg, GetStateReq):
-                self.send(ControlOut("state", True, "", s.get_state()))
+                self.send(ControlOut("state", True, "", s.get_state(msg.full)))
             elif isinstance(msg, GetLoadReq):
                 self.send(ControlOut("load", True, "", s.get_load()))
             elif msg is None:

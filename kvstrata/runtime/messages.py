@@ -42,6 +42,8 @@ class FlushCacheReq:
 class GetStateReq:
     """frontend → scheduler: ask for internal state and metrics (for /server_info)."""
 
+    full: bool = True        # False: without the idle accounting check and the L1 tree's metrics
+
 
 @dataclass
 class GetLoadReq:

@@ -415,8 +415,8 @@ class Scheduler:
         held = self.handoff.held() if self.handoff is not None else []
         self.cache.check_integrity(self.running + held)
 
-    def get_state(self) -> dict:
-        """Internal state and metrics for /server_info."""
+    def get_state(self, full: bool = True) -> dict:
+        """Internal state and metrics for /server_info; `full=False` skips the idle check and the tree's metrics."""
         m = dict(self.metrics)
         m["cache_hit_rate"] = m["cached_tokens"] / m["prompt_tokens"] if m["prompt_tokens"] else 0.0
         state = {"running_requests": len(self.running), "waiting_requests": len(self.waiting),
@@ -424,6 +424,8 @@ class Scheduler:
                  "step": self.step_count, "new_token_ratio": self.new_token_ratio, **self.cache.stats(), **m}
         state["engine_utilization"] = self.engine_meter.utilization()
         state["forward_busy_s"] = self.engine_meter.busy_s
+        if not full:
+            return state
         if self.cache.tree is not None:
             state["radix_cache"] = self.cache.tree.metrics()
         if self.handoff is not None:

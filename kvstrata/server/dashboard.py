@@ -2,7 +2,8 @@
 
 However many pages poll, the scheduler is asked for its state at most once per SAMPLE_INTERVAL_S, and
 only while someone polls: every answer is read from a ring of samples that the polls themselves fill. A
-sample holds counters and gauges the scheduler keeps anyway (its /server_info state) and latency
+sample holds counters and gauges the scheduler keeps anyway (its /server_info state without the parts that
+cost it time: `get_state(full=False)` skips the idle page-accounting check and the L1 tree's metrics) and latency
 percentiles measured here, in the HTTP process; rates are differences against the sample RATE_WINDOW_S
 older.
 
@@ -22,7 +23,7 @@ from typing import Any, Optional
 
 from fastapi import FastAPI
 from starlette.requests import Request
-from starlette.responses import HTMLResponse
+from starlette.responses import HTMLResponse, JSONResponse
 
 from kvstrata.server.protocol import ApiError
 from kvstrata.server.seq_state import SeqState
@@ -54,14 +55,14 @@ def register_dashboard(app: FastAPI, tm: TokenizerManager) -> None:
         return HTMLResponse(page)
 
     @app.get("/dashboard/data")
-    async def dashboard_data(request: Request) -> dict:
+    async def dashboard_data(request: Request) -> JSONResponse:
         since = request.query_params.get("since", "0")
         try:
             since_t = float(since)
         except ValueError:
             raise ApiError(f"'since' must be a number of seconds, got {since!r}", param="since") from None
         await history.refresh()
-        return history.payload(since_t)
+        return JSONResponse(history.payload(since_t))
 
 
 class LatencyRecorder:
@@ -106,7 +107,6 @@ def read_counters(state: dict) -> dict[str, Any]:
     page = state.get("page_size", 1)
     capacity, free = state["capacity_pages"] * page, state["free_pages"] * page
     evictable = state.get("evictable_tokens", 0)
-    storage_hit = state.get("storage_hit_tokens", 0)
     has_host, has_storage = "hicache" in state, bool(storage)
     host_cap = tree.get("host_capacity_pages", 0)
 
@@ -121,8 +121,8 @@ def read_counters(state: dict) -> dict[str, Any]:
         "prompt_tokens": state.get("prompt_tokens", 0), "cached_tokens": state.get("cached_tokens", 0),
         "generated_tokens": state.get("generated_tokens", 0),
         "device_hit_tokens": state.get("device_hit_tokens", 0),
-        # L3 pages reach the device through the host pool, but count as storage hits only.
-        "host_hit_tokens": max(0, state.get("host_hit_tokens", 0) - storage_hit), "storage_hit_tokens": storage_hit,
+        # The scheduler counts each hit once, in the tier it came from (L3 pages pass the host, count as L3).
+        "host_hit_tokens": state.get("host_hit_tokens", 0), "storage_hit_tokens": state.get("storage_hit_tokens", 0),
         "device_running_tokens": max(0, capacity - free - evictable), "device_evictable_tokens": evictable,
         "device_free_tokens": free,
         "host_used_pages": host(tree.get("host_used_pages")),
@@ -132,7 +132,7 @@ def read_counters(state: dict) -> dict[str, Any]:
         "storage_prefetch_bytes": l3(storage.get("prefetch_bytes", 0)),
         "storage_corrupt_pages": l3(backend.get("corrupt", 0)), "storage_errors": l3(backend.get("errors", 0)),
         "copy_failed_ops": host(tree.get("failed_ops", 0)),
-        "engine_util": state.get("engine_utilization"), "integrity_ok": state.get("integrity_ok"),
+        "engine_util": state.get("engine_utilization"),
         "tiers": ["device"] + (["host"] if has_host else []) + (["storage"] if has_storage else []),
     }
 
@@ -161,7 +161,7 @@ class DashboardHistory:
         async with self._lock:
             if self.samples and time.time() - self.samples[-1][0] < 0.95 * SAMPLE_INTERVAL_S:
                 return
-            self.add(await self.tm.get_state(), time.time())
+            self.add(await self.tm.get_state(full=False), time.time())
 
     def add(self, state: dict, now: float) -> None:
         """Append the sample of `state` taken at `now` (unix seconds)."""
@@ -182,14 +182,12 @@ class DashboardHistory:
         return {"columns": list(COLUMNS), "rows": [row for t, _, row in self.samples if t > since],
                 "interval_s": SAMPLE_INTERVAL_S, "model": model, "tiers": counters["tiers"],
                 "totals": {k: counters[k] for k in ("prompt_tokens", "cached_tokens", "device_hit_tokens",
-                                                     "host_hit_tokens", "storage_hit_tokens", "generated_tokens",
-                                                     "integrity_ok")},
+                                                     "host_hit_tokens", "storage_hit_tokens", "generated_tokens")},
                 "minute": self._minute(now, counters)}
 
     def _minute(self, now: float, counters: dict) -> dict:
         """Prompt tokens of the last minute (or since the first sample) by the tier that served them."""
-        older = self._at_or_before(now - MINUTE_S) or self.samples[0]
-        t0, base = older[0], older[1]
+        t0, base, _ = self._at_or_before(now - MINUTE_S)
         out = {tier: counters[f"{tier}_hit_tokens"] - base[f"{tier}_hit_tokens"]
                for tier in ("device", "host", "storage")}
         cached = counters["cached_tokens"] - base["cached_tokens"]

@@ -325,9 +325,9 @@ class TokenizerManager:
         """Ask the scheduler to empty its prefix cache."""
         return await self._control_call(FlushCacheReq(), "flush_cache")
 
-    async def get_state(self) -> dict:
-        """The scheduler's internal state and metrics."""
-        return (await self._control_call(GetStateReq(), "state")).state
+    async def get_state(self, full: bool = True) -> dict:
+        """The scheduler's internal state and metrics (`full=False`: without the costly parts)."""
+        return (await self._control_call(GetStateReq(full), "state")).state
 
     async def get_load(self) -> dict:
         """The scheduler's O(1) load report (queues, pool, hits per tier)."""

@@ -1,7 +1,7 @@
 """The live dashboard against a real server with two tiers (a small device pool, so that host hits happen).
 
-The browser test drives Debian's /usr/bin/chromium through Playwright (scripts/install_system_deps.sh
-installs it; `playwright install` is never used) and saves its screenshot to out/test-artifacts/.
+The browser test drives Debian's chromium (tests/server/browser.py) and saves its screenshot to
+out/test-artifacts/dashboard.png.
 """
 
 from __future__ import annotations
@@ -9,21 +9,16 @@ from __future__ import annotations
 import re
 import threading
 import time
-from contextlib import contextmanager
-from pathlib import Path
 
 import pytest
 import requests
 
 from kvstrata.bench import multiturn
-from tests.server.conftest import API_KEY, REPO_ROOT, launch_server, stop_server
+from tests.server.browser import chromium_page, screenshot
+from tests.server.conftest import API_KEY, launch_server, stop_server
 
 TIER_FLAGS = ["--max-total-tokens", "384", "--page-size", "16", "--enable-hierarchical-cache",
               "--hicache-ratio", "4"]
-CHROMIUM = "/usr/bin/chromium"
-CHROMIUM_FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--no-first-run",
-                  "--disable-background-networking", "--disable-component-update", "--disable-sync"]
-ARTIFACTS = REPO_ROOT / "out" / "test-artifacts"
 
 
 @pytest.fixture(scope="module")
@@ -57,7 +52,7 @@ def dashboard_data(server, since: float = 0.0) -> dict:
 
 def tier_hits_from_metrics(text: str) -> dict[str, int]:
     """Hit tokens per tier from /metrics: `kvstrata:cached_tokens_total{tier=...}` where the server has it,
-    else the flattened scheduler gauges (host hits there include the L3 pages loaded through the host)."""
+    else the flattened scheduler gauges."""
     labelled = re.findall(r'^kvstrata:cached_tokens_total\{[^}]*tier="(\w+)"[^}]*\} (\S+)$', text, re.M)
     if labelled:
         return {tier: int(float(value)) for tier, value in labelled}
@@ -67,33 +62,15 @@ def tier_hits_from_metrics(text: str) -> dict[str, int]:
         assert match, f"{name} not in /metrics"
         return int(float(match.group(1)))
 
-    storage = gauge("storage_hit_tokens")
-    return {"device": gauge("device_hit_tokens"), "host": gauge("host_hit_tokens") - storage, "storage": storage}
-
-
-@contextmanager
-def chromium_page(profile_dir: Path):
-    """A page of a headless Debian chromium with a fresh profile."""
-    from playwright.sync_api import sync_playwright
-
-    with sync_playwright() as p:
-        context = p.chromium.launch_persistent_context(
-            str(profile_dir), executable_path=CHROMIUM, headless=True, args=CHROMIUM_FLAGS,
-            viewport={"width": 1280, "height": 1400})
-        try:
-            page = context.new_page()
-            errors: list[str] = []
-            page.on("pageerror", lambda e: errors.append(str(e)))
-            yield page, errors
-        finally:
-            context.close()
+    return {tier: gauge(f"{tier}_hit_tokens") for tier in ("device", "host", "storage")}
 
 
 # ---------------------------------------------------------------------- the JSON endpoint
 def test_page_is_open_and_its_data_needs_the_api_key(tiered):
     page = requests.get(tiered.url + "/dashboard", timeout=30)
     assert page.status_code == 200 and page.headers["content-type"].startswith("text/html")
-    assert "<script>" in page.text and "http" not in page.text.split("<script>")[1].split("fetch(")[0]
+    assert "<script>" in page.text and "<style>" in page.text
+    assert not re.search(r"https?://|\bsrc=|@import", page.text), "the page must load nothing from elsewhere"
     assert requests.get(tiered.url + "/dashboard/data", timeout=30).status_code == 401
     bad = tiered.get("/dashboard/data?since=yesterday")
     assert bad.status_code == 400 and "since" in bad.json()["error"]["message"]
@@ -115,11 +92,11 @@ def test_totals_equal_the_scheduler_counters_and_minute_adds_up(tiered):
     time.sleep(1.0)                  # let the next poll take a fresh sample
     data = dashboard_data(tiered, since)
     totals, columns = data["totals"], data["columns"]
-    storage = state["storage_hit_tokens"]
     assert data["tiers"] == ["device", "host"]
     assert totals["prompt_tokens"] == state["prompt_tokens"] > 0
     assert totals["device_hit_tokens"] == state["device_hit_tokens"] > 0
-    assert totals["host_hit_tokens"] == state["host_hit_tokens"] - storage
+    assert totals["host_hit_tokens"] == state["host_hit_tokens"]
+    assert totals["storage_hit_tokens"] == state["storage_hit_tokens"]
     tiers = totals["device_hit_tokens"] + totals["host_hit_tokens"] + totals["storage_hit_tokens"]
     assert tiers == totals["cached_tokens"] == state["cached_tokens"]
     minute = data["minute"]
@@ -164,8 +141,7 @@ def test_browser_shows_device_and_host_hits_equal_to_metrics(tiered, tmp_path):
         try:
             page.wait_for_function(f"JSON.stringify({shown}) === '{_js_json(expected)}'", timeout=30_000)
         finally:
-            ARTIFACTS.mkdir(parents=True, exist_ok=True)
-            page.screenshot(path=str(ARTIFACTS / "dashboard.png"), full_page=True)
+            screenshot(page, "dashboard.png")
         assert page.inner_text("#stat-device") == f"{hits['device']:,}"
         assert page.inner_text("#stat-host") == f"{hits['host']:,}"
         assert page.locator("#chart-hit path").count() >= 2, "the hit-rate chart drew no lines"
@@ -182,8 +158,10 @@ def test_bench_dashboard_runs_both_modes(tiered):
     from kvstrata.bench import dashboard_overhead
 
     args = dashboard_overhead.build_parser().parse_args(
-        ["--streams", "2", "--output-len", "8", "--repeat", "1", "--api-key", API_KEY])
+        ["--streams", "2", "--output-len", "8", "--repeat", "1", "--idle-s", "1.5", "--api-key", API_KEY])
     result = dashboard_overhead.run(args, tiered.url)
-    assert all(r > 0 for rates in result["rates"].values() for r in rates)
-    assert result["polls"] > 0 and result["poll_errors"] == 0 and len(result["sample_s"]) == 50
+    for mode in ("none", "poll"):
+        assert result["tok_s"][mode][0] > 0 and result["cpu_ms_per_token"][mode][0] > 0
+        assert result["idle_cpu_ms_per_s"][mode][0] >= 0
+    assert result["polls"] > 0 and result["rows"] > 0 and result["poll_errors"] == 0
     assert "poller at 10 Hz" in dashboard_overhead.report(result, args)

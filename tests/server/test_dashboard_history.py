@@ -8,9 +8,9 @@ from kvstrata.server.dashboard import COLUMNS, DashboardHistory, LatencyRecorder
 
 
 def state(prompt: int, device: int, host: int, storage: int = 0, busy: float = 0.0, **extra) -> dict:
-    """A scheduler state of a server with a host tier (host_hit_tokens includes the L3 pages, as there)."""
+    """A scheduler state of a server with a host tier; each hit counted once, in its tier."""
     return {"running_requests": 1, "waiting_requests": 2, "capacity_pages": 10, "free_pages": 4, "page_size": 16,
-            "evictable_tokens": 32, "prompt_tokens": prompt, "cached_tokens": device + host,
+            "evictable_tokens": 32, "prompt_tokens": prompt, "cached_tokens": device + host + storage,
             "device_hit_tokens": device, "host_hit_tokens": host, "storage_hit_tokens": storage,
             "generated_tokens": 0, "engine_utilization": busy,
             "hicache": {"host_capacity_pages": 20, "host_used_pages": 5, "load_back_bytes": 0, "backup_bytes": 0,
@@ -24,12 +24,12 @@ def rows(history: DashboardHistory, since: float = 0.0) -> list[dict]:
 def test_rates_are_over_the_window_and_pool_splits_add_up():
     h = DashboardHistory(None, LatencyRecorder())
     h.add(state(0, 0, 0), 1000.0)
-    h.add(state(100, 30, 20, storage=5), 1002.0)
-    h.add(state(300, 130, 70, storage=5, busy=0.5), 1006.0)
+    h.add(state(100, 30, 15, storage=5), 1002.0)
+    h.add(state(300, 130, 65, storage=5, busy=0.5), 1006.0)
     last = rows(h)[-1]
     # 1006 - 5 s window: the newest sample at or before 1001 is the one at 1000.
     assert last["hit_device"] == pytest.approx(130 / 300, rel=1e-3)
-    assert last["hit_host"] == pytest.approx(65 / 300, rel=1e-3)        # storage hits are not host hits
+    assert last["hit_host"] == pytest.approx(65 / 300, rel=1e-3)
     assert last["hit_storage"] == pytest.approx(5 / 300, rel=1e-3)
     assert last["hit_overall"] == pytest.approx(200 / 300, rel=1e-3)
     assert last["prompt_tps"] == pytest.approx(50.0, rel=1e-3)
