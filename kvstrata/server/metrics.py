@@ -208,11 +208,12 @@ class SchedulerCollector(Collector):
     def _cached_by_tier(self, state: dict) -> Metric:
         family = CounterMetricFamily(
             "kvstrata:cached_tokens", "Prompt tokens served from the cache at admission, by the tier that held "
-            "them (L3 pages reach the device through the host but count as storage).",
+            "them (L3 pages reach the device through the host but count as storage); the tiers add up to "
+            "sglang:cached_tokens_total.",
             labels=["model_name", "tier"])
         device = float(state.get("device_hit_tokens", 0))
         storage = float(state.get("storage_hit_tokens", 0))
-        host = max(0.0, float(state.get("host_hit_tokens", 0)) - storage)
+        host = float(state.get("host_hit_tokens", 0))     # the scheduler's host count excludes L3 hits
         for tier, value in (("device", device), ("host", host), ("storage", storage)):
             family.add_metric([self.model_name, tier], value)
         return family
