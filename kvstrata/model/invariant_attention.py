@@ -63,8 +63,9 @@ def _key_layout(keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor,
     padded = -(-num_keys // KEY_TILE) * KEY_TILE
     out = []
     for src in (keys, values):
-        dst = torch.zeros(batch, num_kv_heads, padded, head_dim, device=src.device)
+        dst = torch.empty(batch, num_kv_heads, padded, head_dim, device=src.device)
         dst[:, :, :num_keys].copy_(src.transpose(1, 2))
+        dst[:, :, num_keys:].zero_()
         out.append(dst)
     return out[0], out[1]
 
