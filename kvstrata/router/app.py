@@ -20,7 +20,7 @@ from kvstrata.router.pd import PDRouter, pd_worker_urls
 from kvstrata.router.policies import make_policy
 from kvstrata.router.proxy import Proxy, error_response
 from kvstrata.router.workers import WorkerRegistry
-from kvstrata.server.app import ApiKeyMiddleware
+from kvstrata.server.auth import ApiKeyMiddleware
 
 logger = logging.getLogger(__name__)
 
@@ -132,5 +132,5 @@ def create_app(args: RouterArgs) -> Starlette:
     app = Starlette(routes=routes, lifespan=lifespan)
     app.state.router = router
     if args.api_key:
-        app.add_middleware(ApiKeyMiddleware, api_key=args.api_key)
+        app.add_middleware(ApiKeyMiddleware, api_key=args.api_key, admin_key_set=False)
     return app
