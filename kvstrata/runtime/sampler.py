@@ -117,7 +117,10 @@ class Sampler:
         """Temperature, then top_k / top_p / min_p on the sorted distribution, renormalized."""
         dev = logits.device
         temp = torch.tensor([r.sampling.temperature for r in reqs], device=dev).unsqueeze(1)
-        probs = torch.softmax(logits / temp, dim=-1)
+        # A tiny repetition_penalty or temperature can overflow a logit to +inf, and softmax(inf) is NaN:
+        # keep them finite (their order, all that sampling needs, is unchanged).
+        finite = torch.finfo(logits.dtype).max
+        probs = torch.softmax((logits / temp).clamp_(-finite, finite), dim=-1)
         sorted_p, order = probs.sort(dim=-1, descending=True)
         vocab = probs.shape[-1]
         top_k = torch.tensor([r.sampling.top_k if r.sampling.top_k > 0 else vocab for r in reqs], device=dev)

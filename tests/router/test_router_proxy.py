@@ -138,7 +138,9 @@ def test_openai_client_through_the_router(router):
 def test_info_health_flush_and_metrics(router, workers):
     assert requests.get(router.url + "/health", timeout=10).status_code == 200
     assert requests.get(router.url + "/health_generate", timeout=60).status_code == 200
-    assert requests.get(router.url + "/get_model_info", timeout=10).json()["model_path"] == "tiny"
+    # what a worker answers (its resolved model folder, so SGLang's scripts can load the tokenizer from it)
+    direct = requests.get(workers.urls[0] + "/get_model_info", timeout=10).json()
+    assert requests.get(router.url + "/get_model_info", timeout=10).json() == direct
     assert "max_total_tokens" in requests.get(router.url + "/get_server_info", timeout=10).json()
     flushed = requests.post(router.url + "/flush_cache", timeout=60)
     assert flushed.status_code == 200 and sorted(flushed.json()["workers"]) == sorted(workers.urls)

@@ -119,3 +119,14 @@ def test_async_streaming_matches_generate(engine):
     assert chunks[-1]["text"] == expected["text"]
     single = asyncio.run(engine.async_generate(PROMPT, GREEDY))
     assert single["output_ids"] == expected["output_ids"]
+
+
+@pytest.mark.parametrize("params", [
+    {"temperature": 0.7, "repetition_penalty": 1e-300},      # divides positive logits into +inf
+    {"temperature": 1.1e-5},                                   # just above greedy: logits / T overflow
+    {"temperature": 0.5, "presence_penalty": -2, "frequency_penalty": -2, "repetition_penalty": 2},
+], ids=["tiny-repetition-penalty", "tiny-temperature", "extreme-penalties"])
+def test_extreme_but_valid_sampling_params_still_sample(engine, params):
+    out = engine.generate("hello there, again and again", {**params, "max_new_tokens": 8, "ignore_eos": True})
+    assert out["meta_info"]["completion_tokens"] == 8
+    assert_idle_integrity(engine)
