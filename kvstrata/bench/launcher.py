@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -13,18 +12,13 @@ from typing import Optional
 
 import requests
 
+from kvstrata.net import free_port  # noqa: F401  (re-exported for the benchmarks and tests)
+
 STOP_TIMEOUT_S = 20.0
 
 
 class ServerStartError(RuntimeError):
     """The server exited or did not become healthy in time; the message ends with its log tail."""
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port that was free a moment ago."""
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
 
 
 class ServerProcess:

@@ -14,10 +14,10 @@ from __future__ import annotations
 import json
 import logging
 import os
-import socket
 from collections.abc import Mapping
 from dataclasses import dataclass, fields
 
+from kvstrata.net import free_port  # noqa: F401  (re-exported: the Mooncake launchers pick ports with it)
 from kvstrata.storage.errors import StorageError
 
 logger = logging.getLogger(__name__)
@@ -106,13 +106,6 @@ def parse_size(value: int | float | str) -> int:
         if text.endswith(unit) and text[: -len(unit)]:
             return int(float(text[: -len(unit)]) * factor)
     return int(float(text))
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port that is free on `host` right now."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
 
 
 def _read_json(path: str) -> dict:

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -19,17 +18,11 @@ import pytest
 import requests
 
 import kvstrata.lang as sgl
+from kvstrata.net import free_port
 
 API_KEY = "lang-test-key"
 START_TIMEOUT_S = 180.0
 REPO_ROOT = Path(__file__).resolve().parents[2]
-
-
-def free_port() -> int:
-    """A TCP port that was free a moment ago on 127.0.0.1."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _stop(proc: subprocess.Popen) -> None:

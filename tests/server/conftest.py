@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -18,19 +17,14 @@ from typing import Any, Optional
 import pytest
 import requests
 
+from kvstrata.net import free_port
+
 API_KEY = "test-secret-key"
 START_TIMEOUT_S = 180.0
 REPO_ROOT = Path(__file__).resolve().parents[2]
 # Deterministic inference: tests compare outputs across batch shapes, which must hold in bf16 too.
 BASE_FLAGS = ["--max-total-tokens", "4096", "--random-seed", "0", "--log-level", "warning",
               "--enable-deterministic-inference"]
-
-
-def free_port() -> int:
-    """A TCP port that was free a moment ago on 127.0.0.1."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class ServerHandle:

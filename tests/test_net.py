@@ -1,0 +1,23 @@
+"""free_port: ports outside the ephemeral range, bindable, never handed out twice by one process."""
+
+from __future__ import annotations
+
+import socket
+
+from kvstrata.net import free_port
+
+
+def test_ports_are_distinct_bindable_and_below_the_ephemeral_range():
+    ports = [free_port() for _ in range(200)]
+    assert len(set(ports)) == len(ports)
+    assert all(20000 <= p < 32000 for p in ports)
+    for port in ports[:20]:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", port))
+
+
+def test_a_bound_port_is_never_chosen():
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", free_port()))
+        taken = held.getsockname()[1]
+        assert taken not in {free_port() for _ in range(300)}
