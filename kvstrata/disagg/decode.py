@@ -25,10 +25,7 @@ from kvstrata.disagg.common import HandoffStats, check_disagg_request, prompt_di
 from kvstrata.disagg.messages import KVTransferAbort, KVTransferDone, KVTransferFailed, KVTransferRequest
 from kvstrata.disagg.transfer import (
     TransferBackend,
-    create_transfer,
-    pool_layout,
-    pool_pointers,
-    register_pool,
+    attach_pool,
     slots_list,
 )
 from kvstrata.runtime.messages import BootstrapInfo, ReqOutput
@@ -57,12 +54,7 @@ class DecodeHandoff:
         args = scheduler.args
         self.sched = scheduler
         self.timeout_s = args.disaggregation_bootstrap_timeout
-        pool = scheduler.runner.pool
-        self.transfer = transfer or create_transfer(args.disaggregation_transfer_backend, args.host,
-                                                    args.disaggregation_ib_device)
-        register_pool(self.transfer, pool)
-        self.layout = pool_layout(pool)
-        self.k_ptrs, self.v_ptrs = pool_pointers(pool)
+        self.transfer, self.layout, (self.k_ptrs, self.v_ptrs) = attach_pool(args, scheduler.runner.pool, transfer)
         self.channel = BootstrapChannel(args.host)
         self.queue: list[_Waiting] = []            # waiting for slots (the bootstrap queue)
         self.inflight: dict[int, _Waiting] = {}    # room → slots reserved, KVTransferRequest sent

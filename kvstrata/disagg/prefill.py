@@ -26,11 +26,8 @@ from kvstrata.disagg.messages import KVTransferAbort, KVTransferDone, KVTransfer
 from kvstrata.disagg.transfer import (
     TransferBackend,
     TransferError,
-    create_transfer,
+    attach_pool,
     plan_writes,
-    pool_layout,
-    pool_pointers,
-    register_pool,
     slots_list,
 )
 from kvstrata.runtime.messages import BootstrapInfo, ReqOutput
@@ -65,12 +62,7 @@ class PrefillHandoff:
         args = scheduler.args
         self.sched = scheduler
         self.timeout_s = args.disaggregation_bootstrap_timeout
-        pool = scheduler.runner.pool
-        self.transfer = transfer or create_transfer(args.disaggregation_transfer_backend, args.host,
-                                                    args.disaggregation_ib_device)
-        register_pool(self.transfer, pool)
-        self.layout = pool_layout(pool)
-        self.ptrs = pool_pointers(pool)
+        self.transfer, self.layout, self.ptrs = attach_pool(args, scheduler.runner.pool, transfer)
         self.channel = BootstrapChannel(args.host, args.disaggregation_bootstrap_port)
         self.rooms: dict[int, _Room] = {}
         self.by_rid: dict[str, _Room] = {}

@@ -109,6 +109,18 @@ def register_pool(transfer: TransferBackend, pool) -> None:
         transfer.register(buf.data_ptr(), buf.numel() * buf.element_size())
 
 
+def attach_pool(args, pool, transfer: Optional[TransferBackend] = None
+                ) -> tuple[TransferBackend, KVLayout, tuple[list[int], list[int]]]:
+    """Make this server's KV pool reachable by its peers: (engine, pool layout, K and V buffer addresses).
+
+    `transfer` replaces the engine named by --disaggregation-transfer-backend (unit tests use a loopback one).
+    """
+    transfer = transfer or create_transfer(args.disaggregation_transfer_backend, args.host,
+                                           args.disaggregation_ib_device)
+    register_pool(transfer, pool)
+    return transfer, pool_layout(pool), pool_pointers(pool)
+
+
 def slot_runs(src: list[int], dst: list[int]) -> list[tuple[int, int, int]]:
     """(src_start, dst_start, count) runs where both slot sequences are consecutive."""
     runs: list[tuple[int, int, int]] = []

@@ -84,13 +84,14 @@ def attention_plan(meta: ForwardMetadata, q: torch.Tensor, kv_pool) -> Attention
     """
     plan = meta.cache.get(_PLAN_KEY)
     if plan is None:
-        plan = _build_plan(meta, q.device, q.dtype, kv_pool.page_size, fresh_kv_ok=kv_pool.dtype == q.dtype)
+        plan = _build_plan(meta, q.device, q.dtype, kv_pool.page_size, fresh_kv_ok=kv_pool.dtype == q.dtype,
+                           masks=not meta.batch_invariant)   # the invariant kernel masks by position
         meta.cache[_PLAN_KEY] = plan
     return plan
 
 
 def _build_plan(meta: ForwardMetadata, device: torch.device, dtype: torch.dtype, page_size: int,
-                fresh_kv_ok: bool) -> AttentionPlan:
+                fresh_kv_ok: bool, masks: bool = True) -> AttentionPlan:
     extends: list[ExtendSpan] = []
     decode_rows: list[int] = []
     decode_seqs: list[int] = []
@@ -101,11 +102,11 @@ def _build_plan(meta: ForwardMetadata, device: torch.device, dtype: torch.dtype,
             decode_seqs.append(i)
         elif extend > 1:
             extends.append(_extend_span(meta.kv_slots[i].to(device), start, prefix, extend, dtype, page_size,
-                                        fresh_kv_ok))
+                                        fresh_kv_ok, masks))
         start += extend
     decode = None
     if decode_seqs:
-        decode = _decode_group(meta, decode_seqs, decode_rows, start, device, dtype, page_size)
+        decode = _decode_group(meta, decode_seqs, decode_rows, start, device, dtype, page_size, masks)
     return AttentionPlan(extends=extends, decode=decode)
 
 
@@ -139,24 +140,26 @@ def _kv_index(slots: torch.Tensor, lens: list[int], page_size: int) -> tuple[KVI
 
 
 def _extend_span(slots: torch.Tensor, start: int, prefix: int, extend: int, dtype: torch.dtype,
-                 page_size: int, fresh_kv_ok: bool) -> ExtendSpan:
+                 page_size: int, fresh_kv_ok: bool, masks: bool = True) -> ExtendSpan:
     if prefix == 0 and fresh_kv_ok:
         return ExtendSpan(start, start + extend, None, extend, None, prefix)
     total = prefix + extend
     kv, num_keys = _kv_index(slots[None, :total], [total], page_size)
+    if not masks:
+        return ExtendSpan(start, start + extend, kv, num_keys, None, prefix)
     # Row j (absolute position prefix+j) sees keys 0..prefix+j; keys past `total` are page padding.
     allowed = torch.ones(extend, num_keys, dtype=torch.bool, device=slots.device).tril(diagonal=prefix)
     return ExtendSpan(start, start + extend, kv, num_keys, _additive(allowed, dtype), prefix)
 
 
 def _decode_group(meta: ForwardMetadata, seqs: list[int], rows: list[int], num_rows: int,
-                  device: torch.device, dtype: torch.dtype, page_size: int) -> DecodeGroup:
+                  device: torch.device, dtype: torch.dtype, page_size: int, masks: bool = True) -> DecodeGroup:
     lens = [meta.prefix_lens[i] + 1 for i in seqs]
     slot_lists = [meta.kv_slots[i].to(device)[:n] for i, n in zip(seqs, lens, strict=True)]
     slots = torch.nn.utils.rnn.pad_sequence(slot_lists, batch_first=True, padding_value=0)
     kv, max_len = _kv_index(slots, lens, page_size)
     mask = None
-    if min(lens) != max_len:
+    if masks and min(lens) != max_len:
         real = torch.arange(max_len, device=device)[None, :] < torch.tensor(lens, device=device)[:, None]
         mask = _additive(real, dtype).view(len(seqs), 1, 1, max_len)
     whole_batch = len(rows) == num_rows  # rows are then 0..n-1 in order
