@@ -17,12 +17,13 @@ from __future__ import annotations
 
 import heapq
 import logging
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import torch
 
 from kvstrata.cache.cache_controller import BACKUP, CacheController, LayerLoadHandle
-from kvstrata.cache.radix_cache import MatchResult, RadixCache, TreeNode
+from kvstrata.cache.radix_cache import MatchResult, RadixCache, TreeNode, _require
 from kvstrata.memory.allocator import PageAllocator
 from kvstrata.memory.host_pool import HostKVPool
 
@@ -239,6 +240,46 @@ class HiRadixCache(RadixCache):
         """Wait for every in-flight copy and apply the acks."""
         self.controller.wait_idle()
         self.apply_acks()
+
+    # ---- whole-tier views (the L2 snapshot) -------------------------------------------------------------
+
+    def back_up_device_only(self) -> None:
+        """Copy every device node that has no host copy yet to the host (where room allows), and wait."""
+        for node in list(self.nodes()):
+            if node.device_slots is not None and node.host_pages is None:
+                self._backup(node)
+        self.wait_idle()
+
+    def host_chain(self) -> Iterator[tuple[str | None, HiTreeNode]]:
+        """(namespace, node) for every node whose host copy, and every ancestor's, is complete; parents first.
+
+        These are the nodes the host tier alone can serve: what survives when the device tier is gone.
+        """
+        namespace_of = {root: ns for ns, root in self._roots.items()}
+        for node in self.nodes():
+            parent = node.parent
+            if node.host_ready and parent in namespace_of:
+                namespace_of[node] = namespace_of[parent]
+                yield namespace_of[node], node
+
+    def has_child(self, parent: TreeNode | None, key: tuple, namespace: str | None = None) -> bool:
+        """Whether `parent` (the namespace's root when None) already has a child that `key` would enter."""
+        node = self._roots.get(namespace) if parent is None else parent
+        return node is not None and key[:self.page_size] in node.children
+
+    def attach_host_pages(self, parent: TreeNode | None, key: tuple, host_pages: list[int],
+                          namespace: str | None = None) -> HiTreeNode:
+        """Hang complete host pages under `parent` (the namespace's root when None) as a host-only node."""
+        if parent is None:
+            parent = self._root(namespace)
+        _require(len(key) == len(host_pages) * self.page_size and len(key) > 0,
+                 f"attach_host_pages: {len(key)} tokens for {len(host_pages)} pages of {self.page_size}")
+        _require(key[:self.page_size] not in parent.children, "attach_host_pages: the parent has that child")
+        node = self._new_node(parent, tuple(key), None)
+        node.host_pages = torch.tensor(host_pages, dtype=torch.long)
+        node.host_ready = True
+        parent.children[node.key[:self.page_size]] = node
+        return node
 
     # ---- eviction ---------------------------------------------------------------------------------------
 

@@ -14,9 +14,10 @@ Verbs: `match` (look up and lock the cached prefix), `reserve` (slots for new to
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Iterable
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 import torch
 
@@ -24,6 +25,11 @@ from kvstrata.cache.integrity import check_slot_accounting
 from kvstrata.memory.allocator import PageAllocator, pages_needed, pages_of_slots, slots_for_extend
 from kvstrata.memory.req_slots import ReqSlotTable
 from kvstrata.runtime.req import Req
+
+if TYPE_CHECKING:
+    from kvstrata.cache.host_snapshot import HostSnapshot
+
+logger = logging.getLogger(__name__)
 
 LOAD_BACK_MIN_TOKENS = 16   # a shorter host hit is cheaper to recompute than to copy back
 PREFETCH_RETRY_REASONS = ("host_full", "rate_limited")
@@ -33,7 +39,7 @@ class KVCacheManager:
     """Allocation, prefix reuse and accounting of the device KV pool."""
 
     def __init__(self, allocator: PageAllocator, slot_table: ReqSlotTable, tree=None,
-                 prefetch_policy: str = "best_effort"):
+                 prefetch_policy: str = "best_effort", host_snapshot: Optional[HostSnapshot] = None):
         self.allocator = allocator
         self.slot_table = slot_table
         self.tree = tree
@@ -43,6 +49,9 @@ class KVCacheManager:
         self.prefetch_policy = prefetch_policy
         self._loads: list = []          # load-backs submitted for the coming forward
         self.metrics = {"device_hit_tokens": 0, "host_hit_tokens": 0, "storage_hit_tokens": 0}
+        self.host_snapshot = host_snapshot if self.hierarchical else None
+        if self.host_snapshot is not None:
+            self.host_snapshot.load(tree)
 
     # ------------------------------------------------------------------ L3 prefetch
     def start_prefetch(self, req: Req) -> None:
@@ -94,6 +103,11 @@ class KVCacheManager:
         """Finish in-flight copies (so the last pages still reach L2/L3), then stop the workers."""
         if self.hierarchical:
             self.tree.wait_idle()       # applying the last host acks queues their L3 backups
+        if self.host_snapshot is not None:
+            try:
+                self.host_snapshot.save(self.tree)
+            except OSError as e:        # a full or read-only disk costs the next start its L2, nothing else
+                logger.error("L2 snapshot to %s failed: %s", self.host_snapshot.path, e)
         if self.storage:
             self.tree.close()
         if self.hierarchical:
@@ -258,6 +272,8 @@ class KVCacheManager:
         if self.hierarchical:
             out["hicache"] = self.tree.metrics()
             out["hicache"].update(self.tree.controller.stats())
+            if self.host_snapshot is not None:
+                out["hicache"]["snapshot"] = self.host_snapshot.stats()
         return out
 
 
@@ -280,16 +296,21 @@ def build_tree(args, allocator: PageAllocator, device_pool, model_path: str = ""
     policies = {"write_policy": args.hicache_write_policy, "eviction_policy": args.radix_eviction_policy}
     if not args.hicache_storage_backend:
         return HiRadixCache(*tiers, **policies)
-    from kvstrata.cache.page_hash import storage_namespace
     from kvstrata.cache.storage_radix_cache import StorageRadixCache
-    from kvstrata.cache.storage_tier import StorageTier, model_identity
+    from kvstrata.cache.storage_tier import StorageTier, kv_namespace
     from kvstrata.storage.base import create_backend
 
     backend = create_backend(args.hicache_storage_backend, host_pool.page_bytes, args.storage_extra_config(),
                              storage_dir=args.hicache_storage_dir)
-    # Host pages are stored in one canonical byte order whatever --hicache-mem-layout is, so the layout
-    # is not part of the namespace: servers with different layouts share pages.
-    namespace = storage_namespace(model_identity(model_path), str(device_pool.dtype), "canonical",
-                                  allocator.page_size)
     return StorageRadixCache(*tiers, **policies, storage=StorageTier(backend, host_pool),
-                             storage_namespace=namespace)
+                             storage_namespace=kv_namespace(model_path, str(device_pool.dtype),
+                                                            allocator.page_size))
+
+
+def build_host_snapshot(args, device_pool, model_path: str) -> Optional[HostSnapshot]:
+    """The L2 snapshot --hicache-snapshot-path asks for (None: off)."""
+    if not args.hicache_snapshot_path:
+        return None
+    from kvstrata.cache.host_snapshot import HostSnapshot
+
+    return HostSnapshot.for_engine(args.hicache_snapshot_path, model_path, str(device_pool.dtype), args.page_size)

@@ -18,10 +18,8 @@ import logging
 import time
 from collections import Counter
 
-import torch
-
 from kvstrata.cache.hiradix_cache import HiRadixCache, HiTreeNode
-from kvstrata.cache.page_hash import page_keys
+from kvstrata.cache.page_hash import page_keys, request_namespace
 from kvstrata.cache.storage_tier import PREFETCH, StorageOp, StorageTier
 
 logger = logging.getLogger(__name__)
@@ -60,7 +58,7 @@ class StorageRadixCache(HiRadixCache):
     # ---- keys -------------------------------------------------------------------------------------------
 
     def _namespace_key(self, namespace: str | None) -> str:
-        return self.storage_namespace if namespace is None else f"{self.storage_namespace}|{namespace}"
+        return request_namespace(self.storage_namespace, namespace)
 
     def _keys_of(self, node: StorageTreeNode) -> list[str]:
         if node.page_keys is None:
@@ -139,10 +137,8 @@ class StorageRadixCache(HiRadixCache):
             return
         parent, pos = found
         attached = fetched[(pos - start) // self.page_size:]
-        leaf = self._new_node(parent, tokens[pos: pos + len(attached) * self.page_size], None)
-        leaf.host_pages = torch.tensor(attached, dtype=torch.long)
-        leaf.host_ready = leaf.storage_backed = leaf.from_storage = True
-        parent.children[leaf.key[:self.page_size]] = leaf
+        leaf = self.attach_host_pages(parent, tokens[pos: pos + len(attached) * self.page_size], attached)
+        leaf.storage_backed = leaf.from_storage = True
         self.storage_stats["prefetch_attached_tokens"] += len(leaf.key)
         self.host_allocator.free(fetched[: len(fetched) - len(attached)] + op.host_pages[op.done:])
 
