@@ -9,6 +9,7 @@ message must be the text of the Engine's InvalidRequest. The radix cache is off 
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 import pytest
@@ -17,6 +18,7 @@ import requests
 from kvstrata.runtime.sampling_params import InvalidRequest
 from tests.runtime.helpers import make_engine
 from tests.server.conftest import launch_server, stop_server
+from tests.server.helpers import sse_events
 
 CONTEXT = 64
 GREEDY = {"temperature": 0, "max_new_tokens": 8, "ignore_eos": True}
@@ -190,3 +192,31 @@ def test_stop_token_ids(server, engine, stop_cases):
     assert out["output_ids"][-1] == stop_id and out["meta_info"]["finish_reason"]["matched"] == stop_id
     kept = both(server, engine, {**body, "sampling_params": {**body["sampling_params"], "no_stop_trim": True}})
     assert len(kept["text"]) >= len(out["text"])
+
+
+def stream_summary(events: list[dict]) -> tuple:
+    """What a stream must agree on, whatever its chunking: the last cumulative output, all logprob deltas."""
+    texts = [e["text"] for e in events]
+    assert all(b.startswith(a) for a, b in zip(texts, texts[1:])), texts
+    last = events[-1]
+    logprobs = [lp for e in events for lp in e["meta_info"]["output_token_logprobs"]]
+    return last["text"], last["output_ids"], last["meta_info"]["finish_reason"], logprobs
+
+
+def test_streams_and_async_agree(server, engine, stop_cases):
+    span = stop_cases["span"]
+    body = {"text": STOP_PROMPT, "sampling_params": {**GREEDY, "max_new_tokens": 16, "stop": [span]},
+            "return_logprob": True, "top_logprobs_num": 2}
+    r = requests.post(server.url + "/generate", json={**body, "stream": True}, stream=True, timeout=120)
+    http_events = [e for e in sse_events(r) if e != "[DONE]"]
+    kwargs = {("prompt" if key == "text" else key): value for key, value in body.items()}
+
+    async def engine_events() -> list[dict]:
+        chunks = await engine.async_generate(**kwargs, stream=True)
+        return [chunk async for chunk in chunks]
+
+    engine_stream = asyncio.run(engine_events())
+    assert stream_summary(engine_stream) == stream_summary(http_events)
+    assert not any(span in e["text"] for e in http_events + engine_stream), "a stop string was streamed"
+    whole = asyncio.run(engine.async_generate(**kwargs))
+    assert comparable(whole) == comparable(via_http(server, body))
