@@ -80,11 +80,7 @@ class Engine:
             arrived: queue.Queue = queue.Queue()
             states = self._submit(req, threading.Event(), lambda s, out: arrived.put((s, out)))
             try:
-                while not all(s.done for s in states):
-                    self._take(arrived)
-                    for s in states:
-                        s.drain()
-                    frontend.raise_first_error(states)
+                self._collect(len(states), arrived)
                 return frontend.native_response(req, states, self.token_text)
             finally:
                 self._release(states)
@@ -166,16 +162,23 @@ class Engine:
             self._inbox.put(frontend.scheduler_request(req, s))
         return states
 
-    def _take(self, arrived: queue.Queue) -> None:
-        """Wait for the next output of a blocking call and queue it on its sequence."""
-        while True:
+    def _collect(self, running: int, arrived: queue.Queue) -> None:
+        """Hand outputs to their sequences until `running` of them finished; raises the first error.
+
+        A sequence applies its outputs (detokenizes) once, when it finishes: the caller's thread then
+        takes no time from the scheduler thread while the batch runs.
+        """
+        while running:
             try:
                 state, out = arrived.get(timeout=POLL_S)
             except queue.Empty:
                 self._check_alive()
                 continue
             state.push(out)
-            return
+            if out.finished and not state.finished:
+                state.drain()
+                frontend.raise_first_error([state])
+                running -= 1
 
     async def _updates(self, states: list[SeqState]) -> AsyncIterator[list[SeqState]]:
         try:
