@@ -62,8 +62,7 @@ class Scheduler:
 
     # ------------------------------------------------------------------ inputs
     def add_request(self, msg: TokenizedGenerateReq) -> Optional[ReqOutput]:
-        """Queue a request validated by the frontend (server/frontend.py); returns an error ReqOutput (and queues
-        nothing) if it cannot be served here."""
+        """Queue a request; returns an error ReqOutput (and queues nothing) if it is invalid."""
         s = msg.sampling_params
         req = Req(rid=msg.rid, prompt_ids=list(msg.input_ids), sampling=s, return_logprob=msg.return_logprob,
                   logprob_start_len=msg.logprob_start_len, top_logprobs_num=msg.top_logprobs_num,

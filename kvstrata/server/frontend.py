@@ -11,6 +11,7 @@ Both entrypoints parse into a `GenerateRequest` (protocol.parse_generate, or the
 
 Stop trimming and incremental detokenization are SeqState's (seq_state.py). A transport — the
 TokenizerManager's ZMQ sockets or the Engine's queues — only carries TokenizedGenerateReq in and ReqOutput out.
+The scheduler trusts what arrives that way and checks none of these rules again.
 """
 
 from __future__ import annotations
