@@ -115,11 +115,10 @@ def _fit_sampling(p: PromptSpec, n: int, limits: RequestLimits) -> SamplingParam
         room = max(0, min(limit, limits.max_total_tokens) - n)
         if s.max_new_tokens > room:
             s = dataclasses.replace(s, max_new_tokens=room, min_new_tokens=min(s.min_new_tokens, room))
-        return s
-    if n + s.max_new_tokens > limit:
+    elif n + s.max_new_tokens > limit:
         raise ApiError(f"the prompt ({n} tokens) plus the requested completion ({s.max_new_tokens} "
                        f"tokens) exceeds the model's context length ({limit} tokens)")
-    if n + s.max_new_tokens > limits.max_total_tokens:
+    if n + s.max_new_tokens > limits.max_total_tokens:      # a prompt the pool cannot hold, even fitted
         raise ApiError(f"the request needs up to {n + s.max_new_tokens} tokens of KV cache but the pool "
                        f"holds {limits.max_total_tokens}")
     return s
