@@ -4,11 +4,12 @@
     out = engine.generate("Hello", {"temperature": 0, "max_new_tokens": 8})
     engine.shutdown()
 
-The Engine is the in-process transport of the request frontend the HTTP server uses (server/frontend.py):
-its arguments are parsed as a `/generate` body, then validated, n-expanded, stop-trimmed and shaped by the
-same code, so a request gets the same result here as from POST /generate, and the same error text (an
-`InvalidRequest` where HTTP answers 4xx). What is the Engine's own: a scheduler thread, a queue into it,
-and the hand-over of its outputs to the caller's thread (`generate`) or event loop (`async_generate`).
+An entrypoint like launch_server.py, so it sits above server/ and runtime/. The Engine is the in-process
+transport of the request frontend the HTTP server uses (server/frontend.py): its arguments are parsed as a
+`/generate` body, then validated, n-expanded, stop-trimmed and shaped by the same code, so a request gets
+the same result here as from POST /generate, and the same error text (an `InvalidRequest` where HTTP
+answers 4xx). What is the Engine's own: a scheduler thread, a queue into it, and the hand-over of its
+outputs to the caller's thread (`generate`) or event loop (`async_generate`).
 """
 
 from __future__ import annotations
