@@ -24,7 +24,6 @@ from kvstrata.runtime.messages import ControlOut, ReqOutput, TokenizedGenerateRe
 from kvstrata.runtime.model_runner import ModelRunner
 from kvstrata.runtime.req import Req, ReqState, finish_abort
 from kvstrata.runtime.sampler import top_token_ids
-from kvstrata.runtime.sampling_params import InvalidRequest
 from kvstrata.runtime.stop import StopChecker
 from kvstrata.runtime.utilization import UtilizationMeter
 
@@ -65,10 +64,6 @@ class Scheduler:
     # ------------------------------------------------------------------ inputs
     def add_request(self, msg: TokenizedGenerateReq) -> Optional[ReqOutput]:
         """Queue a request; returns an error ReqOutput (and queues nothing) if it is invalid."""
-        try:
-            self._validate(msg)
-        except InvalidRequest as e:
-            return error_output(msg.rid, len(msg.input_ids), str(e))
         s = msg.sampling_params
         req = Req(rid=msg.rid, prompt_ids=list(msg.input_ids), sampling=s, return_logprob=msg.return_logprob,
                   logprob_start_len=msg.logprob_start_len, top_logprobs_num=msg.top_logprobs_num,
@@ -89,26 +84,6 @@ class Scheduler:
         self.waiting.append(req)
         self.cache.start_prefetch(req)
         return None
-
-    def _validate(self, msg: TokenizedGenerateReq) -> None:
-        n = len(msg.input_ids)
-        if n == 0:
-            raise InvalidRequest("the prompt is empty")
-        vocab = self.runner.vocab_size
-        if any((not isinstance(t, int)) or t < 0 or t >= vocab for t in msg.input_ids):
-            raise InvalidRequest(f"input_ids contain token ids outside [0, {vocab})")
-        s = msg.sampling_params
-        s.verify(vocab)
-        if n + s.max_new_tokens > self.context_len:
-            raise InvalidRequest(f"the prompt ({n} tokens) plus max_new_tokens ({s.max_new_tokens}) exceeds "
-                                 f"the context length ({self.context_len} tokens)")
-        if n + s.max_new_tokens > self.runner.max_total_tokens:
-            raise InvalidRequest(f"the request needs up to {n + s.max_new_tokens} tokens of KV cache but the "
-                                 f"pool holds {self.runner.max_total_tokens}")
-        if msg.logprob_start_len >= n:
-            raise InvalidRequest(f"logprob_start_len ({msg.logprob_start_len}) must be < the prompt length ({n})")
-        if msg.top_logprobs_num < 0:
-            raise InvalidRequest("top_logprobs_num must be >= 0")
 
     def grammar_backend(self):
         """The grammar backend, created on first use (None when disabled)."""

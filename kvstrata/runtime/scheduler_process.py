@@ -12,12 +12,16 @@ import os
 import signal
 import sys
 import traceback
+from typing import TYPE_CHECKING
 
 import zmq
 
 from kvstrata.args import ServerArgs
 from kvstrata.runtime.loop import SchedulerLoop
 from kvstrata.runtime.messages import SchedulerReady
+
+if TYPE_CHECKING:
+    from kvstrata.runtime.scheduler import Scheduler
 
 logger = logging.getLogger(__name__)
 
@@ -42,11 +46,7 @@ def run_scheduler_process(server_args: ServerArgs, recv_addr: str, send_addr: st
         ready_conn.close()
         sys.exit(1)
 
-    runner = scheduler.runner
-    ready_conn.send(SchedulerReady(
-        max_total_tokens=runner.max_total_tokens, context_length=runner.context_len,
-        vocab_size=runner.vocab_size, eos_token_ids=list(runner.config.eos_token_ids),
-        max_running_requests=server_args.max_running_requests, page_size=server_args.page_size))
+    ready_conn.send(ready_message(scheduler))
     ready_conn.close()
     parent = os.getppid()
 
@@ -71,3 +71,12 @@ def run_scheduler_process(server_args: ServerArgs, recv_addr: str, send_addr: st
         pull.close(linger=0)
         push.close(linger=0)
         ctx.term()
+
+
+def ready_message(scheduler: Scheduler) -> SchedulerReady:
+    """What a frontend needs to know about a started scheduler (limits, vocabulary, eos ids)."""
+    runner, args = scheduler.runner, scheduler.args
+    return SchedulerReady(
+        max_total_tokens=runner.max_total_tokens, context_length=runner.context_len,
+        vocab_size=runner.vocab_size, eos_token_ids=list(runner.config.eos_token_ids),
+        max_running_requests=args.max_running_requests, page_size=args.page_size)

@@ -3,14 +3,15 @@
 from __future__ import annotations
 
 import contextlib
-import math
 from collections.abc import AsyncIterator
-from typing import Any, Optional
+from typing import Any
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
+from kvstrata.server import frontend
 from kvstrata.server.disagg_fields import attach_bootstrap
+from kvstrata.server.frontend import native_output, raise_first_error
 from kvstrata.server.protocol import ApiError, GenerateRequest, parse_generate, parse_json_body
 from kvstrata.server.seq_state import SeqState
 from kvstrata.server.streaming import SSE_DONE, SSEResponse, sse_event, watch_disconnect
@@ -18,7 +19,6 @@ from kvstrata.server.tokenizer_manager import ClientDisconnected, TokenizerManag
 
 # Answered (to nobody) when the client left before its response was ready; nginx's code for it.
 CLIENT_CLOSED_STATUS = 499
-MIN_LOGPROB = -9999.0
 
 
 async def handle_generate(request: Request, tm: TokenizerManager) -> Response:
@@ -66,20 +66,9 @@ async def run_request(request: Request, tm: TokenizerManager, req: GenerateReque
     return JSONResponse(respond(tm, req, states))
 
 
-def raise_first_error(states: list[SeqState]) -> None:
-    """Raise ApiError for the first sequence that failed (pending or applied)."""
-    for s in states:
-        err = s.pending_error()
-        if err is not None:
-            raise ApiError(err[0], err[1])
-
-
 def native_response(tm: TokenizerManager, req: GenerateRequest, states: list[SeqState]) -> Any:
     """The non-streaming body: one dict, or a list in request order (i*n+j)."""
-    outs = [native_output(tm, req, s) for s in states]
-    if not req.is_batch and len(outs) == 1:
-        return outs[0]
-    return outs
+    return frontend.native_response(req, states, tm.token_text)
 
 
 async def native_stream(tm: TokenizerManager, req: GenerateRequest,
@@ -93,51 +82,8 @@ async def native_stream(tm: TokenizerManager, req: GenerateRequest,
                     yield sse_event(ApiError(s.error, s.error_status).to_dict())
                     yield SSE_DONE
                     return
-                event = native_output(tm, req, s, delta_logprobs=True)
+                event = native_output(req, s, tm.token_text, delta_logprobs=True)
                 if multi:
                     event["index"] = s.index
                 yield sse_event(event)
     yield SSE_DONE
-
-
-def native_output(tm: TokenizerManager, req: GenerateRequest, s: SeqState,
-                  delta_logprobs: bool = False) -> dict:
-    """{text, output_ids, meta_info} of one sequence."""
-    meta: dict[str, Any] = {
-        "id": s.rid,
-        "finish_reason": s.finish_reason if s.finished else None,
-        "prompt_tokens": s.prompt_tokens,
-        "completion_tokens": s.completion_tokens,
-        "cached_tokens": s.cached_tokens,
-        "e2e_latency": round(s.e2e_latency, 6),
-    }
-    if s.return_logprob:
-        with_text = req.return_text_in_logprobs
-        if delta_logprobs:
-            out_lp, out_top = s.take_logprob_delta()
-        else:
-            out_lp, out_top = s.output_token_logprobs, s.output_top_logprobs
-        meta["input_token_logprobs"] = format_logprobs(tm, s.input_token_logprobs or [], with_text)
-        meta["output_token_logprobs"] = format_logprobs(tm, out_lp, with_text)
-        meta["input_top_logprobs"] = [format_top(tm, t, with_text) for t in s.input_top_logprobs or []]
-        meta["output_top_logprobs"] = [format_top(tm, t, with_text) for t in out_top]
-    return {"text": s.visible_text(), "output_ids": list(s.output_ids), "meta_info": meta}
-
-
-def format_logprobs(tm: TokenizerManager, entries: list, with_text: bool) -> list[list]:
-    """[(logprob, token_id), ...] → [[logprob, token_id, text or None], ...]."""
-    return [[finite_logprob(lp), tid, tm.token_text(tid) if with_text else None] for lp, tid in entries]
-
-
-def finite_logprob(lp: Optional[float]) -> Optional[float]:
-    """-inf (a token masked out by top-k/top-p) as -9999.0: JSON has no infinity."""
-    if lp is None or math.isfinite(lp):
-        return lp
-    return MIN_LOGPROB
-
-
-def format_top(tm: TokenizerManager, entries: Optional[list], with_text: bool) -> Optional[list]:
-    """One position's top logprobs in the same triple format (None stays None)."""
-    if entries is None:
-        return None
-    return format_logprobs(tm, entries, with_text)

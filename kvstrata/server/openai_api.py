@@ -14,7 +14,8 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from kvstrata.server.disagg_fields import attach_bootstrap
-from kvstrata.server.native_api import finite_logprob, run_request
+from kvstrata.server.frontend import finite_logprob
+from kvstrata.server.native_api import run_request
 from kvstrata.server.openai_protocol import ChatPrompt, OpenAIOptions, parse_chat, parse_completion
 from kvstrata.server.protocol import ApiError, GenerateRequest, get_bool, parse_json_body
 from kvstrata.server.reasoning import ReasoningStreamer, split_reasoning

@@ -179,7 +179,7 @@ def _sampling(body: dict, max_tokens: Optional[int]) -> tuple[Any, bool]:
                            param="response_format")
         d["json_schema"] = constraint
     explicit = max_tokens is not None
-    # Without max_tokens a chat completion may use the whole context (fitted later by the manager).
+    # Without max_tokens a chat completion may use the whole context (fitted later by the frontend).
     d["max_new_tokens"] = max_tokens if explicit else 1 << 30
     if d.get("min_new_tokens") is not None and explicit:
         check_int(d["min_new_tokens"], "min_tokens", lo=0, hi=max_tokens)

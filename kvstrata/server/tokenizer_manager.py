@@ -1,8 +1,8 @@
 """TokenizerManager: the HTTP process's side of the scheduler link.
 
-It tokenizes and validates requests, expands `n` into one scheduler request per output sequence,
-sends them over ZMQ, routes the scheduler's deltas back to the waiting coroutines, and aborts the
-scheduler side of any request whose client went away.
+It is the HTTP transport of the shared request frontend (frontend.py: tokenizing, validation,
+n-expansion): it sends each output sequence to the scheduler over ZMQ, routes the scheduler's deltas back
+to the waiting coroutines, and aborts the scheduler side of any request whose client went away.
 
 Sockets: a plain (blocking-API) PUSH socket for sending — sends are non-blocking and can be made from
 `finally` blocks of cancelled coroutines — and an asyncio PULL socket read by one receive task.
@@ -11,7 +11,7 @@ Sockets: a plain (blocking-API) PUSH socket for sending — sends are non-blocki
 from __future__ import annotations
 
 import asyncio
-import dataclasses
+import contextlib
 import logging
 from collections import defaultdict, deque
 from collections.abc import AsyncIterator, Callable
@@ -22,7 +22,6 @@ import zmq
 import zmq.asyncio
 
 from kvstrata.args import ServerArgs
-from kvstrata.model.tokenizer import IncrementalDetokenizer
 from kvstrata.runtime.messages import (
     AbortReq,
     BatchOutput,
@@ -31,11 +30,11 @@ from kvstrata.runtime.messages import (
     GetLoadReq,
     GetStateReq,
     SchedulerReady,
-    TokenizedGenerateReq,
 )
-from kvstrata.runtime.sampling_params import SamplingParams
+from kvstrata.server import frontend
+from kvstrata.server.frontend import RequestLimits, TokenTexts
 from kvstrata.server.metrics import ServerMetrics
-from kvstrata.server.protocol import ApiError, GenerateRequest, PromptSpec
+from kvstrata.server.protocol import ApiError, GenerateRequest
 from kvstrata.server.request_log import RequestLog
 from kvstrata.server.seq_state import SeqState
 
@@ -69,13 +68,13 @@ class TokenizerManager:
         self._control: dict[str, deque[asyncio.Future]] = defaultdict(deque)
         self._recv_task: Optional[asyncio.Task] = None
         self.release_hooks: list[Callable[[SeqState], None]] = []   # each sees every sequence once, at its end
-        self._token_texts: dict[int, str] = {}
+        self.token_text = TokenTexts(tokenizer)     # the text of one token, as shown next to logprobs
         self.dead_reason: Optional[str] = None
         self.draining_reason: Optional[str] = None   # set on SIGTERM: new requests get 503
         # Tokenizing and rendering chat templates run here, off the event loop, so a huge prompt never
         # delays other requests' streams or /health.
         self._cpu_pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="kvstrata-tokenize")
-        self.max_prompt_chars = self.context_length * longest_token_chars(tokenizer)
+        self.limits = RequestLimits.of(info, tokenizer)
         self.metrics = {"requests_total": 0, "prompt_tokens_total": 0, "generation_tokens_total": 0,
                         "cached_tokens_total": 0, "aborted_requests_total": 0, "failed_requests_total": 0}
         self.prometheus = ServerMetrics(args.served_model_name or args.model_path)
@@ -125,55 +124,34 @@ class TokenizerManager:
         """Text of `ids`."""
         return self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
 
-    def token_text(self, token_id: int) -> str:
-        """The text of one token (cached), as shown next to logprobs."""
-        text = self._token_texts.get(token_id)
-        if text is None:
-            text = self.tokenizer.decode([token_id], skip_special_tokens=False)
-            self._token_texts[token_id] = text
-        return text
-
     async def run_blocking(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         """Run CPU-heavy tokenizer work in the tokenizer threads and await it."""
         return await asyncio.get_running_loop().run_in_executor(self._cpu_pool, lambda: fn(*args, **kwargs))
 
     def check_prompt_chars(self, chars: int, param: str) -> None:
         """400 when `chars` characters are already more tokens than the context holds (no tokenizing needed)."""
-        if chars > self.max_prompt_chars:
-            raise ApiError(f"the prompt ({chars} characters) is longer than the model's context length "
-                           f"({self.context_length} tokens) can hold", param=param)
+        frontend.check_prompt_chars(chars, self.limits, param)
 
     async def tokenize(self, req: GenerateRequest) -> None:
         """Fill in `input_ids` of the text prompts of `req`, off the event loop; rejects overlong ones first."""
-        texts = [p for p in req.prompts if p.input_ids is None]
-        for p in texts:
-            self.check_prompt_chars(len(p.text or ""), "text")
+        texts = frontend.text_prompts(req, self.limits)
         if texts:
-            ids = await self.run_blocking(lambda: [self.encode(p.text or "", p.add_special_tokens) for p in texts])
-            for p, prompt_ids in zip(texts, ids):
-                p.input_ids = prompt_ids
+            await self.run_blocking(frontend.encode_prompts, texts, self.tokenizer)
 
     # ------------------------------------------------------------------ generation
     def submit(self, req: GenerateRequest) -> list[SeqState]:
-        """Tokenize, validate and send every sequence of `req`; returns them in response order (i*n+j)."""
+        """Validate, expand and send every sequence of tokenized `req`; returns them in response order (i*n+j)."""
         self._check_alive()
-        prepared = [self._prepare(p) for p in req.prompts]
         for p in req.prompts:
             if p.rid in self.groups or p.rid in self.states:
                 raise ApiError(f"a request with rid '{p.rid}' is already running", param="rid")
-        wake = asyncio.Event()
-        states: list[SeqState] = []
-        for i, (p, ids, sampling) in enumerate(prepared):
-            states += self._expand(p, i, ids, sampling, wake, first_index=len(states))
+        states = frontend.expand_sequences(req, self.limits, self.tokenizer, asyncio.Event())
+        for state in states:
+            self.states[state.rid] = state
+            self.groups.setdefault(state.group_rid, []).append(state.rid)
         try:
             for state in states:
-                state.stream = req.stream
-                p = req.prompts[state.prompt_index]
-                self._send(TokenizedGenerateReq(
-                    rid=state.rid, input_ids=state.input_ids, sampling_params=state.sampling,
-                    return_logprob=p.return_logprob, logprob_start_len=p.logprob_start_len if p.return_logprob else -1,
-                    top_logprobs_num=p.top_logprobs_num, stream=req.stream, cache_namespace=req.cache_salt,
-                    bootstrap=req.extra.get("bootstrap")))
+                self._send(frontend.scheduler_request(req, state))
         except ApiError:
             self.release(states)
             raise
@@ -181,79 +159,17 @@ class TokenizerManager:
         self.request_log.submitted(req, states)
         return states
 
-    def _expand(self, p: PromptSpec, prompt_index: int, ids: list[int], sampling: SamplingParams,
-                wake: asyncio.Event, first_index: int) -> list[SeqState]:
-        """One registered SeqState per output sequence of prompt `p` (copy j is seeded with seed + j)."""
-        n = sampling.n
-        rids = [p.rid] if n == 1 else [f"{p.rid}-{j}" for j in range(n)]
-        states = []
-        for j, rid in enumerate(rids):
-            seed = None if sampling.sampling_seed is None else sampling.sampling_seed + j
-            copy = dataclasses.replace(sampling, n=1, sampling_seed=seed)
-            detok = IncrementalDetokenizer(self.tokenizer, prompt_ids=ids, skip_special_tokens=copy.skip_special_tokens,
-                                           spaces_between_special_tokens=copy.spaces_between_special_tokens)
-            state = SeqState(rid, first_index + j, prompt_index, ids, copy, detok, wake, group_rid=p.rid,
-                             return_logprob=p.return_logprob, top_logprobs_num=p.top_logprobs_num)
-            self.states[rid] = state
-            states.append(state)
-        self.groups[p.rid] = rids
-        return states
-
-    def _prepare(self, p: PromptSpec) -> tuple[PromptSpec, list[int], SamplingParams]:
-        """Token ids of one prompt and its sampling params fitted to the context; raises ApiError."""
-        ids = p.input_ids if p.input_ids is not None else self.encode(p.text or "", p.add_special_tokens)
-        n = len(ids)
-        if n == 0:
-            raise ApiError("the prompt is empty after tokenization")
-        vocab = self.info.vocab_size
-        bad = [t for t in ids if not 0 <= t < vocab]
-        if bad:
-            raise ApiError(f"input_ids contain token ids outside the vocabulary [0, {vocab}): {bad[:5]}",
-                           param="input_ids")
-        if p.return_logprob and p.logprob_start_len >= n:
-            raise ApiError(f"logprob_start_len ({p.logprob_start_len}) must be smaller than the prompt "
-                           f"length ({n} tokens)", param="logprob_start_len")
-        if p.top_logprobs_num > vocab:
-            raise ApiError(f"top_logprobs_num ({p.top_logprobs_num}) exceeds the vocabulary size ({vocab})",
-                           param="top_logprobs_num")
-        s = p.sampling
-        bad_stops = [t for t in s.stop_token_ids if not 0 <= t < vocab]
-        if bad_stops:
-            raise ApiError(f"stop_token_ids outside the vocabulary [0, {vocab}): {bad_stops[:5]}",
-                           param="stop_token_ids")
-        if s.top_k >= vocab:
-            s = dataclasses.replace(s, top_k=-1)    # keeping every token is no top-k at all
-        limit = self.context_length
-        room = min(limit, self.info.max_total_tokens) - n
-        if n > limit or (n == limit and s.max_new_tokens > 0):
-            raise ApiError(f"the prompt ({n} tokens) is longer than the model's context length "
-                           f"({limit} tokens)")
-        if p.max_new_tokens_explicit:
-            if n + s.max_new_tokens > limit:
-                raise ApiError(f"the prompt ({n} tokens) plus the requested completion ({s.max_new_tokens} "
-                               f"tokens) exceeds the model's context length ({limit} tokens)")
-        elif s.max_new_tokens > room:
-            fitted = max(0, room)
-            s = dataclasses.replace(s, max_new_tokens=fitted, min_new_tokens=min(s.min_new_tokens, fitted))
-        return p, list(ids), s
-
     async def updates(self, states: list[SeqState],
                       disconnected: Optional[asyncio.Future] = None) -> AsyncIterator[list[SeqState]]:
         """Yield the sequences that changed, until all are done; aborts the unfinished ones on exit.
 
         `disconnected`: completes when the client goes away (raises ClientDisconnected then).
         """
-        wake = states[0].wake
         try:
-            while True:
-                wake.clear()
-                changed = [s for s in states if s.drain()]
-                if changed:
+            async with contextlib.aclosing(frontend.sequence_updates(
+                    states, lambda wake: self._wait(wake, disconnected))) as updates:
+                async for changed in updates:
                     yield changed
-                if all(s.done for s in states):
-                    return
-                if not changed:
-                    await self._wait(wake, disconnected)
         finally:
             self.release(states)
 
@@ -394,10 +310,3 @@ class TokenizerManager:
         else:
             logger.error("unexpected message from the scheduler: %r", type(msg).__name__)
 
-
-def longest_token_chars(tokenizer: Any) -> int:
-    """An upper bound on the characters one token stands for (its vocabulary spelling is never shorter)."""
-    try:
-        return max(1, max(len(token) for token in tokenizer.get_vocab()))
-    except (AttributeError, TypeError, ValueError):
-        return 1 << 10      # no vocabulary to look at: a loose bound that still stops absurd bodies

@@ -19,7 +19,7 @@ from kvstrata.lang.backends.base import Backend, BackendError, GenOutput, Logpro
 from kvstrata.lang.sampling import SamplingArgs
 
 if TYPE_CHECKING:
-    from kvstrata.runtime.engine import Engine
+    from kvstrata.engine import Engine
 
 STREAM_EVENT_TIMEOUT_S = 600.0     # the longest wait for the next streamed chunk before giving up
 
@@ -33,7 +33,7 @@ class EngineBackend(Backend):
                  **engine_kwargs: Any):
         super().__init__(chat_template)
         if engine is None:
-            from kvstrata.runtime.engine import Engine
+            from kvstrata.engine import Engine
 
             engine = Engine(**engine_kwargs)
             self._owns_engine = True

@@ -1,0 +1,267 @@
+"""Engine: the offline API — load a model in this process and generate, without HTTP.
+
+    engine = kvstrata.Engine(model_path="tiny", max_total_tokens=4096)
+    out = engine.generate("Hello", {"temperature": 0, "max_new_tokens": 8})
+    engine.shutdown()
+
+An entrypoint like launch_server.py, so it sits above server/ and runtime/. The Engine is the in-process
+transport of the request frontend the HTTP server uses (server/frontend.py): its arguments are parsed as a
+`/generate` body, then validated, n-expanded, stop-trimmed and shaped by the same code, so a request gets
+the same result here as from POST /generate, and the same error text (an `InvalidRequest` where HTTP
+answers 4xx). What is the Engine's own: a scheduler thread, a queue into it, and the hand-over of its
+outputs to the caller's thread (`generate`) or event loop (`async_generate`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import queue
+import threading
+from collections.abc import AsyncIterator, Callable, Iterator
+from typing import Any, Optional, Union
+
+from kvstrata.args import ServerArgs
+from kvstrata.runtime.loop import SchedulerLoop
+from kvstrata.runtime.messages import (
+    AbortReq,
+    BatchOutput,
+    ControlOut,
+    FlushCacheReq,
+    GetStateReq,
+    ReqOutput,
+)
+from kvstrata.runtime.sampling_params import InvalidRequest
+from kvstrata.runtime.scheduler import Scheduler
+from kvstrata.runtime.scheduler_process import ready_message
+from kvstrata.server import frontend
+from kvstrata.server.frontend import RequestLimits, TokenTexts
+from kvstrata.server.protocol import ApiError, GenerateRequest, check_no_surrogates, parse_generate
+from kvstrata.server.seq_state import SeqState
+
+Prompt = Union[str, list[str], None]
+TokenIds = Union[list[int], list[list[int]], None]
+SamplingArg = Union[dict, list[dict], None]
+# Hands one scheduler output to its sequence on the caller's side (called on the scheduler thread).
+Deliver = Callable[[SeqState, ReqOutput], None]
+POLL_S = 0.5          # how often a waiting caller checks that the scheduler thread is still alive
+
+
+class Engine:
+    """In-process engine over a Scheduler thread."""
+
+    def __init__(self, model_path: str = "tiny", **kwargs: Any):
+        self.server_args = ServerArgs.from_kwargs(model_path=model_path, **kwargs).resolve()
+        self.scheduler = Scheduler(self.server_args)
+        self.tokenizer = self.scheduler.stop.tokenizer
+        self.limits = RequestLimits.of(ready_message(self.scheduler), self.tokenizer)
+        self.token_text = TokenTexts(self.tokenizer)
+        self._inbox: queue.Queue = queue.Queue()
+        self._control: queue.Queue = queue.Queue()
+        self._sequences: dict[str, tuple[SeqState, Deliver]] = {}   # rid → its state and how to reach it
+        self._control_lock = threading.Lock()
+        self._loop = SchedulerLoop(self.scheduler, self._recv, self._dispatch)
+        self._thread = threading.Thread(target=self._run, name="kvstrata-scheduler", daemon=True)
+        self._error: Optional[BaseException] = None
+        self._thread.start()
+
+    # ------------------------------------------------------------------ public API
+    def generate(self, prompt: Prompt = None, sampling_params: SamplingArg = None, input_ids: TokenIds = None,
+                 return_logprob: Union[bool, list[bool]] = False, logprob_start_len: Union[int, list, None] = None,
+                 top_logprobs_num: Union[int, list, None] = None, return_text_in_logprobs: bool = False,
+                 cache_salt: Optional[str] = None) -> Union[dict, list[dict]]:
+        """Generate for one prompt (a dict; a list when n > 1) or a list of prompts (a list, i*n+j order).
+
+        Arguments mean what the fields of POST /generate mean (`prompt` is its `text`). Requests with
+        different `cache_salt` never share cached KV.
+        """
+        with _engine_errors():
+            req = _parse(prompt, input_ids, sampling_params, return_logprob, logprob_start_len,
+                         top_logprobs_num, return_text_in_logprobs, cache_salt, stream=False)
+            arrived: queue.Queue = queue.Queue()
+            states = self._submit(req, threading.Event(), lambda s, out: arrived.put((s, out)))
+            try:
+                self._collect(len(states), arrived)
+                return frontend.native_response(req, states, self.token_text)
+            finally:
+                self._release(states)
+
+    async def async_generate(self, prompt: Optional[str] = None, sampling_params: Optional[dict] = None,
+                             input_ids: Optional[list[int]] = None, stream: bool = False,
+                             return_logprob: bool = False, logprob_start_len: Optional[int] = None,
+                             top_logprobs_num: Optional[int] = None, return_text_in_logprobs: bool = False,
+                             cache_salt: Optional[str] = None) -> Union[dict, list[dict], AsyncIterator[dict]]:
+        """Await the result of one prompt, or (stream=True) get an async iterator of its chunks.
+
+        Chunks are those of /generate's stream: cumulative text and output_ids, output logprobs as deltas.
+        """
+        with _engine_errors():
+            req = _parse(prompt, input_ids, sampling_params, return_logprob, logprob_start_len,
+                         top_logprobs_num, return_text_in_logprobs, cache_salt, stream=stream)
+            if req.is_batch:
+                raise InvalidRequest("async_generate takes one prompt; call it once per prompt")
+            if stream and req.prompts[0].sampling.n > 1:
+                raise InvalidRequest("stream=True supports n == 1 only")
+            aloop = asyncio.get_running_loop()
+            states = self._submit(req, asyncio.Event(), lambda s, out: _post(aloop, s, out))
+        if stream:
+            return self._stream(req, states)
+        with _engine_errors():
+            async with contextlib.aclosing(self._updates(states)) as updates:
+                async for changed in updates:
+                    frontend.raise_first_error(changed)
+            return frontend.native_response(req, states, self.token_text)
+
+    async def _stream(self, req: GenerateRequest, states: list[SeqState]) -> AsyncIterator[dict]:
+        with _engine_errors():
+            async with contextlib.aclosing(self._updates(states)) as updates:
+                async for changed in updates:
+                    frontend.raise_first_error(changed)
+                    for s in changed:
+                        yield frontend.native_output(req, s, self.token_text, delta_logprobs=True)
+
+    def abort_request(self, rid: str) -> None:
+        """Abort a running request by id (meta_info's `id`)."""
+        self._inbox.put(AbortReq(rid))
+
+    def flush_cache(self) -> ControlOut:
+        """Empty the prefix cache (fails while requests run)."""
+        return self._control_call(FlushCacheReq())
+
+    def get_server_info(self) -> dict:
+        """Server args and scheduler state (pool occupancy, cache metrics)."""
+        state = self._control_call(GetStateReq()).state
+        return {**self.server_args.to_dict(), "internal_states": [state]}
+
+    def _control_call(self, msg: object) -> ControlOut:
+        with self._control_lock:          # one control question at a time: answers carry no id
+            self._check_alive()
+            self._inbox.put(msg)
+            return self._control.get(timeout=60)
+
+    def shutdown(self) -> None:
+        """Stop the scheduler thread."""
+        self._inbox.put(None)
+        self._thread.join(timeout=30)
+        self.scheduler.close()
+
+    def __enter__(self) -> Engine:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.shutdown()
+
+    # ------------------------------------------------------------------ caller side
+    def _submit(self, req: GenerateRequest, wake: Any, deliver: Deliver) -> list[SeqState]:
+        """Tokenize, validate and expand `req` (the frontend's rules), then queue its sequences."""
+        self._check_alive()
+        frontend.encode_prompts(frontend.text_prompts(req, self.limits), self.tokenizer)
+        states = frontend.expand_sequences(req, self.limits, self.tokenizer, wake)
+        for s in states:
+            self._sequences[s.rid] = (s, deliver)
+        for s in states:
+            self._inbox.put(frontend.scheduler_request(req, s))
+        return states
+
+    def _collect(self, running: int, arrived: queue.Queue) -> None:
+        """Hand outputs to their sequences until `running` of them finished; raises the first error.
+
+        A sequence applies its outputs (detokenizes) once, when it finishes: the caller's thread then
+        takes no time from the scheduler thread while the batch runs.
+        """
+        while running:
+            try:
+                state, out = arrived.get(timeout=POLL_S)
+            except queue.Empty:
+                self._check_alive()
+                continue
+            state.push(out)
+            if out.finished and not state.finished:
+                state.drain()
+                frontend.raise_first_error([state])
+                running -= 1
+
+    async def _updates(self, states: list[SeqState]) -> AsyncIterator[list[SeqState]]:
+        try:
+            async with contextlib.aclosing(frontend.sequence_updates(states, self._wait)) as updates:
+                async for changed in updates:
+                    yield changed
+        finally:
+            self._release(states)
+
+    async def _wait(self, wake: asyncio.Event) -> None:
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(wake.wait(), POLL_S)
+        self._check_alive()
+
+    def _release(self, states: list[SeqState]) -> None:
+        """Forget `states`; abort the scheduler side of those not finished (the caller went away)."""
+        for s in states:
+            if self._sequences.pop(s.rid, None) is not None and not s.finished:
+                self._inbox.put(AbortReq(s.rid))
+
+    def _check_alive(self) -> None:
+        if self._error is not None:
+            raise RuntimeError(f"the scheduler thread died: {self._error!r}") from self._error
+        if not self._thread.is_alive():
+            raise RuntimeError("the engine is shut down")
+
+    # ------------------------------------------------------------------ scheduler thread
+    def _run(self) -> None:
+        try:
+            self._loop.run()
+        except BaseException as e:  # surface to callers instead of hanging them
+            self._error = e
+            raise
+
+    def _recv(self, block: bool) -> list:
+        msgs = []
+        try:
+            msgs.append(self._inbox.get(timeout=0.05) if block else self._inbox.get_nowait())
+            while True:
+                msgs.append(self._inbox.get_nowait())
+        except queue.Empty:
+            pass
+        return msgs
+
+    def _dispatch(self, obj: object) -> None:
+        if isinstance(obj, ControlOut):
+            self._control.put(obj)
+            return
+        assert isinstance(obj, BatchOutput)
+        for out in obj.outputs:
+            entry = self._sequences.get(out.rid)
+            if entry is not None:
+                state, deliver = entry
+                deliver(state, out)
+
+
+def _parse(prompt: Prompt, input_ids: TokenIds, sampling_params: SamplingArg, return_logprob: Any,
+           logprob_start_len: Any, top_logprobs_num: Any, return_text_in_logprobs: bool,
+           cache_salt: Optional[str], stream: bool) -> GenerateRequest:
+    """The Engine's arguments as the /generate body they stand for, parsed by the HTTP server's parser."""
+    body = {"text": prompt, "input_ids": input_ids, "sampling_params": sampling_params,
+            "return_logprob": return_logprob, "logprob_start_len": logprob_start_len,
+            "top_logprobs_num": top_logprobs_num, "return_text_in_logprobs": return_text_in_logprobs,
+            "stream": stream, "cache_salt": cache_salt}
+    check_no_surrogates(body)
+    return parse_generate(body)
+
+
+def _post(aloop: asyncio.AbstractEventLoop, state: SeqState, out: ReqOutput) -> None:
+    """Hand `out` to `state` on its caller's event loop, where all of its changes happen."""
+    try:
+        aloop.call_soon_threadsafe(state.push, out)
+    except RuntimeError:           # the caller's event loop is gone: nobody is listening
+        pass
+
+
+@contextlib.contextmanager
+def _engine_errors() -> Iterator[None]:
+    """The frontend's HTTP errors as Python exceptions: 4xx → InvalidRequest, 5xx → RuntimeError."""
+    try:
+        yield
+    except ApiError as e:
+        if e.status < 500:
+            raise InvalidRequest(e.message) from e
+        raise RuntimeError(e.message) from e
