@@ -1,4 +1,4 @@
-"""A streaming client for the SGLang-native `/generate` endpoint, timing TTFT and latency."""
+"""A streaming client for the SGLang-native `/generate` endpoint (or `/v1/completions`), timing TTFT and latency."""
 
 from __future__ import annotations
 
@@ -31,19 +31,51 @@ def generate_payload(input_ids: list[int], max_new_tokens: int) -> dict:
     }
 
 
+def completion_payload(input_ids: list[int], max_new_tokens: int) -> dict:
+    """The same request over `/v1/completions`: a token-id prompt, the output's ids asked back
+    (`return_token_ids`) so the next round re-sends exactly what the server generated, usage in the stream."""
+    return {"prompt": input_ids, "max_tokens": max_new_tokens, "temperature": 0, "ignore_eos": True,
+            "stream": True, "stream_options": {"include_usage": True}, "return_token_ids": True}
+
+
+def _generate_event(out: GenerateResult, event: dict) -> bool:
+    """Apply one `/generate` event to `out`; whether it carried output tokens."""
+    out.output_ids = list(event.get("output_ids") or out.output_ids)
+    out.meta_info = event.get("meta_info") or out.meta_info
+    return bool(event.get("output_ids"))
+
+
+def _completion_event(out: GenerateResult, event: dict) -> bool:
+    """Apply one `/v1/completions` chunk to `out` (output id deltas, then the usage chunk)."""
+    new_ids = [i for c in event.get("choices") or [] for i in c.get("token_ids") or []]
+    out.output_ids.extend(new_ids)
+    usage = event.get("usage")
+    if usage:
+        out.meta_info = {"prompt_tokens": usage.get("prompt_tokens"),
+                         "completion_tokens": usage.get("completion_tokens"),
+                         "cached_tokens": (usage.get("prompt_tokens_details") or {}).get("cached_tokens")}
+    return bool(new_ids)
+
+
+API_PATHS = {"generate": "/generate", "completions": "/v1/completions"}
+_APIS = {"generate": (generate_payload, _generate_event), "completions": (completion_payload, _completion_event)}
+
+
 async def stream_generate(session: aiohttp.ClientSession, url: str, input_ids: list[int],
                           max_new_tokens: int, timeout_s: float,
-                          headers: Optional[dict] = None) -> GenerateResult:
-    """POST a streaming /generate and read its server-sent events; never raises, errors go in `.error`.
+                          headers: Optional[dict] = None, api: str = "generate") -> GenerateResult:
+    """POST a streaming request (`api`: /generate, or /v1/completions at `url`) and read its server-sent
+    events; never raises, errors go in `.error`.
 
     TTFT is the time to the first event carrying output tokens. A stream that ends without `[DONE]`,
     an error event, a non-200 answer, a timeout or a connection error all count as a failure.
     """
+    make_payload, apply_event = _APIS[api]
     out = GenerateResult()
     start = time.perf_counter()
     try:
         timeout = aiohttp.ClientTimeout(total=timeout_s)
-        async with session.post(url, json=generate_payload(input_ids, max_new_tokens), headers=headers,
+        async with session.post(url, json=make_payload(input_ids, max_new_tokens), headers=headers,
                                 timeout=timeout) as resp:
             if resp.status != 200:
                 body = (await resp.text())[:300]
@@ -63,10 +95,8 @@ async def stream_generate(session: aiohttp.ClientSession, url: str, input_ids: l
                     err = event["error"]
                     out.error = f"error event: {err.get('message', err) if isinstance(err, dict) else err}"
                     return out
-                if event.get("output_ids") and out.ttft is None:
+                if apply_event(out, event) and out.ttft is None:
                     out.ttft = time.perf_counter() - start
-                out.output_ids = list(event.get("output_ids") or out.output_ids)
-                out.meta_info = event.get("meta_info") or out.meta_info
             if not done:
                 out.error = "the stream ended without [DONE]"
                 return out

@@ -2,7 +2,8 @@
 
 Same flags and semantics as SGLang's script (clients, rounds, request/output/sub-question lengths, max
 parallel, Poisson request rate, ready-queue policy, round barrier, seed, JSON-lines log), sending
-streaming `/generate` requests with `input_ids`. Added: the workload's ideal hit rate and hit rate / ideal,
+streaming `/generate` requests with `input_ids` (or, with `--api completions`, `/v1/completions` with token-id
+prompts). Added: the workload's ideal hit rate and hit rate / ideal,
 a per-round table, per-tier hit metrics read from `/server_info`, a progress bar, failed requests counted
 (never stalling a round barrier), barrier pauses excluded from throughput, and `--launch` to start a
 server (all flags this command does not know are passed to it) and stop it afterwards.
@@ -28,6 +29,7 @@ from typing import Any, Optional
 import requests
 
 from kvstrata.bench import accounting, report
+from kvstrata.bench.client import API_PATHS
 from kvstrata.bench.launcher import ServerProcess
 from kvstrata.bench.runner import MultiTurnRunner, RunConfig
 from kvstrata.bench.workload import (
@@ -75,6 +77,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--server-log", default=None, help="Log file of a launched server.")
     p.add_argument("--server-start-timeout", type=float, default=600.0)
     p.add_argument("--api-key", default=os.environ.get("KVSTRATA_API_KEY"), help="Bearer token, if required.")
+    p.add_argument("--api", default="generate", choices=sorted(API_PATHS),
+                   help="Endpoint: streaming /generate with input_ids (as SGLang), or /v1/completions with a "
+                        "token-id prompt and return_token_ids (the output's exact ids, not re-tokenized text).")
     add_workload_args(p)
     p.add_argument("--log-file", default=None, help="Append the results as one JSON line to this file.")
     p.add_argument("--tag", default="", help="Tag of this run in the log file.")
@@ -162,8 +167,8 @@ def run(args: argparse.Namespace, url: str) -> dict:
                     request_rate=args.request_rate, distribution=args.distribution,
                     ready_queue_policy=args.ready_queue_policy, enable_round_barrier=args.enable_round_barrier,
                     request_timeout_s=args.request_timeout, seed=args.seed,
-                    progress=not getattr(args, "no_progress", False))
-    outcome = asyncio.run(MultiTurnRunner(url + "/generate", convs, cfg, headers).run())
+                    progress=not getattr(args, "no_progress", False), api=getattr(args, "api", "generate"))
+    outcome = asyncio.run(MultiTurnRunner(url + API_PATHS[cfg.api], convs, cfg, headers).run())
     after = get_json(url, "/server_info", headers)
     between_snapshots_s = time.monotonic() - snapshot_at
     page_size = int((after or info).get("page_size") or 1)
@@ -180,7 +185,7 @@ def run(args: argparse.Namespace, url: str) -> dict:
                      "max_parallel": args.max_parallel, "request_rate": args.request_rate,
                      "distribution": args.distribution, "ready_queue_policy": args.ready_queue_policy,
                      "enable_round_barrier": args.enable_round_barrier, "seed": args.seed,
-                     "page_size": page_size, "model_path": model_path},
+                     "page_size": page_size, "model_path": model_path, "api": cfg.api},
         "summary": summary,
         "rounds": accounting.per_round(outcome.records),
         "tiers": accounting.tier_metrics(before, after),

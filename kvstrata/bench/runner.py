@@ -34,6 +34,7 @@ class RunConfig:
     enable_round_barrier: bool = False
     request_timeout_s: float = 600.0
     retry_failed: bool = False             # send a failed round again instead of ending its conversation
+    api: str = "generate"                  # generate | completions (the url's endpoint; see client.API_PATHS)
     seed: int = 1
     progress: bool = True
 
@@ -124,7 +125,7 @@ class MultiTurnRunner:
         rec = RequestRecord(client=client, round=rnd, prompt_ids=prompt, send_time=self._now())
         try:
             res = await stream_generate(session, self.url, prompt, self.cfg.output_length,
-                                        self.cfg.request_timeout_s, self.headers)
+                                        self.cfg.request_timeout_s, self.headers, self.cfg.api)
         except asyncio.CancelledError:
             raise
         except Exception as e:  # a bug here must not hang the run: record it as a failed request

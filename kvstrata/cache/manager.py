@@ -33,6 +33,7 @@ logger = logging.getLogger(__name__)
 
 LOAD_BACK_MIN_TOKENS = 16   # a shorter host hit is cheaper to recompute than to copy back
 PREFETCH_RETRY_REASONS = ("host_full", "rate_limited")
+MAX_REFETCHES = 2           # re-prefetches per request after its local pages were evicted while it waited
 
 
 class KVCacheManager:
@@ -49,6 +50,7 @@ class KVCacheManager:
         self.prefetch_policy = prefetch_policy
         self._loads: list = []          # load-backs submitted for the coming forward
         self.metrics = {"device_hit_tokens": 0, "host_hit_tokens": 0, "storage_hit_tokens": 0}
+        self.refetches = 0              # prefetches re-issued because L1/L2 lost pages a request waited on
         self.host_snapshot = host_snapshot if self.hierarchical else None
         if self.host_snapshot is not None:
             self.host_snapshot.load(tree)
@@ -63,6 +65,7 @@ class KVCacheManager:
         self.begin_step()            # completed copies release their locks: more host room
         op = self.tree.prefetch(req.fill_ids[: req.fill_len - 1], namespace=req.namespace)
         req.prefetch_op = op
+        req.prefetch_local = self._local_tokens(req)
         first_try = not req.prefetch_retry
         if op is not None:
             req.prefetch_retry = False
@@ -79,10 +82,32 @@ class KVCacheManager:
         expired = time.monotonic() >= req.prefetch_deadline
         if req.prefetch_retry and not expired:
             self.start_prefetch(req)
+        elif self._lost_local_pages(req):
+            # While req waited for room, L1/L2 evicted pages its prefetch had counted on (host LRU picks
+            # the prefixes of waiting conversations first): they are in L3, so fetch them again.
+            self.refetches += 1
+            req.prefetch_refetches += 1
+            req.prefetch_retry = False         # a first try again: with a deadline of its own
+            self.start_prefetch(req)
+            expired = time.monotonic() >= req.prefetch_deadline
         op = req.prefetch_op
         if op is None:
             return not req.prefetch_retry or expired
         return op.applied or self.prefetch_policy == "best_effort" or expired
+
+    def _local_tokens(self, req: Req) -> int:
+        """Tokens of req's prompt that L1 + L2 hold now (what a prefetch does not have to read)."""
+        match = self.tree.match_prefix(req.fill_ids[: req.fill_len - 1], namespace=req.namespace, record=False)
+        return match.length + match.host_tokens
+
+    def _lost_local_pages(self, req: Req) -> bool:
+        """Whether L1 + L2 now hold less of req's prompt than when its prefetch was planned (plus what the
+        prefetch attached): pages evicted while req waited, that a new prefetch can bring back from L3."""
+        op = req.prefetch_op
+        if not self.storage or req.prefetch_refetches >= MAX_REFETCHES or (op is not None and not op.applied):
+            return False
+        attached = op.done * self.page_size if op is not None else 0
+        return self._local_tokens(req) < req.prefetch_local + attached
 
     # ------------------------------------------------------------------ per step
     def begin_step(self) -> None:
@@ -269,6 +294,8 @@ class KVCacheManager:
         else:
             out["cache_pages"] = 0
         out.update(self.metrics)
+        if self.storage:
+            out["l3_refetches"] = self.refetches
         if self.hierarchical:
             out["hicache"] = self.tree.metrics()
             out["hicache"].update(self.tree.controller.stats())

@@ -70,6 +70,8 @@ class Req:
     prefetch_op: Any = None          # in-flight L3 prefetch for this request
     prefetch_deadline: float = 0.0
     prefetch_retry: bool = False     # the prefetch was skipped for lack of host room: try again
+    prefetch_local: int = 0          # prompt tokens L1 + L2 held when the prefetch was planned
+    prefetch_refetches: int = 0      # prefetches re-issued after those pages were evicted
 
     @property
     def fill_ids(self) -> list[int]:

@@ -136,6 +136,8 @@ def openai_response(tm: TokenizerManager, req: GenerateRequest, states: list[Seq
                     entries = list(s.input_token_logprobs or []) + entries
                     tops = list(s.input_top_logprobs or []) + tops
                 choice["logprobs"] = completion_logprobs(tm, entries, tops, 0)
+        if opts.return_token_ids:
+            choice["prompt_token_ids"], choice["token_ids"] = list(s.input_ids), list(s.output_ids)
         choices.append(choice)
     return {"id": resp_id, "object": "chat.completion" if opts.kind == "chat" else "text_completion",
             "created": created, "model": opts.model, "choices": choices, "usage": usage(states)}
@@ -181,7 +183,7 @@ async def openai_stream(tm: TokenizerManager, req: GenerateRequest, states: list
                     _stream_tool_calls(choice, streamers[s.index], s.finished, call_counts, s.index,
                                        opts.parallel_tool_calls)
                 if reasoners or streamers:     # they may hold text back, or complete a call
-                    changed_ = bool(choice["delta"] or choice.get("logprobs"))
+                    changed_ = bool(choice["delta"] or choice.get("logprobs") or choice.get("token_ids"))
                 if s.finished:
                     finish_sent.add(s.index)
                     choice["finish_reason"] = "tool_calls" if call_counts[s.index] else finish_reason(s)
@@ -204,6 +206,7 @@ def _delta_choice(tm: TokenizerManager, s: SeqState, opts: OpenAIOptions,
         entries = list(s.input_token_logprobs) + entries
         tops = list(s.input_top_logprobs or []) + tops
     choice: dict[str, Any] = {"index": s.index, "logprobs": None, "finish_reason": None}
+    new_ids = _take_token_ids(s, choice) if opts.return_token_ids else False
     if opts.kind == "chat":
         choice["delta"] = {"content": text} if text else {}
         if entries:
@@ -214,7 +217,18 @@ def _delta_choice(tm: TokenizerManager, s: SeqState, opts: OpenAIOptions,
             lp = completion_logprobs(tm, entries, tops, text_offsets[s.index])
             text_offsets[s.index] += sum(len(t) for t in lp["tokens"])
             choice["logprobs"] = lp
-    return choice, bool(text or entries)
+    return choice, bool(text or entries or new_ids)
+
+
+def _take_token_ids(s: SeqState, choice: dict) -> bool:
+    """Put the output ids `s` made since the last chunk (and, in its first chunk, the prompt ids) in `choice`;
+    whether there were any. Ids are never held back, even while text is (stop strings, partial UTF-8)."""
+    sent = s.sent_token_ids
+    if sent == 0 and s.output_ids:
+        choice["prompt_token_ids"] = list(s.input_ids)
+    choice["token_ids"] = s.output_ids[sent:]
+    s.sent_token_ids = len(s.output_ids)
+    return len(s.output_ids) > sent
 
 
 def _split_tool_calls(opts: OpenAIOptions, text: str) -> tuple[Optional[str], list[ToolCall]]:

@@ -49,6 +49,7 @@ class OpenAIOptions:
     forced_tool_call: bool = False  # tool_choice required / named: the reply is one JSON call
     parallel_tool_calls: bool = True
     reasoning_parser: Optional[str] = None   # chat: split <think>...</think> into reasoning_content
+    return_token_ids: bool = False  # vLLM's extension: prompt and output token ids in each choice
 
 
 @dataclass
@@ -149,7 +150,7 @@ def _options(body: dict, kind: str, default_model: str, n: int) -> OpenAIOptions
         if body.get(name) is not None and not isinstance(body[name], str):
             raise ApiError(f"'{name}' must be a string", param=name)
     return OpenAIOptions(kind=kind, model=model or default_model, n=n, stream=stream,
-                         include_usage=include_usage)
+                         include_usage=include_usage, return_token_ids=get_bool(body, "return_token_ids"))
 
 
 def _sampling(body: dict, max_tokens: Optional[int]) -> tuple[Any, bool]:

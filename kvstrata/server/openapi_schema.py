@@ -105,6 +105,7 @@ class _OpenAIBody(_Body):
     json_schema: Union[str, dict[str, Any], None] = None
     rid: Optional[str] = None
     cache_salt: Optional[str] = None
+    return_token_ids: Optional[bool] = None
 
 
 class CompletionBody(_OpenAIBody):

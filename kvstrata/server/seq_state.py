@@ -79,6 +79,7 @@ class SeqState:
         self.error_status = 400
         self.sent_text_len = 0              # for consumers that send deltas
         self.sent_logprobs = 0
+        self.sent_token_ids = 0             # output ids already streamed (return_token_ids)
         self.sent_input_logprobs = False
         self._failed_unseen = False         # fail() happened and no drain() has reported it yet
         self.stream = False                 # the client reads a stream (set by the TokenizerManager)

@@ -25,14 +25,19 @@ def server(tmp_path_factory: pytest.TempPathFactory):
         yield proc
 
 
-def test_multiturn_cli_reports_hits_from_round_two(server: ServerProcess, tmp_path):
+def run_two_rounds(server: ServerProcess, tmp_path, *flags: str) -> dict:
+    """2 clients x 2 rounds of 24-token questions and 3-token answers, round barrier; the logged result."""
     log = tmp_path / "results.jsonl"
     rc = multiturn.main(["--port", str(server.port), "--model-path", "tiny", "--num-clients", "2",
                          "--num-rounds", "2", "--request-length", "24", "--output-length", "3",
                          "--max-parallel", "2", "--request-rate", "inf", "--enable-round-barrier",
-                         "--log-file", str(log), "--no-progress"])
+                         "--log-file", str(log), "--no-progress", *flags])
     assert rc == 0
-    result = json.loads(log.read_text().splitlines()[-1])
+    return json.loads(log.read_text().splitlines()[-1])
+
+
+def test_multiturn_cli_reports_hits_from_round_two(server: ServerProcess, tmp_path):
+    result = run_two_rounds(server, tmp_path)
     s = result["summary"]
     for key in ("cache_hit_rate", "ideal_hit_rate", "hit_rate_vs_ideal", "mean_ttft", "p50_ttft", "p90_ttft",
                 "p99_ttft", "input_throughput", "duration_s", "failed", "skipped"):
@@ -47,6 +52,16 @@ def test_multiturn_cli_reports_hits_from_round_two(server: ServerProcess, tmp_pa
     assert 0.9 <= s["hit_rate_vs_ideal"] <= 1.0
     assert s["mean_ttft"] > 0 and s["input_throughput"] > 0
     assert "cache_hit_rate" in result["tiers"]
+
+
+def test_multiturn_over_v1_completions_resends_the_generated_ids(server: ServerProcess, tmp_path):
+    result = run_two_rounds(server, tmp_path, "--api", "completions")
+    s = result["summary"]
+    assert result["workload"]["api"] == "completions"
+    assert (s["completed"], s["failed"], s["output_tokens"]) == (4, 0, 4 * 3)
+    assert s["prompt_tokens"] == 2 * 24 + 2 * (24 + 3 + 24)
+    # The next prompt carries the exact generated ids, so the server finds all of what the ideal counts.
+    assert s["cached_tokens"] == s["ideal_cached_tokens"] == 2 * (24 + 2)
 
 
 def test_sharegpt_prompts_are_cut_to_the_requested_length(server: ServerProcess, tmp_path):

@@ -107,6 +107,28 @@ def test_stop_strings_openai(openai_client):
     assert "".join(streamed) == r.choices[0].text and all(stop not in t for t in streamed)
 
 
+def test_return_token_ids_gives_the_generated_ids(openai_client, server):
+    """A token-id prompt's next turn can re-send exactly what was generated (no re-tokenized text)."""
+    prompt = list(range(40, 72))
+    kw = dict(model="tiny", prompt=prompt, max_tokens=6, temperature=0)
+    native = server.post("/generate", json={"input_ids": prompt, "sampling_params": {
+        "max_new_tokens": 6, "temperature": 0}}).json()
+    choice = openai_client.completions.create(**kw, extra_body={"return_token_ids": True}).choices[0]
+    assert choice.model_extra["token_ids"] == native["output_ids"]
+    assert choice.model_extra["prompt_token_ids"] == prompt
+    chunks = [c.choices[0] for c in openai_client.completions.create(
+        **kw, stream=True, extra_body={"return_token_ids": True}) if c.choices]
+    assert [i for c in chunks for i in c.model_extra.get("token_ids") or []] == native["output_ids"]
+    assert [c.model_extra.get("prompt_token_ids") for c in chunks if c.model_extra.get("prompt_token_ids")] \
+        == [prompt]
+    assert "token_ids" not in openai_client.completions.create(**kw).choices[0].model_extra
+    chat = openai_client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=4, temperature=0,
+                                                 extra_body={"return_token_ids": True}).choices[0]
+    assert len(chat.model_extra["token_ids"]) == 4 or chat.finish_reason == "stop"
+    bad = server.post("/v1/completions", json={**kw, "return_token_ids": "yes"})
+    assert bad.status_code == 400 and "return_token_ids" in bad.text
+
+
 def test_cached_tokens_on_repeat(openai_client, server):
     server.wait_idle()
     server.post("/flush_cache")
