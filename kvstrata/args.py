@@ -17,6 +17,8 @@ import typing
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
+from kvstrata.cache.write_policy import WRITE_POLICIES
+
 
 class ConfigError(ValueError):
     """An invalid setting or combination of settings, raised at start-up."""
@@ -39,7 +41,6 @@ def _no_effect(why: str) -> dict:
 
 SCHEDULE_POLICIES = ["fcfs", "lpm"]
 EVICTION_POLICIES = ["lru", "lfu", "fifo", "priority"]
-WRITE_POLICIES = ["write_through", "write_through_selective", "write_back"]
 MEM_LAYOUTS = ["layer_first", "page_first"]
 STORAGE_BACKENDS = ["file", "mooncake"]
 PREFETCH_POLICIES = ["best_effort", "wait_complete", "timeout"]
@@ -119,7 +120,7 @@ class ServerArgs:
     hicache_ratio: float = field(default=2.0, metadata=_opt("Host pool size as a multiple of the device pool."))
     hicache_size: int = field(default=0, metadata=_opt("Host pool size in GB (overrides --hicache-ratio)."))
     hicache_write_policy: str = field(default="write_through", metadata=_opt(
-        "When device pages are copied to host.", WRITE_POLICIES))
+        "When device pages are copied to host.", list(WRITE_POLICIES)))
     hicache_mem_layout: str = field(default="layer_first", metadata=_opt("Host pool layout.", MEM_LAYOUTS))
 
     # --- L3 storage tier ---

@@ -53,6 +53,7 @@ class Req:
     last_node: Any = None
     cached_tokens: int = 0          # prompt tokens served from the cache at (first) admission
     tier_hits: tuple = (0, 0, 0)    # of the last match: (device, host, storage) tokens; sums to its length
+    hits_recorded: bool = False     # its admission was counted in the per-tier hit metrics
     retractions: int = 0
     # Sampling state
     generator: Optional[torch.Generator] = None

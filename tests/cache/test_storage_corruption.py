@@ -84,7 +84,7 @@ class MooncakeStore:
 def prompt_page_keys(server) -> list[str]:
     """The L3 keys of the prompt's pages, derived the way every server of this model derives them."""
     from kvstrata.cache.page_hash import page_keys, storage_namespace
-    from kvstrata.cache.storage_tier import model_identity
+    from kvstrata.cache.storage_io import model_identity
     from kvstrata.model.builtin import resolve_model_path
 
     dtype = server.server_info()["dtype"]
