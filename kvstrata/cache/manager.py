@@ -2,13 +2,15 @@
 
 It owns the L1 page allocator, the request-to-slot table and (unless disabled) the radix tree with its
 ordered list of tiers (device, host, storage), and keeps the page ownership rule: every allocatable
-device page belongs to exactly one of {free list, radix tree, one running request}. A request's pages
-split at `req.tree_len`:
+device page belongs to exactly one of {free list, radix tree, one running request}. A request's KV state
+is a KVHandle (kv_handle.py) that this facade creates and alone writes; the request holds it as `req.kv`.
+Its pages split at the handle's `tree_len`:
 
-    tokens [0, tree_len)        pages owned by the tree, locked through req.last_node
+    tokens [0, tree_len)        pages owned by the tree, locked through the handle's last_node
     tokens [tree_len, slot_len) the request's private pages (freed or handed to the tree on commit)
 
-Verbs: `match` (look up and lock the cached prefix), `reserve` (slots for new tokens, evicting if needed),
+Verbs: `plan_admit` (what an admission would take; pure) and `admit` (take it, count the hit once),
+`reserve` (slots for new tokens, evicting if needed), `advance` (the forward computed more KV),
 `commit` (hand computed full pages to the tree), `release` (request done: commit, unlock, free),
 `begin_step` (apply every tier's completed copies: the one place per step), `check_integrity`.
 """
@@ -23,6 +25,7 @@ import torch
 
 from kvstrata.cache.device_tier import DeviceTier
 from kvstrata.cache.integrity import check_slot_accounting
+from kvstrata.cache.kv_handle import KVHandle
 from kvstrata.cache.radix_tree import RadixTree
 from kvstrata.memory.allocator import PageAllocator, pages_needed, pages_of_slots, slots_for_extend
 from kvstrata.memory.req_slots import ReqSlotTable
@@ -83,34 +86,50 @@ class KVCacheManager:
         self._loads: list = []          # load-backs submitted for the coming forward
         self.metrics = {"device_hit_tokens": 0, "host_hit_tokens": 0, "storage_hit_tokens": 0}
 
+    @staticmethod
+    def _handle(req: Req) -> KVHandle:
+        """req's KV handle, created on first use: the cache owns it, the request holds it."""
+        if req.kv is None:
+            req.kv = KVHandle()
+        return req.kv
+
+    def advance(self, req: Req, kv_len: int) -> None:
+        """The forward computed req's KV up to `kv_len` tokens (within the slots reserved for it)."""
+        h = self._handle(req)
+        if not h.kv_len <= kv_len <= h.slot_len:
+            raise ValueError(f"advance to {kv_len}: kv_len {h.kv_len}, slot_len {h.slot_len}")
+        h.kv_len = kv_len
+
     # ------------------------------------------------------------------ L3 prefetch
     def start_prefetch(self, req: Req) -> None:
         """On arrival: start reading from L3 what the local tiers miss of req's prompt."""
+        h = self._handle(req)
         if self.storage is None:
             return
         from kvstrata.cache.storage_tier import prefetch_deadline
 
         op = self.storage.prefetch(req.fill_ids[: req.fill_len - 1], namespace=req.namespace)
-        req.prefetch_op = op
-        first_try = not req.prefetch_retry
+        h.prefetch_op = op
+        first_try = not h.prefetch_retry
         if op is not None:
-            req.prefetch_retry = False
+            h.prefetch_retry = False
             if first_try:
-                req.prefetch_deadline = prefetch_deadline(self.prefetch_policy, len(op.keys))
+                h.prefetch_deadline = prefetch_deadline(self.prefetch_policy, len(op.keys))
         elif self.storage.last_skip_reason in PREFETCH_RETRY_REASONS and self.prefetch_policy != "best_effort":
             # Host room is often short only while copies are in flight: try again until the deadline.
-            req.prefetch_retry = True
+            h.prefetch_retry = True
             if first_try:
-                req.prefetch_deadline = prefetch_deadline(self.prefetch_policy, req.fill_len // self.page_size)
+                h.prefetch_deadline = prefetch_deadline(self.prefetch_policy, req.fill_len // self.page_size)
 
     def prefetch_ready(self, req: Req) -> bool:
         """Whether req may be scheduled now, per --hicache-storage-prefetch-policy."""
-        expired = time.monotonic() >= req.prefetch_deadline
-        if req.prefetch_retry and not expired:
+        h = self._handle(req)
+        expired = time.monotonic() >= h.prefetch_deadline
+        if h.prefetch_retry and not expired:
             self.start_prefetch(req)
-        op = req.prefetch_op
+        op = h.prefetch_op
         if op is None:
-            return not req.prefetch_retry or expired
+            return not h.prefetch_retry or expired
         return op.applied or self.prefetch_policy == "best_effort" or expired
 
     # ------------------------------------------------------------------ per step
@@ -142,7 +161,8 @@ class KVCacheManager:
 
     def pages_for(self, req: Req, num_new: int) -> int:
         """New pages `req` needs to get slots for `num_new` more tokens."""
-        return pages_needed(req.slot_len, req.slot_len + num_new, self.page_size)
+        h = self._handle(req)
+        return pages_needed(h.slot_len, h.slot_len + num_new, self.page_size)
 
     # ------------------------------------------------------------------ admission
     def plan_admit(self, req: Req, budget: int) -> AdmitPlan | None:
@@ -168,18 +188,19 @@ class KVCacheManager:
         the plan's first chunk, and count the hit per tier (once per request). False (nothing held) if the
         plan no longer fits; without a plan, only the row and the cached prefix are taken (PD decode side).
         """
+        h = self._handle(req)
         row = self.slot_table.alloc()
         if row is None:
             return False
-        req.row = row
-        req.kv_len = req.slot_len = req.tree_len = 0
+        h.clear()
+        h.row = row
         self.match(req, load_back=plan is None or plan.host_tokens > 0)
         if plan is None:
             return True
         if not self.reserve(req, plan.new_tokens):
             self.release(req, cache=False)
             return False
-        if not req.hits_recorded:
+        if not h.hits_recorded:
             self._record_hits(req)
         return True
 
@@ -196,6 +217,7 @@ class KVCacheManager:
 
     def match(self, req: Req, load_back: bool = True) -> int:
         """Look up the longest cached prefix of req's tokens, lock it, use its slots. Returns its length."""
+        h = self._handle(req)
         result = self._lookup(req, record=True)
         if result is None:
             return 0
@@ -212,12 +234,13 @@ class KVCacheManager:
         if self.host is not None:
             self.host.on_hit(result.last_node)
         n = result.length
-        req.tier_hits = (device_hit, n - device_hit - storage_hit, storage_hit)
+        h.tier_hits = (device_hit, n - device_hit - storage_hit, storage_hit)
         self.tree.inc_lock_ref(result.last_node)
-        req.last_node = result.last_node
+        h.last_node = result.last_node
         if n:
-            self.slot_table.write(req.row, 0, result.slots)
-        req.kv_len = req.slot_len = req.tree_len = n
+            self.slot_table.write(h.row, 0, result.slots)
+        h.kv_len = h.slot_len = h.tree_len = n
+        h.last_slot = int(result.slots[-1]) if n else None
         return n
 
     def _record_hits(self, req: Req) -> None:
@@ -226,20 +249,23 @@ class KVCacheManager:
         A re-admission after a retraction is not counted again, so device + host + storage hits add up to
         the cached_tokens reported to clients.
         """
-        req.hits_recorded = True
-        for key, tokens in zip(("device_hit_tokens", "host_hit_tokens", "storage_hit_tokens"), req.tier_hits):
+        h = self._handle(req)
+        h.hits_recorded = True
+        for key, tokens in zip(("device_hit_tokens", "host_hit_tokens", "storage_hit_tokens"), h.tier_hits):
             self.metrics[key] += tokens
 
     def reserve(self, req: Req, num_new: int) -> bool:
         """Assign slots to req's next `num_new` tokens, evicting from the tree if needed. All or nothing."""
+        h = self._handle(req)
         need = self.pages_for(req, num_new)
         if need and not self.ensure_free_pages(need):
             return False
         pages = self.allocator.alloc(need) if need else []
-        last_slot = int(self.slot_table.table[req.row, req.slot_len - 1]) if req.slot_len else None
-        slots = slots_for_extend(last_slot, req.slot_len, num_new, pages, self.page_size)
-        self.slot_table.write(req.row, req.slot_len, slots.to(self.slot_table.table.device))
-        req.slot_len += num_new
+        slots = slots_for_extend(h.last_slot, h.slot_len, num_new, pages, self.page_size)   # on the host
+        self.slot_table.write(h.row, h.slot_len, slots.to(self.slot_table.table.device))
+        h.slot_len += num_new
+        if num_new:
+            h.last_slot = int(slots[-1])
         return True
 
     def ensure_free_pages(self, num_pages: int) -> bool:
@@ -251,51 +277,56 @@ class KVCacheManager:
     # ------------------------------------------------------------------ commit / release
     def commit(self, req: Req) -> None:
         """Hand req's computed full pages to the tree, so that other requests can share them now."""
+        h = self._handle(req)
         if self.tree is None:
             return
-        upto = req.kv_len - req.kv_len % self.page_size
-        if upto <= req.tree_len:
+        upto = h.kv_len - h.kv_len % self.page_size
+        if upto <= h.tree_len:
             return
         tokens = req.fill_ids[:upto]
-        slots = self.slot_table.read(req.row, upto)
+        slots = self.slot_table.read(h.row, upto)
         already, leaf = self.tree.insert(tokens, slots.clone(), namespace=req.namespace)
         if leaf is not None and self.host is not None:
             self.host.on_insert(leaf)
-        if already > req.tree_len:
+        if already > h.tree_len:
             # Another request cached [tree_len, already) first: our copies of those pages are duplicates.
-            self.allocator.free(pages_of_slots(slots[req.tree_len:already], self.page_size))
+            self.allocator.free(pages_of_slots(slots[h.tree_len:already], self.page_size))
         result = self.tree.match_prefix(tokens, namespace=req.namespace, record=False)
         assert result.length == upto, f"commit: matched {result.length} of {upto} inserted tokens"
-        self.slot_table.write(req.row, 0, result.slots)
+        self.slot_table.write(h.row, 0, result.slots)
+        if h.slot_len == upto:
+            h.last_slot = int(result.slots[-1])
         self.tree.inc_lock_ref(result.last_node)
-        if req.last_node is not None:
-            self.tree.dec_lock_ref(req.last_node)
-        req.last_node = result.last_node
-        req.tree_len = upto
+        if h.last_node is not None:
+            self.tree.dec_lock_ref(h.last_node)
+        h.last_node = result.last_node
+        h.tree_len = upto
 
     def release(self, req: Req, cache: bool = True) -> None:
         """Request done (finished, aborted or retracted): optionally commit, then free everything it holds."""
-        if req.row is None:
+        h = self._handle(req)
+        if h.row is None:
             return
         if cache:
             self.commit(req)
         self.allocator.free(self.private_pages(req))
-        if self.tree is not None and req.last_node is not None:
-            self.tree.dec_lock_ref(req.last_node)
-        self.slot_table.free(req.row)
-        req.row = req.last_node = None
-        req.kv_len = req.slot_len = req.tree_len = 0
+        if self.tree is not None and h.last_node is not None:
+            self.tree.dec_lock_ref(h.last_node)
+        self.slot_table.free(h.row)
+        h.clear()
 
     def private_pages(self, req: Req) -> list[int]:
         """Pages of req that are neither free nor the tree's."""
-        if req.row is None or req.slot_len <= req.tree_len:
+        h = self._handle(req)
+        if h.row is None or h.slot_len <= h.tree_len:
             return []
-        slots = self.slot_table.read(req.row, req.slot_len)[req.tree_len:]
+        slots = self.slot_table.read(h.row, h.slot_len)[h.tree_len:]
         return pages_of_slots(slots, self.page_size).tolist()
 
     def slots_of(self, req: Req, start: int, end: int) -> torch.Tensor:
         """Slots of req's tokens [start, end)."""
-        return self.slot_table.table[req.row, start:end]
+        h = self._handle(req)
+        return self.slot_table.table[h.row, start:end]
 
     # ------------------------------------------------------------------ maintenance
     def flush(self) -> None:
@@ -319,6 +350,19 @@ class KVCacheManager:
         rows_in_use = self.slot_table.max_requests - self.slot_table.free_rows
         if rows_in_use != len(running):
             raise AssertionError(f"{rows_in_use} slot-table rows in use for {len(running)} running requests")
+        for req in running:
+            h = self._handle(req)
+            table_last = int(self.slot_table.table[h.row, h.slot_len - 1]) if h.slot_len else None
+            if h.last_slot != table_last:
+                raise AssertionError(f"{req.rid}: host-side last slot {h.last_slot} != slot table's {table_last}")
+
+    def forward_slots(self) -> ReqSlotTable:
+        """The request-to-slot table the model runner reads a batch's slots from (read only)."""
+        return self.slot_table
+
+    def pool_pages(self) -> dict:
+        """Free and total device pages, from counters (no walk)."""
+        return {"free_pages": self.allocator.free_pages, "capacity_pages": self.allocator.capacity_pages}
 
     def stats(self) -> dict:
         """Pool occupancy numbers for /server_info."""

@@ -165,7 +165,7 @@ class Scheduler:
             return outputs
         try:
             with self.engine_meter.measure():
-                result = self.runner.forward(batch, self.cache.slot_table)
+                result = self.runner.forward(batch, self.cache.forward_slots())
             outputs.extend(self._process(batch, result))
         except Exception as e:  # one bad batch (a bug, an odd shape, out of memory) must not end the server
             outputs.extend(self._fail_batch(batch, e))
@@ -324,7 +324,7 @@ class Scheduler:
         k = 0
         for i, e in enumerate(batch.entries):
             req = e.req
-            req.kv_len = e.end
+            self.cache.advance(req, e.end)
             if i in result.prompt_logprob_rows:
                 self._add_prompt_logprobs(req, e, result.prompt_logprob_rows[i])
             if e.sample:
@@ -436,9 +436,7 @@ class Scheduler:
 
     def get_load(self) -> dict:
         """Queue lengths, pool occupancy and hits per tier from counters kept anyway (no walk, no check)."""
-        allocator = self.cache.allocator
-        return {"running_requests": len(self.running), "waiting_requests": len(self.waiting),
-                "free_pages": allocator.free_pages, "capacity_pages": allocator.capacity_pages,
+        return {"running_requests": len(self.running), "waiting_requests": len(self.waiting), **self.cache.pool_pages(),
                 "prompt_tokens": self.metrics["prompt_tokens"], "cached_tokens": self.metrics["cached_tokens"],
                 **self.cache.metrics}
 

@@ -52,7 +52,7 @@ def compute(manager: KVCacheManager, pool: DeviceKVPool, req: Req) -> None:
     for i in range(req.kv_len, req.slot_len):
         for layer in range(LAYERS):
             pool.k_buffer[layer][slots[i]] = kv_value(tokens[: i + 1])
-    req.kv_len = req.slot_len
+    manager.advance(req, req.slot_len)
 
 
 ops = st.lists(st.tuples(st.sampled_from(["start", "start", "finish", "evict", "evict_host", "ack"]),
