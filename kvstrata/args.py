@@ -134,6 +134,9 @@ class ServerArgs:
         "JSON object (or @path to a JSON file) with backend settings."))
     hicache_storage_dir: Optional[str] = field(default=None, metadata=_opt(
         "Directory of the file backend (default: $KVSTRATA_STORAGE_DIR or ~/.cache/kvstrata/kv)."))
+    hicache_storage_page_tokens: int = field(default=64, metadata=_opt(
+        "Tokens per storage (L3) object, independent of --page-size: consecutive pages are stored as one "
+        "object (file or Mooncake key). A multiple of --page-size; a value below it means one page."))
 
     # --- structured output ---
     grammar_backend: str = field(default="xgrammar", metadata=_opt(
@@ -280,6 +283,11 @@ class ServerArgs:
             raise ConfigError("--hicache-storage-backend needs --enable-hierarchical-cache")
         if self.hicache_storage_backend_extra_config:
             self.storage_extra_config()  # raises on bad JSON
+        if self.hicache_storage_page_tokens < 1:
+            raise ConfigError("--hicache-storage-page-tokens must be >= 1")
+        if self.hicache_storage_page_tokens > self.page_size and self.hicache_storage_page_tokens % self.page_size:
+            raise ConfigError(f"--hicache-storage-page-tokens ({self.hicache_storage_page_tokens}) must be a "
+                              f"multiple of --page-size ({self.page_size})")
         for name, (value, why) in _SINGLE_VALUE.items():
             if getattr(self, name) != value:
                 raise ConfigError(f"--{_flag(name)} {getattr(self, name)} cannot be honoured: {why}")
@@ -337,6 +345,10 @@ class ServerArgs:
             max_running_requests=self.max_running_requests or 256,
             chunked_prefill_size=chunk,
         )
+
+    def storage_group_pages(self) -> int:
+        """Pages per storage (L3) object: --hicache-storage-page-tokens in pages, at least one."""
+        return max(1, self.hicache_storage_page_tokens // self.page_size)
 
     def storage_extra_config(self) -> dict:
         """The parsed `--hicache-storage-backend-extra-config` (inline JSON or @file)."""

@@ -69,6 +69,12 @@ class DeviceTier:
         self._free(node)
         self.tree.remove_leaf(node)
 
+    def drop_subtree(self, node: TreeNode) -> None:
+        """The device is the top tier: no tier above removes nodes through it."""
+
+    def accept_demotion(self, node: TreeNode) -> None:
+        """The device is the top tier: nothing is demoted into it."""
+
     def apply_acks(self) -> None:
         """The device tier starts no copies of its own."""
 

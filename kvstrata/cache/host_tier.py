@@ -5,8 +5,9 @@ A node's host record (node.host) is set here only. Rules:
     a backup (device -> host) locks the node until its ack: its device pages must not change meanwhile;
     a load-back (host -> device) locks the loaded node until its ack: the forward reads those pages;
     host copies hang below host copies: a node's host copy goes only when no child has one;
-    a host copy being written to L3 is not evicted; if its node must go anyway (its device ancestor was
-    lost), the pages stay pinned by the write and are freed at its ack.
+    host pages an L3 write reads are pinned (pin/unpin): a node being written is not evicted, and if a
+    node whose pages are pinned must go anyway (its device ancestor was lost), its pages are freed at
+    the write's ack, not before.
 
 The tier submits copies to the CacheController; `apply_acks` (once per step, from the facade) applies
 them. The write policy decides what is backed up when.
@@ -15,6 +16,7 @@ them. The write policy decides what is backed up when.
 from __future__ import annotations
 
 import logging
+from collections import Counter
 from collections.abc import Iterator
 
 import torch
@@ -44,7 +46,9 @@ class HostTier:
         self.above: Tier | None = None
         self.below: Tier | None = None
         self._backups: dict[int, TreeNode] = {}   # backup op id -> the node it was submitted for
-        self._pinned: dict[int, list[int]] = {}         # L3 write op id -> host pages of a removed node
+        self._readers: Counter = Counter()              # host page -> in-flight L3 writes reading it
+        self._orphans: set[int] = set()                 # pinned pages whose node is gone: freed on unpin
+        self._loading: dict[int, TreeNode] = {}         # load-back op id -> the deepest node it fills
         self.stats = {"backup_pages": 0, "backup_skipped_host_full": 0, "load_back_pages": 0,
                       "host_evicted_pages": 0}
 
@@ -69,18 +73,15 @@ class HostTier:
                 and all(c.host is None for c in node.children.values()))
 
     def drop(self, node: TreeNode) -> None:
-        """Free node's host copy (pages an L3 write still reads stay pinned by it until its ack)."""
+        """Free node's host copy (pages an L3 write still reads are freed when it unpins them)."""
         host = node.host
         if host is None:
             return
         assert host.op_id is None, f"dropping the host copy of {node} while its backup is in flight"
-        pages = host.pages.tolist()
         node.host = None
-        write = node.storage.op_id if node.storage is not None else None
-        if write is not None:
-            self._pinned.setdefault(write, []).extend(pages)
-        else:
-            self.allocator.free(pages)
+        pages = host.pages.tolist()
+        self._orphans.update(p for p in pages if self._readers[p])
+        self.allocator.free([p for p in pages if not self._readers[p]])
 
     def drop_subtree(self, node: TreeNode) -> None:
         """Remove `node` and its descendants, all host-only (their device ancestor is being removed)."""
@@ -99,6 +100,7 @@ class HostTier:
             if op.kind != BACKUP:
                 if op.error is not None:
                     logger.error("load-back failed: %s", op.error)
+                self._loading.pop(op.op_id, None)
                 self.tree.dec_lock_ref(op.node)
                 continue
             for node in self._sharing(self._backups.pop(op.op_id, None), op.op_id):
@@ -199,6 +201,7 @@ class HostTier:
             self.tree.set_device_slots(n, slots[start:start + len(n.key)])
             start += len(n.key)
         self.tree.inc_lock_ref(nodes[-1])             # the pages are being written until the ack
+        self._loading[handle.op_id] = nodes[-1]
         self.stats["load_back_pages"] += num_pages
         full = torch.cat([match.slots, slots.to(match.slots.device)])
         return TreeMatch(full, nodes[-1], []), handle
@@ -232,9 +235,18 @@ class HostTier:
         self.stats["host_evicted_pages"] += freed
         return freed
 
-    def unpin(self, write_op_id: int) -> None:
-        """An L3 write finished: free the host pages it pinned for a node that was removed meanwhile."""
-        self.allocator.free(self._pinned.pop(write_op_id, []))
+    def pin(self, pages: list[int]) -> None:
+        """An L3 write will read `pages`: they stay allocated until it unpins them."""
+        self._readers.update(pages)
+
+    def unpin(self, pages: list[int]) -> None:
+        """An L3 write that read `pages` finished: free those whose node went meanwhile."""
+        self._readers.subtract(pages)
+        done = [p for p in set(pages) if self._readers[p] <= 0]
+        for p in done:
+            del self._readers[p]
+        self.allocator.free([p for p in done if p in self._orphans])
+        self._orphans.difference_update(done)
 
     # ---- inserting host-resident pages ------------------------------------------------------------------
 
@@ -268,9 +280,9 @@ class HostTier:
             self.drop(node)
 
     def owned_pages(self) -> list[int]:
-        """Host pages held by nodes (in-flight backups included) or pinned by L3 writes, with repeats."""
+        """Host pages held by nodes (in-flight backups included) or by L3 writes only, with repeats."""
         held = [p for n in self.tree.nodes() if n.host is not None for p in n.host.pages.tolist()]
-        return held + [p for pages in self._pinned.values() for p in pages]
+        return held + sorted(self._orphans)
 
     def check_integrity(self) -> None:
         """Every host page has one owner: a node, an L3 write, an in-flight prefetch, or the free list."""
@@ -283,6 +295,9 @@ class HostTier:
         leaked = set(range(self.allocator.reserved_pages, self.allocator.num_pages)) \
             - set(owned) - self.allocator.free_page_ids()
         require(not leaked, f"{len(leaked)} leaked host pages: {sorted(leaked)[:16]}")
+        for op_id, node in self._loading.items():
+            require(node.lock_ref > 0 and node.device_slots is not None,
+                    f"load-back {op_id}: {node} is not locked on the device while its pages are written")
         for node in self.tree.nodes():
             host = node.host
             require(node.device_slots is not None or (host is not None and (host.ready or host.op_id is not None)),

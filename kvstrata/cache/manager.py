@@ -437,10 +437,12 @@ def _storage_tier(args, tree: RadixTree, host_pool, device_pool, model_path: str
     from kvstrata.cache.storage_tier import StorageTier
     from kvstrata.storage.base import create_backend
 
-    backend = create_backend(args.hicache_storage_backend, host_pool.page_bytes, args.storage_extra_config(),
-                             storage_dir=args.hicache_storage_dir)
+    group_pages = args.storage_group_pages()
+    backend = create_backend(args.hicache_storage_backend, group_pages * host_pool.page_bytes,
+                             args.storage_extra_config(), storage_dir=args.hicache_storage_dir)
     # Host pages are stored in one canonical byte order whatever --hicache-mem-layout is, so the layout
-    # is not part of the namespace: servers with different layouts share pages.
+    # is not part of the namespace: servers with different layouts share pages. An object's bytes are
+    # its pages' in order, so the page size and the group size are.
     namespace = storage_namespace(model_identity(model_path), str(device_pool.dtype), "canonical",
-                                  tree.page_size)
-    return StorageTier(tree, StorageIO(backend, host_pool), namespace)
+                                  tree.page_size, extra=f"group_pages={group_pages}")
+    return StorageTier(tree, StorageIO(backend, host_pool, group_pages), namespace)

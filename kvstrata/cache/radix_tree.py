@@ -44,9 +44,14 @@ class HostCopy:
 
 @dataclass
 class StorageCopy:
-    """A node's pages in L3: their keys (computed from the whole prefix) and whether they are written."""
+    """The L3 objects (page groups) that end inside a node: their keys and where in the node each ends.
+
+    A group covers a fixed number of tokens from the start of the sequence, so it may begin in an
+    ancestor; `ends[i]` is the offset (in tokens, within this node's key) just past group `keys[i]`.
+    """
 
     keys: list[str]
+    ends: list[int] = field(default_factory=list)
     backed: bool = False
     op_id: int | None = None       # the in-flight write, if any
     from_prefetch: bool = False    # attached by a prefetch and not yet used by a request
@@ -436,7 +441,7 @@ class RadixTree:
 
     def _split(self, child: TreeNode, n: int) -> TreeNode:
         """Cut `child` after n tokens; the new upper node takes the head of every residency record."""
-        ps, k = self.page_size, n // self.page_size
+        ps, k = self.page_size, n // self.page_size   # k: pages in the head
         head_slots = None if child.device_slots is None else child.device_slots[:n]
         head = self._new_node(child.parent, child.key[:n], head_slots, child.priority)
         head.lock_ref, head.hit_count = child.lock_ref, child.hit_count  # same locks: same descendants
@@ -446,8 +451,9 @@ class RadixTree:
             child.host.pages = child.host.pages[k:]
         if child.storage is not None:
             s = child.storage
-            head.storage = StorageCopy(s.keys[:k], s.backed, s.op_id, s.from_prefetch)
-            s.keys = s.keys[k:]
+            g = sum(1 for end in s.ends if end <= n)        # groups ending in the head
+            head.storage = StorageCopy(s.keys[:g], s.ends[:g], s.backed, s.op_id, s.from_prefetch)
+            s.keys, s.ends = s.keys[g:], [end - n for end in s.ends[g:]]
         child.key = child.key[n:]
         if child.device_slots is not None:
             child.device_slots = child.device_slots[n:]

@@ -4,8 +4,13 @@ Like the CacheController it applies no policy and never touches the tree: the tr
 (L3 -> host pages it reserved) and backups (host pages it pinned -> L3), and applies the acknowledgements
 once per scheduler step. Backend failures arrive as short reads/writes: they cost hits, never requests.
 
-Zero copy: with the page_first host layout every page is one contiguous byte range, registered with the
-backend once and read/written in place; with layer_first a page is gathered into a staging copy.
+An L3 object is a page group: `group_pages` consecutive host pages of one sequence, stored as the
+concatenation of their bytes under one key, so object counts follow the data, not --page-size. An op's
+`keys[i]` names host_pages[i*group_pages : (i+1)*group_pages].
+
+Zero copy: with the page_first host layout and one page per object, every object is one contiguous
+byte range, registered with the backend once and read/written in place; otherwise objects are gathered
+into (and scattered from) staging copies.
 """
 
 from __future__ import annotations
@@ -31,7 +36,8 @@ PREFETCH, STORAGE_BACKUP = "prefetch", "storage_backup"
 
 @dataclass(eq=False)
 class StorageOp:
-    """One batch: `keys[i]` <-> `host_pages[i]`; `done` pages at the head succeeded (set by the worker)."""
+    """One batch: `keys[i]` <-> the i-th group of `host_pages`; `done` leading objects succeeded (set by
+    the worker)."""
 
     op_id: int
     kind: str
@@ -46,10 +52,14 @@ class StorageOp:
 class StorageIO:
     """A worker thread running prefetch and backup batches against one backend."""
 
-    def __init__(self, backend: StorageBackend, host_pool: HostKVPool):
+    def __init__(self, backend: StorageBackend, host_pool: HostKVPool, group_pages: int = 1):
+        if backend.page_bytes != group_pages * host_pool.page_bytes:
+            raise ValueError(f"backend objects of {backend.page_bytes} bytes for groups of {group_pages} pages "
+                             f"of {host_pool.page_bytes} bytes")
         self.backend = backend
         self.host_pool = host_pool
-        self.zero_copy = host_pool.layout == "page_first"
+        self.group_pages = group_pages
+        self.zero_copy = host_pool.layout == "page_first" and group_pages == 1
         if self.zero_copy:
             backend.register_buffer(host_pool.whole_buffer())
         self._todo: queue.Queue = queue.Queue()
@@ -58,14 +68,15 @@ class StorageIO:
         self._inflight = 0
         self._idle = threading.Condition()
         self.counters = {"prefetch_ops": 0, "prefetched_pages": 0, "prefetch_bytes": 0, "prefetch_s": 0.0,
-                         "backup_ops": 0, "backed_up_pages": 0, "backup_bytes": 0, "backup_s": 0.0}
+                         "backup_ops": 0, "backed_up_pages": 0, "backed_up_objects": 0, "backup_bytes": 0,
+                         "backup_s": 0.0}
         self._thread = threading.Thread(target=self._work, name="kvstrata-storage", daemon=True)
         self._thread.start()
 
     # ---- submit / ack ---------------------------------------------------------------------------------
 
     def submit_prefetch(self, keys: list[str], host_pages: list[int], tag: Any = None) -> StorageOp:
-        """Read the leading existing pages of `keys` into `host_pages` (reserved by the caller)."""
+        """Read the leading existing objects of `keys` into `host_pages` (reserved by the caller)."""
         return self._submit(PREFETCH, keys, host_pages, tag)
 
     def submit_backup(self, keys: list[str], host_pages: list[int], tag: Any = None) -> StorageOp:
@@ -73,6 +84,8 @@ class StorageIO:
         return self._submit(STORAGE_BACKUP, keys, host_pages, tag)
 
     def _submit(self, kind: str, keys: list[str], host_pages: list[int], tag: Any) -> StorageOp:
+        if len(host_pages) != len(keys) * self.group_pages:
+            raise ValueError(f"{len(host_pages)} host pages for {len(keys)} objects of {self.group_pages} pages")
         op = StorageOp(self._next_id, kind, list(keys), list(host_pages), tag)
         self._next_id += 1
         with self._idle:
@@ -135,26 +148,36 @@ class StorageIO:
             return 0
         if self.zero_copy:
             return self.backend.batch_get(op.keys[:n], [self.host_pool.page_buffer(p) for p in op.host_pages[:n]])
-        staging = [torch.empty(self.host_pool.page_bytes, dtype=torch.uint8) for _ in range(n)]
+        staging = [torch.empty(self.backend.page_bytes, dtype=torch.uint8) for _ in range(n)]
         got = self.backend.batch_get(op.keys[:n], staging)
-        for page, buf in zip(op.host_pages[:got], staging):
-            self.host_pool.write_page_bytes(page, buf)
+        pb = self.host_pool.page_bytes
+        for i, buf in enumerate(staging[:got]):
+            for j, page in enumerate(self._group(op, i)):
+                self.host_pool.write_page_bytes(page, buf[j * pb:(j + 1) * pb])
         return got
 
     def _backup(self, op: StorageOp) -> int:
-        page = self.host_pool.page_buffer if self.zero_copy else self.host_pool.page_tensor_copy
-        return self.backend.batch_set(op.keys, [page(p) for p in op.host_pages])
+        if self.zero_copy:
+            return self.backend.batch_set(op.keys, [self.host_pool.page_buffer(p) for p in op.host_pages])
+        copy = self.host_pool.page_tensor_copy
+        objects = [torch.cat([copy(p) for p in self._group(op, i)]) for i in range(len(op.keys))]
+        return self.backend.batch_set(op.keys, objects)
+
+    def _group(self, op: StorageOp, i: int) -> list[int]:
+        """The host pages of object i of `op`."""
+        return op.host_pages[i * self.group_pages:(i + 1) * self.group_pages]
 
     def _count(self, op: StorageOp) -> None:
-        nbytes = op.done * self.host_pool.page_bytes
+        nbytes = op.done * self.backend.page_bytes
         if op.kind == PREFETCH:
             self.counters["prefetch_ops"] += 1
-            self.counters["prefetched_pages"] += op.done
+            self.counters["prefetched_pages"] += op.done * self.group_pages
             self.counters["prefetch_bytes"] += nbytes
             self.counters["prefetch_s"] += op.seconds
         else:
             self.counters["backup_ops"] += 1
-            self.counters["backed_up_pages"] += op.done
+            self.counters["backed_up_pages"] += op.done * self.group_pages
+            self.counters["backed_up_objects"] += op.done
             self.counters["backup_bytes"] += nbytes
             self.counters["backup_s"] += op.seconds
 

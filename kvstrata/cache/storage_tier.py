@@ -25,7 +25,7 @@ from kvstrata.cache.storage_io import PREFETCH, StorageIO, StorageOp
 
 logger = logging.getLogger(__name__)
 
-PREFETCH_MIN_PAGES = 1              # fewer missing pages than this are not worth an L3 round trip
+PREFETCH_MIN_GROUPS = 1             # fewer missing groups than this are not worth an L3 round trip
 PREFETCH_MAX_INFLIGHT_FRACTION = 0.75   # prefetches in flight may hold at most this share of the host pool
 
 
@@ -37,10 +37,11 @@ class StorageTier:
     def __init__(self, tree: RadixTree, io: StorageIO, storage_namespace: str):
         self.tree = tree
         self.io = io
+        self.group_tokens = io.group_pages * tree.page_size   # tokens per L3 object
         self.storage_namespace = storage_namespace
         self.above = None      # the HostTier, set by the facade
         self.below = None
-        self._writes: dict[int, TreeNode] = {}     # backup op id -> the node it was submitted for
+        self._writes: dict[int, tuple[TreeNode, list[int]]] = {}   # write op id -> (its node, pinned pages)
         self._prefetches: dict[int, StorageOp] = {}      # in-flight prefetches (they hold host pages)
         self._prefetch_inflight_pages = 0
         self.last_skip_reason: str | None = None   # why the latest prefetch() returned None
@@ -80,38 +81,94 @@ class StorageTier:
         return self.storage_namespace if namespace is None else f"{self.storage_namespace}|{namespace}"
 
     def _record(self, node: TreeNode) -> StorageCopy:
-        """node's storage record, its page keys chained from its parent's last key."""
+        """node's storage record (the groups that end inside it), computed on first use."""
         if node.storage is None:
-            parent = node.parent
-            prior = None if parent.is_root else self._record(parent).keys[-1]
-            keys = page_keys(node.key, self.tree.page_size, self._namespace_key(node.root().namespace), prior)
-            node.storage = StorageCopy(keys)
+            node.storage = self._groups_ending_in(node)
         return node.storage
+
+    def _groups_ending_in(self, node: TreeNode) -> StorageCopy:
+        """Keys and end offsets of the page groups whose last token lies in `node` (from its whole path)."""
+        tokens, namespace = _path_tokens(node)
+        gt, start = self.group_tokens, len(tokens) - len(node.key)
+        first, count = start // gt, len(tokens) // gt       # group i covers tokens [i*gt, (i+1)*gt)
+        if count <= first:
+            return StorageCopy([], [])
+        keys = page_keys(tokens[:count * gt], gt, self._namespace_key(namespace))[first:]
+        return StorageCopy(keys, [(i + 1) * gt - start for i in range(first, count)])
 
     # ---- backup to L3 -------------------------------------------------------------------------------------
 
     def on_host_ready(self, node: TreeNode) -> None:
-        """node's host copy is complete: write it to L3 (once)."""
-        record = self._record(node)
-        if record.backed or record.op_id is not None:
+        """node's host copy is complete: write the groups ending in it to L3 (once), and the groups below it
+        that begin in it and were waiting for its pages."""
+        self._write_groups(node)
+        for child in node.children.values():
+            self._retry_below(child, self.group_tokens)
+
+    def _retry_below(self, node: TreeNode, reach: int) -> None:
+        """Write the waiting groups of host-ready `node` and of its descendants within `reach` tokens."""
+        if not node.host_ready:
             return
-        op = self.io.submit_backup(record.keys, node.host.pages.tolist(), node)
+        record = node.storage
+        if record is not None and not record.backed and record.op_id is None:
+            self._write_groups(node)
+        if len(node.key) < reach:
+            for child in node.children.values():
+                self._retry_below(child, reach - len(node.key))
+
+    def _write_groups(self, node: TreeNode) -> None:
+        """Submit the L3 write of the groups ending in `node`, once all their pages are on the host; an
+        ancestor whose part is only on the device is backed up to the host first (its ack retries this)."""
+        record = self._record(node)
+        if record.backed or record.op_id is not None or not record.keys:
+            return
+        pages = self._group_host_pages(node, record)
+        if pages is None:
+            up, reach = node.parent, self.group_tokens
+            while not up.is_root and reach > 0:
+                if not up.host_ready and up.host is None and up.device_slots is not None:
+                    self.above.backup(up)
+                reach -= len(up.key)
+                up = up.parent
+            return
+        self.above.pin(pages)
+        op = self.io.submit_backup(record.keys, pages, node)
         record.op_id = op.op_id
-        self._writes[op.op_id] = node
-        self.stats["storage_backup_pages"] += len(op.keys)
+        self._writes[op.op_id] = (node, pages)
+        self.stats["storage_backup_pages"] += len(pages)
+
+    def _group_host_pages(self, node: TreeNode, record: StorageCopy) -> list[int] | None:
+        """The host pages of every group in `record`, in order; None if one of them is not on the host."""
+        ps, chunks, up = self.tree.page_size, [], node
+        while not up.is_root:
+            chunks.append(up.host.pages.tolist() if up.host_ready else [None] * (len(up.key) // ps))
+            up = up.parent
+        path = [p for chunk in reversed(chunks) for p in chunk]
+        start = len(path) - len(node.key) // ps
+        out = []
+        for end in record.ends:
+            group = path[start + end // ps - self.io.group_pages: start + end // ps]
+            if None in group:
+                return None
+            out.extend(group)
+        return out
 
     # ---- prefetch from L3 ---------------------------------------------------------------------------------
 
     def prefetch(self, token_ids: list[int], namespace: str | None = None) -> StorageOp | None:
-        """Start reading from L3 the pages of `token_ids` that neither device nor host holds (None: skipped)."""
+        """Start reading from L3 the groups of `token_ids` that neither device nor host holds (None: skipped).
+
+        Reading starts at the group the cached prefix ends in; its cached head is dropped on arrival.
+        """
         self.stats["prefetch_requests"] += 1
-        ps, host = self.tree.page_size, self.above
+        gt, host = self.group_tokens, self.above
         match = self.tree.match_prefix(token_ids, namespace, record=False)
-        have = match.cached_tokens
-        aligned = len(token_ids) - len(token_ids) % ps
-        missing = (aligned - have) // ps
-        if missing < max(1, PREFETCH_MIN_PAGES):
-            return self._skip("nothing_to_fetch" if missing <= 0 else "too_short")
+        first, count = match.cached_tokens // gt, len(token_ids) // gt
+        if count * gt <= match.cached_tokens:
+            return self._skip("nothing_to_fetch")
+        if count - first < PREFETCH_MIN_GROUPS:
+            return self._skip("too_short")
+        missing = (count - first) * self.io.group_pages
         limit = int(host.allocator.capacity_pages * PREFETCH_MAX_INFLIGHT_FRACTION)
         if self._prefetch_inflight_pages + missing > limit:
             return self._skip("rate_limited")
@@ -123,10 +180,11 @@ class StorageTier:
         if pages is None:
             self.tree.dec_lock_ref(anchor)
             return self._skip("host_full")
-        keys = page_keys(token_ids[:aligned], ps, self._namespace_key(namespace))[have // ps:]
+        tokens = tuple(token_ids[:count * gt])
+        keys = page_keys(tokens, gt, self._namespace_key(namespace))[first:]
         self._prefetch_inflight_pages += missing
         self.last_skip_reason = None
-        op = self.io.submit_prefetch(keys, pages, (tuple(token_ids[:aligned]), namespace, have, anchor))
+        op = self.io.submit_prefetch(keys, pages, (tokens, namespace, first * gt, anchor))
         self._prefetches[op.op_id] = op
         return op
 
@@ -142,25 +200,26 @@ class StorageTier:
             if op.kind == PREFETCH:
                 self._prefetches.pop(op.op_id, None)
                 self._prefetch_inflight_pages -= len(op.host_pages)
-                self.stats["prefetched_tokens"] += op.done * self.tree.page_size
+                self.stats["prefetched_tokens"] += op.done * self.group_tokens
                 self._attach(op)
                 continue
-            node = self._writes.pop(op.op_id, None)
+            node, pages = self._writes.pop(op.op_id)
+            self.above.unpin(pages)
             # The node and the ancestors split off it while the write was in flight share the op.
             while node is not None and not node.is_root and node.storage is not None \
                     and node.storage.op_id == op.op_id:
                 node.storage.op_id = None
                 node.storage.backed = op.done == len(op.keys)
                 node = node.parent
-            self.above.unpin(op.op_id)
 
     def _attach(self, op: StorageOp) -> None:
         """Hand the fetched pages to the host tier under their prefix; free the ones not read."""
         tokens, namespace, start, anchor = op.tag
         self.tree.dec_lock_ref(anchor)
         host = self.above
-        host.allocator.free(op.host_pages[op.done:])
-        leaf = host.insert_host_pages(tokens, op.host_pages[:op.done], namespace, start) if op.done else None
+        fetched = op.done * self.io.group_pages
+        host.allocator.free(op.host_pages[fetched:])
+        leaf = host.insert_host_pages(tokens, op.host_pages[:fetched], namespace, start) if fetched else None
         if leaf is None:
             return
         record = self._record(leaf)
@@ -193,13 +252,19 @@ class StorageTier:
         return [p for op in self._prefetches.values() for p in op.host_pages]
 
     def check_integrity(self) -> None:
-        """Every node being written is known to an in-flight write, and every write covers live records."""
+        """The L3 objects the tree refers to are named by the keys of their tokens; writes and prefetches in
+        flight are known, and every prefetch keeps the path it will hang under locked."""
         for node in self.tree.nodes():
             s = node.storage
             if s is None:
                 continue
-            require(len(s.keys) * self.tree.page_size == len(node.key), f"{node}: storage keys for key")
+            expected = self._groups_ending_in(node)
+            require(s.keys == expected.keys and s.ends == expected.ends,
+                    f"{node}: storage keys are not the keys of its tokens' groups")
             require(s.op_id is None or s.op_id in self._writes, f"{node}: unknown L3 write")
+        for op in self._prefetches.values():
+            anchor = op.tag[3]
+            require(anchor.is_root or anchor.lock_ref > 0, f"prefetch {op.op_id}: its anchor {anchor} is unlocked")
         pages = self.host_pages_in_flight()
         require(sum(len(op.host_pages) for op in self._prefetches.values()) == self._prefetch_inflight_pages,
                 "prefetch page count drifted")
@@ -211,6 +276,15 @@ class StorageTier:
         m["prefetch_skipped"] = dict(self.prefetch_skipped)
         m["storage"] = self.io.stats()
         return m
+
+
+def _path_tokens(node: TreeNode) -> tuple[list[int], str | None]:
+    """The tokens from the root to the end of `node`, and the namespace of its root."""
+    path, up = [], node
+    while not up.is_root:
+        path.append(up.key)
+        up = up.parent
+    return [t for key in reversed(path) for t in key], up.namespace
 
 
 def prefetch_deadline(policy: str, num_pages: int, now: float | None = None) -> float:

@@ -4,6 +4,10 @@ The tiers form an ordered list, fastest first; each knows the tier below it (`be
 and is told the one above (`above`). The radix tree records residency on its nodes; a tier reads and
 writes only its own record. Copies a tier starts are acknowledged in `apply_acks`, which the facade calls
 once per step (begin_step) and nowhere else.
+
+Beyond this protocol, neighbours call each other's data-path verbs: the host tier offers the storage
+tier every completed host copy (`on_host_ready`), and the storage tier reserves, pins and inserts host
+pages through the host tier (`alloc`, `pin` / `unpin`, `insert_host_pages`).
 """
 
 from __future__ import annotations
@@ -29,6 +33,13 @@ class Tier(Protocol):
 
     def drop(self, node: TreeNode) -> None:
         """Give up this tier's copy of `node` (never one that is in use or in flight)."""
+
+    def drop_subtree(self, node: TreeNode) -> None:
+        """Remove `node` and its descendants, which live only in this tier and below (their ancestor on
+        the tier above is being removed)."""
+
+    def accept_demotion(self, node: TreeNode) -> None:
+        """The tier above is about to drop `node`: copy it down now if this tier's policy says so."""
 
     def eviction_candidates(self) -> Iterator[TreeNode]:
         """Nodes whose copy in this tier may go now, in policy order."""
