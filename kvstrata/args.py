@@ -122,6 +122,9 @@ class ServerArgs:
     hicache_write_policy: str = field(default="write_through", metadata=_opt(
         "When device pages are copied to host.", list(WRITE_POLICIES)))
     hicache_mem_layout: str = field(default="layer_first", metadata=_opt("Host pool layout.", MEM_LAYOUTS))
+    hicache_snapshot_path: Optional[str] = field(default=None, metadata=_opt(
+        "File the host tier (L2) is saved to when the server stops, and reloaded from (each page verified "
+        "against its key) when it starts, so a restart or in-place upgrade keeps L2 warm."))
 
     # --- L3 storage tier ---
     hicache_storage_backend: Optional[str] = field(default=None, metadata=_opt(
@@ -279,6 +282,8 @@ class ServerArgs:
                               f"pool), got {self.hicache_ratio}")
         if self.hicache_size < 0:
             raise ConfigError("--hicache-size must be >= 0")
+        if self.hicache_snapshot_path and not self.enable_hierarchical_cache:
+            raise ConfigError("--hicache-snapshot-path needs --enable-hierarchical-cache")
         if self.hicache_storage_backend and not self.enable_hierarchical_cache:
             raise ConfigError("--hicache-storage-backend needs --enable-hierarchical-cache")
         if self.hicache_storage_backend_extra_config:

@@ -12,6 +12,7 @@ BENCHMARKS["router"] = "kvstrata.bench.router_bench"
 BENCHMARKS["upgrade"] = "kvstrata.bench.upgrade_bench"
 BENCHMARKS["pd"] = "kvstrata.bench.pd_bench"
 BENCHMARKS["dashboard"] = "kvstrata.bench.dashboard_overhead"
+BENCHMARKS["restart"] = "kvstrata.bench.restart_bench"
 
 
 def main(argv: list[str]) -> int:

@@ -272,6 +272,28 @@ class HostTier:
         leaf.host = HostCopy(torch.tensor(host_pages[used:], dtype=torch.long), ready=True)
         return leaf
 
+    # ---- whole-tier views (the L2 snapshot) -------------------------------------------------------------
+
+    def back_up_device_only(self) -> None:
+        """Copy every device node that has no host copy yet to the host (where room allows), and wait
+        (at shutdown only: it applies acks)."""
+        for node in self.tree.nodes():
+            if node.device_slots is not None and node.host is None:
+                self.backup(node)
+        self.wait_idle()
+
+    def host_chain(self) -> Iterator[tuple[str | None, TreeNode]]:
+        """(namespace, node) for every node whose host copy, and every ancestor's, is complete; parents first.
+
+        These are the nodes the host tier alone can serve: what survives when the device tier is gone.
+        """
+        servable: set[int] = set()
+        for node in self.tree.nodes():
+            parent = node.parent
+            if node.host_ready and (parent.is_root or id(parent) in servable):
+                servable.add(id(node))
+                yield node.root().namespace, node
+
     # ---- maintenance and inspection ---------------------------------------------------------------------
 
     def reset(self) -> None:

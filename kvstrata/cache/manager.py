@@ -17,9 +17,11 @@ Verbs: `plan_admit` (what an admission would take; pure) and `admit` (take it, c
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -30,6 +32,11 @@ from kvstrata.cache.radix_tree import RadixTree
 from kvstrata.memory.allocator import PageAllocator, pages_needed, pages_of_slots, slots_for_extend
 from kvstrata.memory.req_slots import ReqSlotTable
 from kvstrata.runtime.req import Req
+
+if TYPE_CHECKING:
+    from kvstrata.cache.host_snapshot import HostSnapshot
+
+logger = logging.getLogger(__name__)
 
 LOAD_BACK_MIN_TOKENS = 16   # a shorter host hit is cheaper to recompute than to copy back
 PREFETCH_RETRY_REASONS = ("host_full", "rate_limited")
@@ -72,7 +79,7 @@ class KVCacheManager:
     """Allocation, prefix reuse and accounting of the device KV pool."""
 
     def __init__(self, allocator: PageAllocator, slot_table: ReqSlotTable, stack: CacheStack | None = None,
-                 prefetch_policy: str = "best_effort"):
+                 prefetch_policy: str = "best_effort", host_snapshot: HostSnapshot | None = None):
         self.allocator = allocator
         self.slot_table = slot_table
         self.stack = stack
@@ -85,6 +92,9 @@ class KVCacheManager:
         self.prefetch_policy = prefetch_policy
         self._loads: list = []          # load-backs submitted for the coming forward
         self.metrics = {"device_hit_tokens": 0, "host_hit_tokens": 0, "storage_hit_tokens": 0}
+        self.host_snapshot = host_snapshot if self.host is not None else None
+        if self.host_snapshot is not None:
+            self.host_snapshot.load(self.host)
 
     @staticmethod
     def _handle(req: Req) -> KVHandle:
@@ -149,6 +159,12 @@ class KVCacheManager:
 
     def close(self) -> None:
         """Finish in-flight copies (so the last pages still reach L2/L3), then stop the workers."""
+        if self.host_snapshot is not None:
+            self.host.wait_idle()
+            try:
+                self.host_snapshot.save(self.host)
+            except OSError as e:        # a full or read-only disk costs the next start its L2, nothing else
+                logger.error("L2 snapshot to %s failed: %s", self.host_snapshot.path, e)
         for tier in self.tiers:          # host first: applying its last acks queues their L3 backups
             tier.close()
 
@@ -382,6 +398,8 @@ class KVCacheManager:
             out["hicache"] = self.tree.metrics()
             for tier in self.tiers:
                 out["hicache"].update(tier.metrics())
+            if self.host_snapshot is not None:
+                out["hicache"]["snapshot"] = self.host_snapshot.stats()
         return out
 
     @property
@@ -432,17 +450,22 @@ def build_cache_stack(args, allocator: PageAllocator, device_pool, model_path: s
 
 
 def _storage_tier(args, tree: RadixTree, host_pool, device_pool, model_path: str):
-    from kvstrata.cache.page_hash import storage_namespace
-    from kvstrata.cache.storage_io import StorageIO, model_identity
+    from kvstrata.cache.storage_io import StorageIO, kv_namespace
     from kvstrata.cache.storage_tier import StorageTier
     from kvstrata.storage.base import create_backend
 
     group_pages = args.storage_group_pages()
     backend = create_backend(args.hicache_storage_backend, group_pages * host_pool.page_bytes,
                              args.storage_extra_config(), storage_dir=args.hicache_storage_dir)
-    # Host pages are stored in one canonical byte order whatever --hicache-mem-layout is, so the layout
-    # is not part of the namespace: servers with different layouts share pages. An object's bytes are
-    # its pages' in order, so the page size and the group size are.
-    namespace = storage_namespace(model_identity(model_path), str(device_pool.dtype), "canonical",
-                                  tree.page_size, extra=f"group_pages={group_pages}")
+    # An object's bytes are its pages' in order, so the group size is part of the namespace.
+    namespace = kv_namespace(model_path, str(device_pool.dtype), tree.page_size, f"group_pages={group_pages}")
     return StorageTier(tree, StorageIO(backend, host_pool, group_pages), namespace)
+
+
+def build_host_snapshot(args, device_pool, model_path: str) -> HostSnapshot | None:
+    """The L2 snapshot --hicache-snapshot-path asks for (None: off)."""
+    if not args.hicache_snapshot_path:
+        return None
+    from kvstrata.cache.host_snapshot import HostSnapshot
+
+    return HostSnapshot.for_engine(args.hicache_snapshot_path, model_path, str(device_pool.dtype), args.page_size)

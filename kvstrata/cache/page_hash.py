@@ -29,6 +29,11 @@ def storage_namespace(model_identity: str, dtype: str, kv_layout: str, page_size
     return json.dumps(fields, separators=(",", ":"))
 
 
+def request_namespace(kv_namespace: str, cache_namespace: str | None) -> str:
+    """The namespace a request's pages are hashed in: the engine's, narrowed by the request's cache namespace."""
+    return kv_namespace if cache_namespace is None else f"{kv_namespace}|{cache_namespace}"
+
+
 def namespace_root_key(namespace: str) -> str:
     """The key that precedes the first page of every sequence in `namespace`."""
     return hashlib.sha256(namespace.encode("utf-8")).hexdigest()

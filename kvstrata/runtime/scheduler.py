@@ -15,7 +15,7 @@ from typing import Optional
 import torch
 
 from kvstrata.args import ServerArgs
-from kvstrata.cache.manager import KVCacheManager, build_cache_stack
+from kvstrata.cache.manager import KVCacheManager, build_cache_stack, build_host_snapshot
 from kvstrata.memory.allocator import PageAllocator
 from kvstrata.memory.req_slots import ReqSlotTable
 from kvstrata.runtime.batch import BatchEntry, ScheduledBatch, StepResult
@@ -48,7 +48,8 @@ class Scheduler:
         slot_table = ReqSlotTable(args.max_running_requests + 1, self.context_len + args.page_size,
                                   device=self.runner.device)
         stack = build_cache_stack(args, allocator, pool, self.runner.model_path)
-        self.cache = KVCacheManager(allocator, slot_table, stack, args.hicache_storage_prefetch_policy)
+        self.cache = KVCacheManager(allocator, slot_table, stack, args.hicache_storage_prefetch_policy,
+                                    host_snapshot=build_host_snapshot(args, pool, self.runner.model_path))
         self.stop = StopChecker(args.tokenizer_path, self.runner.config.eos_token_ids)
         self.waiting: list[Req] = []
         self.running: list[Req] = []

@@ -26,6 +26,7 @@ logger = logging.getLogger(__name__)
 
 EXIT_GRACE_S = 2.0          # time /health answers 503 before the process exits after a scheduler death
 STOP_TIMEOUT_S = 10.0
+SNAPSHOT_STOP_TIMEOUT_S = 120.0    # writing the L2 snapshot: ~1 s per GB of host pool, plus the disk
 SCHEDULER_DIED_EXIT_CODE = 3
 IPC_PREFIX = "kvstrata-ipc-"     # + the owning server's pid + "-" + a random suffix
 
@@ -103,7 +104,7 @@ def serve(args: ServerArgs) -> int:
     finally:
         sock.close()
         if proc is not None:
-            stop_scheduler(proc)
+            stop_scheduler(proc, SNAPSHOT_STOP_TIMEOUT_S if args.hicache_snapshot_path else STOP_TIMEOUT_S)
         shutil.rmtree(ipc_dir, ignore_errors=True)
 
 
@@ -168,12 +169,12 @@ def wait_scheduler_ready(proc: Any, reader: Any) -> Any:
     return msg
 
 
-def stop_scheduler(proc: Any) -> None:
+def stop_scheduler(proc: Any, timeout_s: float = STOP_TIMEOUT_S) -> None:
     """Terminate the scheduler process and wait for it; kill it if it does not stop in time."""
     logger.info("stopping the scheduler process (pid %d)", proc.pid)
     if proc.is_alive():
         proc.terminate()
-        proc.join(STOP_TIMEOUT_S)
+        proc.join(timeout_s)
     if proc.is_alive():
         logger.warning("scheduler process %d did not stop; killing it", proc.pid)
         proc.kill()

@@ -161,7 +161,11 @@ def test_in_place_upgrade_under_load_fails_no_request(group):
     for name, old in before.items():
         new = group.member(name)
         assert new["pid"] != old["pid"] and new["ports"] == old["ports"] and new["state"] == "ready"
-    # the cache survives: L3 (the Mooncake store role) serves what the new processes lost
+        # the worker's own L2 came back from the snapshot its old process wrote when it stopped
+        info = requests.get(f"http://127.0.0.1:{new['ports']['http']}/server_info", timeout=10).json()
+        loaded = info["internal_states"][0]["hicache"]["snapshot"]["last_load"]
+        assert loaded["pages"] > 0 and loaded["skipped_records"] == 0 and not loaded["rejected"], loaded
+    # the cache survives: L2 from the snapshot, L3 (the Mooncake store role) for the rest
     steady = [r for r in load.records if r["t"] < started]
     after = [r for r in load.records if r["t"] > finished]
     assert hit_rate(steady) > 0.5

@@ -19,7 +19,7 @@ needs_crd = pytest.mark.skipif(crd_dir() is None, reason="RBG CRD not found at .
 # Flags whose values are addresses: 127.0.0.1 and free ports locally, pod IP and Service names on Kubernetes.
 ADDRESS_FLAGS = {"--host", "--port", "--rpc-port", "--metadata-port", "--metrics-port", "--master",
                  "--metadata", "--local-hostname", "--ready-file", "--worker-urls", "--prefill", "--decode",
-                 "--disaggregation-bootstrap-port"}
+                 "--disaggregation-bootstrap-port", "--hicache-snapshot-path"}
 ADDRESS_ENV = {"MC_TCP_BIND_ADDRESS", "MOONCAKE_MASTER", "MOONCAKE_TE_META_DATA_SERVER", "MOONCAKE_LOCAL_HOSTNAME"}
 
 
@@ -162,3 +162,13 @@ def test_cli_render_to_stdout_and_to_files(tmp_path):
                      "service-kvstrata-router.yaml", "service-kvstrata-worker.yaml"]
     assert len(listed.split()) == 4
 
+
+
+def test_cache_roles_keep_their_l2_snapshot_in_a_pod_volume(docs):
+    worker = next(r for r in docs[0]["spec"]["roles"] if r["name"] == "worker")
+    pod = worker["template"]["spec"]
+    args = pod["containers"][0]["args"]
+    path = args[args.index("--hicache-snapshot-path") + 1]
+    mount = pod["containers"][0]["volumeMounts"][0]
+    assert path.startswith(mount["mountPath"] + "/")
+    assert {"name": mount["name"], "emptyDir": {}} in pod["volumes"]
