@@ -345,13 +345,9 @@ class RadixTree:
             stack.extend(node.children.values())
         return iter(out)
 
-    def subtree(self, node: TreeNode) -> Iterator[TreeNode]:
-        """`node` and all its descendants, parents first."""
-        stack = [node]
-        while stack:
-            n = stack.pop()
-            yield n
-            stack.extend(n.children.values())
+    def roots(self) -> list[TreeNode]:
+        """The root of every namespace."""
+        return list(self._roots.values())
 
     def device_pages_of(self, node: TreeNode) -> list[int]:
         """The device page ids of `node`'s slots."""

@@ -90,11 +90,19 @@ class StorageTier:
         """Keys and end offsets of the page groups whose last token lies in `node` (from its whole path)."""
         tokens, namespace = _path_tokens(node)
         gt, start = self.group_tokens, len(tokens) - len(node.key)
-        first, count = start // gt, len(tokens) // gt       # group i covers tokens [i*gt, (i+1)*gt)
-        if count <= first:
-            return StorageCopy([], [])
-        keys = page_keys(tokens[:count * gt], gt, self._namespace_key(namespace))[first:]
-        return StorageCopy(keys, [(i + 1) * gt - start for i in range(first, count)])
+        first = start // gt                                 # group i covers tokens [i*gt, (i+1)*gt)
+        prior = page_keys(tokens[:first * gt], gt, self._namespace_key(namespace))[-1] if first else None
+        return self._groups_after(tokens[first * gt:start], prior, node.key, namespace)[0]
+
+    def _groups_after(self, tail: tuple | list, prior: str | None, key: tuple,
+                      namespace: str | None) -> tuple[StorageCopy, tuple, str | None]:
+        """The groups ending in `key`, which follows `tail` (the tokens since the last group boundary, whose
+        group key before them is `prior`); also the new tail and prior for the node's children."""
+        gt, seq = self.group_tokens, tuple(tail) + tuple(key)
+        count = len(seq) // gt
+        keys = page_keys(seq[:count * gt], gt, self._namespace_key(namespace), prior)
+        ends = [(i + 1) * gt - len(tail) for i in range(count)]
+        return StorageCopy(keys, ends), seq[count * gt:], keys[-1] if keys else prior
 
     # ---- backup to L3 -------------------------------------------------------------------------------------
 
@@ -254,11 +262,15 @@ class StorageTier:
     def check_integrity(self) -> None:
         """The L3 objects the tree refers to are named by the keys of their tokens; writes and prefetches in
         flight are known, and every prefetch keeps the path it will hang under locked."""
-        for node in self.tree.nodes():
+        # One walk from the roots, carrying each path's group boundary: O(tokens), not O(tokens x depth).
+        stack = [(child, (), None, root.namespace) for root in self.tree.roots() for child in root.children.values()]
+        while stack:
+            node, tail, prior, namespace = stack.pop()
+            expected, tail, prior = self._groups_after(tail, prior, node.key, namespace)
+            stack.extend((child, tail, prior, namespace) for child in node.children.values())
             s = node.storage
             if s is None:
                 continue
-            expected = self._groups_ending_in(node)
             require(s.keys == expected.keys and s.ends == expected.ends,
                     f"{node}: storage keys are not the keys of its tokens' groups")
             require(s.op_id is None or s.op_id in self._writes, f"{node}: unknown L3 write")
