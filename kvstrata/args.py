@@ -17,6 +17,8 @@ import typing
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
+from kvstrata.cache.write_policy import WRITE_POLICIES
+
 
 class ConfigError(ValueError):
     """An invalid setting or combination of settings, raised at start-up."""
@@ -39,7 +41,6 @@ def _no_effect(why: str) -> dict:
 
 SCHEDULE_POLICIES = ["fcfs", "lpm"]
 EVICTION_POLICIES = ["lru", "lfu", "fifo", "priority"]
-WRITE_POLICIES = ["write_through", "write_through_selective", "write_back"]
 MEM_LAYOUTS = ["layer_first", "page_first"]
 STORAGE_BACKENDS = ["file", "mooncake"]
 PREFETCH_POLICIES = ["best_effort", "wait_complete", "timeout"]
@@ -119,7 +120,7 @@ class ServerArgs:
     hicache_ratio: float = field(default=2.0, metadata=_opt("Host pool size as a multiple of the device pool."))
     hicache_size: int = field(default=0, metadata=_opt("Host pool size in GB (overrides --hicache-ratio)."))
     hicache_write_policy: str = field(default="write_through", metadata=_opt(
-        "When device pages are copied to host.", WRITE_POLICIES))
+        "When device pages are copied to host.", list(WRITE_POLICIES)))
     hicache_mem_layout: str = field(default="layer_first", metadata=_opt("Host pool layout.", MEM_LAYOUTS))
     hicache_snapshot_path: Optional[str] = field(default=None, metadata=_opt(
         "File the host tier (L2) is saved to when the server stops, and reloaded from (each page verified "
@@ -136,6 +137,9 @@ class ServerArgs:
         "JSON object (or @path to a JSON file) with backend settings."))
     hicache_storage_dir: Optional[str] = field(default=None, metadata=_opt(
         "Directory of the file backend (default: $KVSTRATA_STORAGE_DIR or ~/.cache/kvstrata/kv)."))
+    hicache_storage_page_tokens: int = field(default=64, metadata=_opt(
+        "Tokens per storage (L3) object, independent of --page-size: consecutive pages are stored as one "
+        "object (file or Mooncake key). A multiple of --page-size; a value below it means one page."))
 
     # --- structured output ---
     grammar_backend: str = field(default="xgrammar", metadata=_opt(
@@ -284,6 +288,11 @@ class ServerArgs:
             raise ConfigError("--hicache-storage-backend needs --enable-hierarchical-cache")
         if self.hicache_storage_backend_extra_config:
             self.storage_extra_config()  # raises on bad JSON
+        if self.hicache_storage_page_tokens < 1:
+            raise ConfigError("--hicache-storage-page-tokens must be >= 1")
+        if self.hicache_storage_page_tokens > self.page_size and self.hicache_storage_page_tokens % self.page_size:
+            raise ConfigError(f"--hicache-storage-page-tokens ({self.hicache_storage_page_tokens}) must be a "
+                              f"multiple of --page-size ({self.page_size})")
         for name, (value, why) in _SINGLE_VALUE.items():
             if getattr(self, name) != value:
                 raise ConfigError(f"--{_flag(name)} {getattr(self, name)} cannot be honoured: {why}")
@@ -341,6 +350,10 @@ class ServerArgs:
             max_running_requests=self.max_running_requests or 256,
             chunked_prefill_size=chunk,
         )
+
+    def storage_group_pages(self) -> int:
+        """Pages per storage (L3) object: --hicache-storage-page-tokens in pages, at least one."""
+        return max(1, self.hicache_storage_page_tokens // self.page_size)
 
     def storage_extra_config(self) -> dict:
         """The parsed `--hicache-storage-backend-extra-config` (inline JSON or @file)."""

@@ -10,7 +10,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from kvstrata.cache.radix_cache import TreeNode
+    from kvstrata.cache.radix_tree import TreeNode
 
 EvictionKey = Callable[["TreeNode"], tuple]
 

@@ -1,7 +1,7 @@
 """L2 snapshot: the host tier saved to a local file when the server stops, reloaded and verified at start.
 
 A restart (an in-place upgrade, a new version) loses the device tier but need not lose the host tier: on
-shutdown every node the host tier alone can serve (`HiRadixCache.host_chain`) is written out with its
+shutdown every node the host tier alone can serve (`HostTier.host_chain`) is written out with its
 pages; the next process on the same weights and page shape reads it back into its host pool before it
 reports ready, so returning sessions hit L2 instead of re-prefilling.
 
@@ -27,8 +27,9 @@ import time
 from dataclasses import asdict, dataclass
 from typing import BinaryIO, Optional
 
-from kvstrata.cache.hiradix_cache import HiRadixCache, HiTreeNode
+from kvstrata.cache.host_tier import HostTier
 from kvstrata.cache.page_hash import page_keys, request_namespace
+from kvstrata.cache.radix_tree import TreeNode
 from kvstrata.storage.page_checksum import TRAILER_BYTES, page_digest, page_is_intact
 
 logger = logging.getLogger(__name__)
@@ -67,7 +68,7 @@ class HostSnapshot:
     @classmethod
     def for_engine(cls, path: str, model_path: str, dtype: str, page_size: int) -> HostSnapshot:
         """A snapshot in the namespace of an engine serving `model_path` in `dtype` with `page_size`."""
-        from kvstrata.cache.storage_tier import kv_namespace
+        from kvstrata.cache.storage_io import kv_namespace
 
         return cls(path, kv_namespace(model_path, dtype, page_size))
 
@@ -78,26 +79,27 @@ class HostSnapshot:
 
     # ---- save ---------------------------------------------------------------------------------------------
 
-    def save(self, tree: HiRadixCache) -> SnapshotStats:
-        """Write every host-servable node of `tree` (atomically: a crash mid-write leaves the old file)."""
+    def save(self, host: HostTier) -> SnapshotStats:
+        """Write every host-servable node of the tree (atomically: a crash mid-write leaves the old file)."""
         start = time.monotonic()
-        tree.back_up_device_only()
+        host.back_up_device_only()
+        page_size = host.page_size
         stats = SnapshotStats()
         directory = os.path.dirname(os.path.abspath(self.path))
         os.makedirs(directory, exist_ok=True)
         tmp = f"{self.path}.{os.getpid()}.tmp"
-        index: dict[HiTreeNode, int] = {}
-        last_key: dict[HiTreeNode, str] = {}
-        pool = tree.host_pool
+        index: dict[TreeNode, int] = {}
+        last_key: dict[TreeNode, str] = {}
+        pool = host.host_pool
         with open(tmp, "wb") as fh:
             fh.write(MAGIC)
-            _write_frame(fh, {"namespace": self.namespace, "page_size": tree.page_size,
+            _write_frame(fh, {"namespace": self.namespace, "page_size": page_size,
                               "page_bytes": pool.page_bytes})
-            for ns, node in tree.host_chain():
-                keys = page_keys(node.key, tree.page_size, request_namespace(self.namespace, ns),
+            for ns, node in host.host_chain():
+                keys = page_keys(node.key, page_size, request_namespace(self.namespace, ns),
                                  last_key.get(node.parent))
                 _write_frame(fh, {"parent": index.get(node.parent, -1), "ns": ns, "key": list(node.key)})
-                for key, page in zip(keys, node.host_pages.tolist()):
+                for key, page in zip(keys, node.host.pages.tolist()):
                     data = pool.page_tensor_copy(page).numpy().tobytes()
                     fh.write(data)
                     fh.write(page_digest(key, data))
@@ -116,15 +118,15 @@ class HostSnapshot:
 
     # ---- load ---------------------------------------------------------------------------------------------
 
-    def load(self, tree: HiRadixCache) -> SnapshotStats:
-        """Restore what the file at `path` holds into `tree`'s (empty) host tier, then delete the file."""
+    def load(self, host: HostTier) -> SnapshotStats:
+        """Restore what the file at `path` holds into the (empty) host tier, then delete the file."""
         start = time.monotonic()
         stats = SnapshotStats()
         if not os.path.exists(self.path):
             return stats
         try:
             with open(self.path, "rb") as fh:
-                self._load_from(fh, tree, stats)
+                self._load_from(fh, host, stats)
         except (OSError, ValueError) as e:      # a truncated or garbled file: keep what verified so far
             stats.rejected = stats.rejected or f"unreadable after {stats.records} records: {e}"
         try:
@@ -141,42 +143,46 @@ class HostSnapshot:
                         " (host pool full)" if stats.host_full else "", stats.seconds)
         return stats
 
-    def _load_from(self, fh: BinaryIO, tree: HiRadixCache, stats: SnapshotStats) -> None:
-        pool = tree.host_pool
+    def _load_from(self, fh: BinaryIO, host: HostTier, stats: SnapshotStats) -> None:
+        pool, page_size = host.host_pool, host.page_size
         if fh.read(len(MAGIC)) != MAGIC:
             stats.rejected = "not a kvstrata L2 snapshot"
             return
         header = _read_frame(fh)
-        expected = {"namespace": self.namespace, "page_size": tree.page_size, "page_bytes": pool.page_bytes}
+        expected = {"namespace": self.namespace, "page_size": page_size, "page_bytes": pool.page_bytes}
         if header != expected:
             stats.rejected = "written by an engine with other weights, dtype or page shape"
             return
-        restored: dict[int, tuple[HiTreeNode, str]] = {}     # record index -> (node, its last page key)
+        restored: dict[int, tuple[tuple[int, ...], str]] = {}   # record index -> (its token path, last key)
         record_id = -1
         while (record := _read_frame(fh, allow_eof=True)) is not None:
             record_id += 1
             key, ns, parent_id = _record_fields(record)
-            num_pages = len(key) // tree.page_size
+            num_pages = len(key) // page_size
             pages = [_read_exact(fh, pool.page_bytes + TRAILER_BYTES) for _ in range(num_pages)]
             if stats.host_full:
                 continue
-            parent = restored.get(parent_id) if parent_id >= 0 else (None, None)
-            if parent is None or not key or len(key) % tree.page_size or tree.has_child(parent[0], key, ns):
+            parent = restored.get(parent_id) if parent_id >= 0 else ((), None)
+            if parent is None or not key or len(key) % page_size:
                 stats.skipped_records += 1
                 continue
-            parent_node, prior = parent
-            keys = page_keys(key, tree.page_size, request_namespace(self.namespace, ns), prior)
+            prefix, prior = parent
+            keys = page_keys(key, page_size, request_namespace(self.namespace, ns), prior)
             if not all(page_is_intact(k, p[:pool.page_bytes], p[pool.page_bytes:]) for k, p in zip(keys, pages)):
                 stats.skipped_records += 1
                 continue
-            host_pages = tree.host_allocator.alloc(num_pages)
+            host_pages = host.allocator.alloc(num_pages)
             if host_pages is None:
                 stats.host_full = True
                 continue
             for page, data in zip(host_pages, pages):
                 pool.write_page_bytes(page, memoryview(data)[:pool.page_bytes])
-            node = tree.attach_host_pages(parent_node, key, host_pages, ns)
-            restored[record_id] = (node, keys[-1])
+            path = prefix + tuple(key)
+            # The same call the L3 prefetch lands its pages with: the tree keeps what it lacks.
+            if host.insert_host_pages(list(path), host_pages, ns, start=len(prefix)) is None:
+                stats.skipped_records += 1
+                continue
+            restored[record_id] = (path, keys[-1])
             stats.records += 1
             stats.pages += num_pages
             stats.tokens += len(key)

@@ -13,12 +13,12 @@ from typing import TYPE_CHECKING
 from kvstrata.memory.allocator import PageAllocator
 
 if TYPE_CHECKING:
-    from kvstrata.cache.radix_cache import RadixCache
+    from kvstrata.cache.device_tier import DeviceTier
 
 _SHOWN = 16  # page ids listed per problem in the error message
 
 
-def check_slot_accounting(allocator: PageAllocator, cache: RadixCache | None,
+def check_slot_accounting(allocator: PageAllocator, cache: DeviceTier | None,
                           running_pages: Iterable[int]) -> None:
     """Raise AssertionError naming leaked or double-owned pages among {free list, tree, running requests}."""
     free_ids = allocator.free_page_ids()

@@ -1,15 +1,18 @@
 """KVCacheManager: the one cache facade the scheduler sees.
 
-It owns the L1 page allocator, the request-to-slot table and (unless disabled) the radix tree, and
-keeps the page ownership rule: every allocatable device page belongs to exactly one of
-{free list, radix tree, one running request}. A request's pages split at `req.tree_len`:
+It owns the L1 page allocator, the request-to-slot table and (unless disabled) the radix tree with its
+ordered list of tiers (device, host, storage), and keeps the page ownership rule: every allocatable
+device page belongs to exactly one of {free list, radix tree, one running request}. A request's KV state
+is a KVHandle (kv_handle.py) that this facade creates and alone writes; the request holds it as `req.kv`.
+Its pages split at the handle's `tree_len`:
 
-    tokens [0, tree_len)        pages owned by the tree, locked through req.last_node
+    tokens [0, tree_len)        pages owned by the tree, locked through the handle's last_node
     tokens [tree_len, slot_len) the request's private pages (freed or handed to the tree on commit)
 
-Verbs: `match` (look up and lock the cached prefix), `reserve` (slots for new tokens, evicting if needed),
+Verbs: `plan_admit` (what an admission would take; pure) and `admit` (take it, count the hit once),
+`reserve` (slots for new tokens, evicting if needed), `advance` (the forward computed more KV),
 `commit` (hand computed full pages to the tree), `release` (request done: commit, unlock, free),
-`check_integrity`.
+`begin_step` (apply every tier's completed copies: the one place per step), `check_integrity`.
 """
 
 from __future__ import annotations
@@ -17,11 +20,15 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Iterable
-from typing import TYPE_CHECKING, Optional
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
+from kvstrata.cache.device_tier import DeviceTier
 from kvstrata.cache.integrity import check_slot_accounting
+from kvstrata.cache.kv_handle import KVHandle
+from kvstrata.cache.radix_tree import RadixTree
 from kvstrata.memory.allocator import PageAllocator, pages_needed, pages_of_slots, slots_for_extend
 from kvstrata.memory.req_slots import ReqSlotTable
 from kvstrata.runtime.req import Req
@@ -36,84 +43,137 @@ PREFETCH_RETRY_REASONS = ("host_full", "rate_limited")
 MAX_REFETCHES = 2           # re-prefetches per request after its local pages were evicted while it waited
 
 
+class CacheStack:
+    """The radix tree and its tiers, fastest first; each tier is linked to its neighbours."""
+
+    def __init__(self, tree: RadixTree, tiers: list):
+        self.tree = tree
+        self.tiers = tiers
+        for upper, lower in zip(tiers, tiers[1:]):
+            upper.below, lower.above = lower, upper
+        self.device: DeviceTier = tiers[0]
+        self.host = tiers[1] if len(tiers) > 1 else None
+        self.storage = tiers[2] if len(tiers) > 2 else None
+
+
+@dataclass(frozen=True)
+class AdmitPlan:
+    """What an admission would take (see KVCacheManager.plan_admit); tokens of the request's prompt."""
+
+    device_tokens: int     # cached on the device: used in place
+    host_tokens: int       # cached on the host only: loaded back (L3 hits arrive through the host)
+    new_tokens: int        # computed by the first chunk
+    pages: int             # device pages taken: load-back plus the first chunk
+    available_pages: int   # device pages obtainable once the prefix is locked
+
+    @property
+    def cached_tokens(self) -> int:
+        """Tokens the request will not compute."""
+        return self.device_tokens + self.host_tokens
+
+    def fits(self, headroom_pages: int = 0) -> bool:
+        """Whether the pages it takes, plus `headroom_pages` kept for others, are obtainable now."""
+        return self.pages + headroom_pages <= self.available_pages
+
+
 class KVCacheManager:
     """Allocation, prefix reuse and accounting of the device KV pool."""
 
-    def __init__(self, allocator: PageAllocator, slot_table: ReqSlotTable, tree=None,
-                 prefetch_policy: str = "best_effort", host_snapshot: Optional[HostSnapshot] = None):
+    def __init__(self, allocator: PageAllocator, slot_table: ReqSlotTable, stack: CacheStack | None = None,
+                 prefetch_policy: str = "best_effort", host_snapshot: HostSnapshot | None = None):
         self.allocator = allocator
         self.slot_table = slot_table
-        self.tree = tree
+        self.stack = stack
+        self.tree = stack.tree if stack is not None else None
+        self.tiers = stack.tiers if stack is not None else []
+        self.device = stack.device if stack is not None else None
+        self.host = stack.host if stack is not None else None
+        self.storage = stack.storage if stack is not None else None
         self.page_size = allocator.page_size
-        self.hierarchical = hasattr(tree, "apply_acks")
-        self.storage = hasattr(tree, "prefetch")
         self.prefetch_policy = prefetch_policy
         self._loads: list = []          # load-backs submitted for the coming forward
         self.metrics = {"device_hit_tokens": 0, "host_hit_tokens": 0, "storage_hit_tokens": 0}
         self.refetches = 0              # prefetches re-issued because L1/L2 lost pages a request waited on
-        self.host_snapshot = host_snapshot if self.hierarchical else None
+        self.host_snapshot = host_snapshot if self.host is not None else None
         if self.host_snapshot is not None:
-            self.host_snapshot.load(tree)
+            self.host_snapshot.load(self.host)
+
+    @staticmethod
+    def _handle(req: Req) -> KVHandle:
+        """req's KV handle, created on first use: the cache owns it, the request holds it."""
+        if req.kv is None:
+            req.kv = KVHandle()
+        return req.kv
+
+    def advance(self, req: Req, kv_len: int) -> None:
+        """The forward computed req's KV up to `kv_len` tokens (within the slots reserved for it)."""
+        h = self._handle(req)
+        if not h.kv_len <= kv_len <= h.slot_len:
+            raise ValueError(f"advance to {kv_len}: kv_len {h.kv_len}, slot_len {h.slot_len}")
+        h.kv_len = kv_len
 
     # ------------------------------------------------------------------ L3 prefetch
     def start_prefetch(self, req: Req) -> None:
         """On arrival: start reading from L3 what the local tiers miss of req's prompt."""
-        if not self.storage:
+        h = self._handle(req)
+        if self.storage is None:
             return
-        from kvstrata.cache.storage_radix_cache import prefetch_deadline
+        from kvstrata.cache.storage_tier import prefetch_deadline
 
-        self.begin_step()            # completed copies release their locks: more host room
-        op = self.tree.prefetch(req.fill_ids[: req.fill_len - 1], namespace=req.namespace)
-        req.prefetch_op = op
-        req.prefetch_local = self._local_tokens(req)
-        first_try = not req.prefetch_retry
+        op = self.storage.prefetch(req.fill_ids[: req.fill_len - 1], namespace=req.namespace)
+        h.prefetch_op = op
+        h.prefetch_local = self._local_tokens(req)
+        first_try = not h.prefetch_retry
         if op is not None:
-            req.prefetch_retry = False
+            h.prefetch_retry = False
             if first_try:
-                req.prefetch_deadline = prefetch_deadline(self.prefetch_policy, len(op.keys))
-        elif self.tree.last_skip_reason in PREFETCH_RETRY_REASONS and self.prefetch_policy != "best_effort":
+                h.prefetch_deadline = prefetch_deadline(self.prefetch_policy, len(op.keys))
+        elif self.storage.last_skip_reason in PREFETCH_RETRY_REASONS and self.prefetch_policy != "best_effort":
             # Host room is often short only while copies are in flight: try again until the deadline.
-            req.prefetch_retry = True
+            h.prefetch_retry = True
             if first_try:
-                req.prefetch_deadline = prefetch_deadline(self.prefetch_policy, req.fill_len // self.page_size)
+                h.prefetch_deadline = prefetch_deadline(self.prefetch_policy, req.fill_len // self.page_size)
 
     def prefetch_ready(self, req: Req) -> bool:
         """Whether req may be scheduled now, per --hicache-storage-prefetch-policy."""
-        expired = time.monotonic() >= req.prefetch_deadline
-        if req.prefetch_retry and not expired:
+        h = self._handle(req)
+        expired = time.monotonic() >= h.prefetch_deadline
+        if h.prefetch_retry and not expired:
             self.start_prefetch(req)
         elif self._lost_local_pages(req):
             # While req waited for room, L1/L2 evicted pages its prefetch had counted on (host LRU picks
             # the prefixes of waiting conversations first): they are in L3, so fetch them again.
             self.refetches += 1
-            req.prefetch_refetches += 1
-            req.prefetch_retry = False         # a first try again: with a deadline of its own
+            h.prefetch_refetches += 1
+            h.prefetch_retry = False           # a first try again: with a deadline of its own
             self.start_prefetch(req)
-            expired = time.monotonic() >= req.prefetch_deadline
-        op = req.prefetch_op
+            expired = time.monotonic() >= h.prefetch_deadline
+        op = h.prefetch_op
         if op is None:
-            return not req.prefetch_retry or expired
+            return not h.prefetch_retry or expired
         return op.applied or self.prefetch_policy == "best_effort" or expired
 
     def _local_tokens(self, req: Req) -> int:
         """Tokens of req's prompt that L1 + L2 hold now (what a prefetch does not have to read)."""
-        match = self.tree.match_prefix(req.fill_ids[: req.fill_len - 1], namespace=req.namespace, record=False)
-        return match.length + match.host_tokens
+        return self.tree.match_prefix(req.fill_ids[: req.fill_len - 1], req.namespace, record=False).cached_tokens
 
     def _lost_local_pages(self, req: Req) -> bool:
-        """Whether L1 + L2 now hold less of req's prompt than when its prefetch was planned (plus what the
-        prefetch attached): pages evicted while req waited, that a new prefetch can bring back from L3."""
-        op = req.prefetch_op
-        if not self.storage or req.prefetch_refetches >= MAX_REFETCHES or (op is not None and not op.applied):
+        """Whether L1 + L2 now hold less of req's prompt than when its prefetch was planned (or than it
+        attached): pages evicted while req waited, that a new prefetch can bring back from L3."""
+        h = self._handle(req)
+        op = h.prefetch_op
+        if self.storage is None or h.prefetch_refetches >= MAX_REFETCHES or (op is not None and not op.applied):
             return False
-        attached = op.done * self.page_size if op is not None else 0
-        return self._local_tokens(req) < req.prefetch_local + attached
+        expected = h.prefetch_local
+        if op is not None:      # the op read groups from token tag[2] on; `done` of them arrived
+            expected = max(expected, op.tag[2] + op.done * self.storage.group_tokens)
+        return self._local_tokens(req) < expected
 
     # ------------------------------------------------------------------ per step
     def begin_step(self) -> None:
-        """Apply finished host copies to the tree (once per step, before the tree is used)."""
-        if self.hierarchical:
-            self.tree.apply_acks()
+        """Apply every tier's finished copies to the tree (once per step, before the tree is used)."""
+        for tier in self.tiers:
+            tier.apply_acks()
 
     def take_layer_wait(self):
         """The per-layer wait hook for the coming forward (None when nothing is loading)."""
@@ -126,159 +186,226 @@ class KVCacheManager:
 
     def close(self) -> None:
         """Finish in-flight copies (so the last pages still reach L2/L3), then stop the workers."""
-        if self.hierarchical:
-            self.tree.wait_idle()       # applying the last host acks queues their L3 backups
         if self.host_snapshot is not None:
+            self.host.wait_idle()
             try:
-                self.host_snapshot.save(self.tree)
+                self.host_snapshot.save(self.host)
             except OSError as e:        # a full or read-only disk costs the next start its L2, nothing else
                 logger.error("L2 snapshot to %s failed: %s", self.host_snapshot.path, e)
-        if self.storage:
-            self.tree.close()
-        if self.hierarchical:
-            self.tree.controller.shutdown()
+        for tier in self.tiers:          # host first: applying its last acks queues their L3 backups
+            tier.close()
 
     # ------------------------------------------------------------------ capacity
     def available_pages(self) -> int:
         """Pages obtainable now: free plus evictable from the tree."""
-        evictable = self.tree.evictable_size() // self.page_size if self.tree is not None else 0
-        return self.allocator.free_pages + evictable
+        if self.device is None:
+            return self.allocator.free_pages
+        return self.device.available_pages()
 
     def pages_for(self, req: Req, num_new: int) -> int:
         """New pages `req` needs to get slots for `num_new` more tokens."""
-        return pages_needed(req.slot_len, req.slot_len + num_new, self.page_size)
+        h = self._handle(req)
+        return pages_needed(h.slot_len, h.slot_len + num_new, self.page_size)
 
     # ------------------------------------------------------------------ admission
-    def admit(self, req: Req) -> bool:
-        """Give `req` a slot-table row and match its cached prefix. False when no row is free."""
+    def plan_admit(self, req: Req, budget: int) -> AdmitPlan | None:
+        """What admitting `req` now would use: its cached prefix per tier and the pages it takes.
+
+        Pure: takes no lock, row or page, starts no copy, counts nothing. None when no slot-table row is free.
+        """
+        if self.slot_table.free_rows == 0:
+            return None
+        match = self._lookup(req, record=False)
+        device_tokens = match.length if match is not None else 0
+        load = self.host is not None and match is not None and match.host_tokens >= LOAD_BACK_MIN_TOKENS
+        host_tokens = match.host_tokens if load else 0
+        cached = device_tokens + host_tokens
+        new_tokens = min(req.fill_len - cached, budget)
+        pages = host_tokens // self.page_size + pages_needed(cached, cached + new_tokens, self.page_size)
+        # The prefix admission locks is evictable now but will not be then.
+        locked = _unlocked_device_tokens(match.last_node) // self.page_size if match is not None else 0
+        return AdmitPlan(device_tokens, host_tokens, new_tokens, pages, self.available_pages() - locked)
+
+    def admit(self, req: Req, plan: AdmitPlan | None = None) -> bool:
+        """Admit `req` as planned: take a row, lock the cached prefix, start its load-back, reserve slots for
+        the plan's first chunk, and count the hit per tier (once per request). False (nothing held) if the
+        plan no longer fits; without a plan, only the row and the cached prefix are taken (PD decode side).
+        """
+        h = self._handle(req)
         row = self.slot_table.alloc()
         if row is None:
             return False
-        req.row = row
-        req.kv_len = req.slot_len = req.tree_len = 0
-        self.match(req)
+        h.clear()
+        h.row = row
+        self.match(req, load_back=plan is None or plan.host_tokens > 0)
+        if plan is None:
+            return True
+        if not self.reserve(req, plan.new_tokens):
+            self.release(req, cache=False)
+            return False
+        if not h.hits_recorded:
+            self._record_hits(req)
         return True
 
-    def match(self, req: Req) -> int:
-        """Look up the longest cached prefix of req's tokens, lock it, use its slots. Returns its length."""
+    def _lookup(self, req: Req, record: bool):
+        """The tree's match for the part of req's tokens a prefix hit may cover (None: nothing may hit)."""
         if self.tree is None:
-            return 0
+            return None
         limit = req.fill_len - 1          # at least one token is computed, to get logits
         if req.wants_prompt_logprobs:
             limit = min(limit, req.logprob_start_len)   # logits of those positions are needed
         if limit <= 0:
+            return None
+        return self.tree.match_prefix(req.fill_ids[:limit], namespace=req.namespace, record=record)
+
+    def match(self, req: Req, load_back: bool = True) -> int:
+        """Look up the longest cached prefix of req's tokens, lock it, use its slots. Returns its length."""
+        h = self._handle(req)
+        result = self._lookup(req, record=True)
+        if result is None:
             return 0
-        result = self.tree.match_prefix(req.fill_ids[:limit], namespace=req.namespace)
         device_hit = result.length
         storage_hit = 0
-        host_tokens = getattr(result, "host_tokens", 0)
-        if host_tokens >= LOAD_BACK_MIN_TOKENS:
+        if load_back and self.host is not None and result.host_tokens >= LOAD_BACK_MIN_TOKENS:
             host_nodes = result.host_nodes
-            loaded = self.tree.load_back(result)
+            loaded = self.host.load_back(result, self.device)
             if loaded is not None:
                 result, handle = loaded
                 self._loads.append(handle)
-                if self.storage:
-                    storage_hit = self.tree.count_storage_hits(host_nodes)
+                if self.storage is not None:
+                    storage_hit = self.storage.count_hits(host_nodes)
+        if self.host is not None:
+            self.host.on_hit(result.last_node)
         n = result.length
-        req.tier_hits = (device_hit, n - device_hit - storage_hit, storage_hit)
+        h.tier_hits = (device_hit, n - device_hit - storage_hit, storage_hit)
         self.tree.inc_lock_ref(result.last_node)
-        req.last_node = result.last_node
+        h.last_node = result.last_node
         if n:
-            self.slot_table.write(req.row, 0, result.slots)
-        req.kv_len = req.slot_len = req.tree_len = n
+            self.slot_table.write(h.row, 0, result.slots)
+        h.kv_len = h.slot_len = h.tree_len = n
+        h.last_slot = int(result.slots[-1]) if n else None
         return n
 
-    def record_hits(self, req: Req) -> None:
-        """Count req's match in the per-tier hit metrics: once, when its admission is final.
+    def _record_hits(self, req: Req) -> None:
+        """Count req's admission in the per-tier hit metrics: once per request, when it is admitted.
 
-        A match that is undone (no pages, retried next step) or repeated after a retraction is not counted,
-        so device + host + storage hits add up to the cached_tokens reported to clients.
+        A re-admission after a retraction is not counted again, so device + host + storage hits add up to
+        the cached_tokens reported to clients.
         """
-        for key, tokens in zip(("device_hit_tokens", "host_hit_tokens", "storage_hit_tokens"), req.tier_hits):
+        h = self._handle(req)
+        h.hits_recorded = True
+        for key, tokens in zip(("device_hit_tokens", "host_hit_tokens", "storage_hit_tokens"), h.tier_hits):
             self.metrics[key] += tokens
 
     def reserve(self, req: Req, num_new: int) -> bool:
         """Assign slots to req's next `num_new` tokens, evicting from the tree if needed. All or nothing."""
+        h = self._handle(req)
         need = self.pages_for(req, num_new)
         if need and not self.ensure_free_pages(need):
             return False
         pages = self.allocator.alloc(need) if need else []
-        last_slot = int(self.slot_table.table[req.row, req.slot_len - 1]) if req.slot_len else None
-        slots = slots_for_extend(last_slot, req.slot_len, num_new, pages, self.page_size)
-        self.slot_table.write(req.row, req.slot_len, slots.to(self.slot_table.table.device))
-        req.slot_len += num_new
+        slots = slots_for_extend(h.last_slot, h.slot_len, num_new, pages, self.page_size)   # on the host
+        self.slot_table.write(h.row, h.slot_len, slots.to(self.slot_table.table.device))
+        h.slot_len += num_new
+        if num_new:
+            h.last_slot = int(slots[-1])
         return True
 
     def ensure_free_pages(self, num_pages: int) -> bool:
         """Evict from the tree until `num_pages` are free. False if impossible."""
-        short = num_pages - self.allocator.free_pages
-        if short > 0 and self.tree is not None:
-            self.tree.evict(short * self.page_size)
+        if self.device is not None:
+            return self.device.ensure_free_pages(num_pages)
         return self.allocator.free_pages >= num_pages
 
     # ------------------------------------------------------------------ commit / release
     def commit(self, req: Req) -> None:
         """Hand req's computed full pages to the tree, so that other requests can share them now."""
+        h = self._handle(req)
         if self.tree is None:
             return
-        upto = req.kv_len - req.kv_len % self.page_size
-        if upto <= req.tree_len:
+        upto = h.kv_len - h.kv_len % self.page_size
+        if upto <= h.tree_len:
             return
         tokens = req.fill_ids[:upto]
-        slots = self.slot_table.read(req.row, upto)
-        already = self.tree.insert(tokens, slots.clone(), namespace=req.namespace)
-        if already > req.tree_len:
+        slots = self.slot_table.read(h.row, upto)
+        already, leaf = self.tree.insert(tokens, slots.clone(), namespace=req.namespace)
+        if leaf is not None and self.host is not None:
+            self.host.on_insert(leaf)
+        if already > h.tree_len:
             # Another request cached [tree_len, already) first: our copies of those pages are duplicates.
-            self.allocator.free(pages_of_slots(slots[req.tree_len:already], self.page_size))
+            self.allocator.free(pages_of_slots(slots[h.tree_len:already], self.page_size))
         result = self.tree.match_prefix(tokens, namespace=req.namespace, record=False)
         assert result.length == upto, f"commit: matched {result.length} of {upto} inserted tokens"
-        self.slot_table.write(req.row, 0, result.slots)
+        self.slot_table.write(h.row, 0, result.slots)
+        if h.slot_len == upto:
+            h.last_slot = int(result.slots[-1])
         self.tree.inc_lock_ref(result.last_node)
-        if req.last_node is not None:
-            self.tree.dec_lock_ref(req.last_node)
-        req.last_node = result.last_node
-        req.tree_len = upto
+        if h.last_node is not None:
+            self.tree.dec_lock_ref(h.last_node)
+        h.last_node = result.last_node
+        h.tree_len = upto
 
     def release(self, req: Req, cache: bool = True) -> None:
         """Request done (finished, aborted or retracted): optionally commit, then free everything it holds."""
-        if req.row is None:
+        h = self._handle(req)
+        if h.row is None:
             return
         if cache:
             self.commit(req)
         self.allocator.free(self.private_pages(req))
-        if self.tree is not None and req.last_node is not None:
-            self.tree.dec_lock_ref(req.last_node)
-        self.slot_table.free(req.row)
-        req.row = req.last_node = None
-        req.kv_len = req.slot_len = req.tree_len = 0
+        if self.tree is not None and h.last_node is not None:
+            self.tree.dec_lock_ref(h.last_node)
+        self.slot_table.free(h.row)
+        h.clear()
 
     def private_pages(self, req: Req) -> list[int]:
         """Pages of req that are neither free nor the tree's."""
-        if req.row is None or req.slot_len <= req.tree_len:
+        h = self._handle(req)
+        if h.row is None or h.slot_len <= h.tree_len:
             return []
-        slots = self.slot_table.read(req.row, req.slot_len)[req.tree_len:]
+        slots = self.slot_table.read(h.row, h.slot_len)[h.tree_len:]
         return pages_of_slots(slots, self.page_size).tolist()
 
     def slots_of(self, req: Req, start: int, end: int) -> torch.Tensor:
         """Slots of req's tokens [start, end)."""
-        return self.slot_table.table[req.row, start:end]
+        h = self._handle(req)
+        return self.slot_table.table[h.row, start:end]
 
     # ------------------------------------------------------------------ maintenance
     def flush(self) -> None:
         """Empty the tree (the caller makes sure no request is running)."""
-        if self.tree is not None:
-            self.tree.reset()
+        if self.tree is None:
+            return
+        for tier in self.tiers[1:]:
+            tier.wait_idle()
+        for tier in reversed(self.tiers):
+            tier.reset()
+        self.tree.clear()
 
     def check_integrity(self, running: Iterable[Req]) -> None:
         """Assert that every device page has exactly one owner and every row one request."""
         running = list(running)
         if self.tree is not None:
-            self.tree.check_integrity()       # its own structure, and host pages for the tiered trees
-        check_slot_accounting(self.allocator, self.tree, [p for r in running for p in self.private_pages(r)])
+            self.tree.check_integrity()       # its own structure, then each tier's pages
+            for tier in self.tiers:
+                tier.check_integrity()
+        check_slot_accounting(self.allocator, self.device, [p for r in running for p in self.private_pages(r)])
         rows_in_use = self.slot_table.max_requests - self.slot_table.free_rows
         if rows_in_use != len(running):
             raise AssertionError(f"{rows_in_use} slot-table rows in use for {len(running)} running requests")
+        for req in running:
+            h = self._handle(req)
+            table_last = int(self.slot_table.table[h.row, h.slot_len - 1]) if h.slot_len else None
+            if h.last_slot != table_last:
+                raise AssertionError(f"{req.rid}: host-side last slot {h.last_slot} != slot table's {table_last}")
+
+    def forward_slots(self) -> ReqSlotTable:
+        """The request-to-slot table the model runner reads a batch's slots from (read only)."""
+        return self.slot_table
+
+    def pool_pages(self) -> dict:
+        """Free and total device pages, from counters (no walk)."""
+        return {"free_pages": self.allocator.free_pages, "capacity_pages": self.allocator.capacity_pages}
 
     def stats(self) -> dict:
         """Pool occupancy numbers for /server_info."""
@@ -294,47 +421,77 @@ class KVCacheManager:
         else:
             out["cache_pages"] = 0
         out.update(self.metrics)
-        if self.storage:
+        if self.storage is not None:
             out["l3_refetches"] = self.refetches
-        if self.hierarchical:
+        if self.host is not None:
             out["hicache"] = self.tree.metrics()
-            out["hicache"].update(self.tree.controller.stats())
+            for tier in self.tiers:
+                out["hicache"].update(tier.metrics())
             if self.host_snapshot is not None:
                 out["hicache"]["snapshot"] = self.host_snapshot.stats()
         return out
 
+    @property
+    def shares_prefixes(self) -> bool:
+        """Whether a radix tree caches prefixes (False with --disable-radix-cache)."""
+        return self.tree is not None
 
-def build_tree(args, allocator: PageAllocator, device_pool, model_path: str = "") -> Optional[object]:
-    """The prefix tree the settings ask for: None, a RadixCache, or a HiRadixCache with a host pool."""
+    def peek_cached_tokens(self, req: Req) -> int:
+        """Tokens of req's prompt cached in the local tiers now; changes no counter, lock or copy."""
+        if self.tree is None:
+            return 0
+        return self.tree.match_prefix(req.fill_ids, namespace=req.namespace, record=False).cached_tokens
+
+    def tree_metrics(self) -> dict | None:
+        """The radix tree's counters (None without a tree)."""
+        return self.tree.metrics() if self.tree is not None else None
+
+
+def _unlocked_device_tokens(node) -> int:
+    """Device tokens on the path root..node that no lock protects yet."""
+    tokens = 0
+    while node is not None and not node.is_root and node.lock_ref == 0:
+        tokens += node.device_tokens
+        node = node.parent
+    return tokens
+
+
+def build_cache_stack(args, allocator: PageAllocator, device_pool, model_path: str = "") -> CacheStack | None:
+    """The tree and tiers the settings ask for: none, device only, device+host, or device+host+storage."""
     if args.disable_radix_cache:
         return None
+    tree = RadixTree(allocator.page_size, eviction_policy=args.radix_eviction_policy)
+    tiers: list = [DeviceTier(tree, allocator)]
     if not args.enable_hierarchical_cache:
-        from kvstrata.cache.radix_cache import RadixCache
-
-        return RadixCache(allocator, allocator.page_size, eviction_policy=args.radix_eviction_policy)
+        return CacheStack(tree, tiers)
     from kvstrata.cache.cache_controller import CacheController
-    from kvstrata.cache.hiradix_cache import HiRadixCache
+    from kvstrata.cache.host_tier import HostTier
+    from kvstrata.cache.write_policy import write_policy
     from kvstrata.memory.host_pool import HostKVPool
 
     host_pages = HostKVPool.size_pages(device_pool, args.hicache_ratio, args.hicache_size)
     host_pool = HostKVPool(device_pool, host_pages, layout=args.hicache_mem_layout)
-    controller = CacheController(device_pool, host_pool)
-    tiers = (allocator, allocator.page_size, host_pool, controller)
-    policies = {"write_policy": args.hicache_write_policy, "eviction_policy": args.radix_eviction_policy}
-    if not args.hicache_storage_backend:
-        return HiRadixCache(*tiers, **policies)
-    from kvstrata.cache.storage_radix_cache import StorageRadixCache
-    from kvstrata.cache.storage_tier import StorageTier, kv_namespace
+    tiers.append(HostTier(tree, host_pool, CacheController(device_pool, host_pool),
+                          write_policy(args.hicache_write_policy)))
+    if args.hicache_storage_backend:
+        tiers.append(_storage_tier(args, tree, host_pool, device_pool, model_path))
+    return CacheStack(tree, tiers)
+
+
+def _storage_tier(args, tree: RadixTree, host_pool, device_pool, model_path: str):
+    from kvstrata.cache.storage_io import StorageIO, kv_namespace
+    from kvstrata.cache.storage_tier import StorageTier
     from kvstrata.storage.base import create_backend
 
-    backend = create_backend(args.hicache_storage_backend, host_pool.page_bytes, args.storage_extra_config(),
-                             storage_dir=args.hicache_storage_dir)
-    return StorageRadixCache(*tiers, **policies, storage=StorageTier(backend, host_pool),
-                             storage_namespace=kv_namespace(model_path, str(device_pool.dtype),
-                                                            allocator.page_size))
+    group_pages = args.storage_group_pages()
+    backend = create_backend(args.hicache_storage_backend, group_pages * host_pool.page_bytes,
+                             args.storage_extra_config(), storage_dir=args.hicache_storage_dir)
+    # An object's bytes are its pages' in order, so the group size is part of the namespace.
+    namespace = kv_namespace(model_path, str(device_pool.dtype), tree.page_size, f"group_pages={group_pages}")
+    return StorageTier(tree, StorageIO(backend, host_pool, group_pages), namespace)
 
 
-def build_host_snapshot(args, device_pool, model_path: str) -> Optional[HostSnapshot]:
+def build_host_snapshot(args, device_pool, model_path: str) -> HostSnapshot | None:
     """The L2 snapshot --hicache-snapshot-path asks for (None: off)."""
     if not args.hicache_snapshot_path:
         return None

@@ -1,187 +1,309 @@
-"""StorageTier: background I/O between the host pool (L2) and a storage backend (L3).
+"""StorageTier (L3): tree nodes' pages in a storage backend, written on host copy, prefetched on arrival.
 
-Like the CacheController it applies no policy and never touches the tree: the tree submits prefetches
-(L3 -> host pages it reserved) and backups (host pages it pinned -> L3), and applies the acknowledgements
-once per scheduler step. Backend failures arrive as short reads/writes: they cost hits, never requests.
+Two flows, both through StorageIO's background worker:
 
-Zero copy: with the page_first host layout every page is one contiguous byte range, registered with the
-backend once and read/written in place; with layer_first a page is gathered into a staging copy.
+    backup:   a node whose host copy completes is written to L3 under its page keys (once: storage.backed)
+    prefetch: when a request arrives, the pages of its prompt beyond what L1+L2 hold are looked up in L3
+              and read into reserved host pages; on the ack the host tier hangs them under their prefix
+              as a host-only node, so the request's match (and load-back) finds them like any L2 hit
+
+A page's key chains the hash of its tokens with the previous page's key, in a namespace naming the model,
+dtype and page size (and the request's cache namespace), so every process serving the same model finds
+the same pages. L3 is shared and outlives the process: this tier never drops or evicts anything there.
 """
 
 from __future__ import annotations
 
-import hashlib
 import logging
-import os
-import queue
-import threading
 import time
-from dataclasses import dataclass
-from typing import Any
+from collections import Counter
+from collections.abc import Iterator
 
-import torch
-
-from kvstrata.cache.page_hash import storage_namespace
-from kvstrata.memory.host_pool import HostKVPool
-from kvstrata.storage.base import StorageBackend
+from kvstrata.cache.page_hash import page_keys, request_namespace
+from kvstrata.cache.radix_tree import RadixTree, StorageCopy, TreeNode, require
+from kvstrata.cache.storage_io import PREFETCH, StorageIO, StorageOp
 
 logger = logging.getLogger(__name__)
 
-PREFETCH, STORAGE_BACKUP = "prefetch", "storage_backup"
-
-
-@dataclass(eq=False)
-class StorageOp:
-    """One batch: `keys[i]` <-> `host_pages[i]`; `done` pages at the head succeeded (set by the worker)."""
-
-    op_id: int
-    kind: str
-    keys: list[str]
-    host_pages: list[int]
-    tag: Any = None
-    done: int = 0
-    seconds: float = 0.0
-    applied: bool = False     # set by the tree once it has applied the ack
+PREFETCH_MIN_GROUPS = 1             # fewer missing groups than this are not worth an L3 round trip
+PREFETCH_MAX_INFLIGHT_FRACTION = 0.75   # prefetches in flight may hold at most this share of the host pool
 
 
 class StorageTier:
-    """A worker thread running prefetch and backup batches against one backend."""
+    """L3: backup of host copies and prefetch into the host tier (`above`, a HostTier)."""
 
-    def __init__(self, backend: StorageBackend, host_pool: HostKVPool):
-        self.backend = backend
-        self.host_pool = host_pool
-        self.zero_copy = host_pool.layout == "page_first"
-        if self.zero_copy:
-            backend.register_buffer(host_pool.whole_buffer())
-        self._todo: queue.Queue = queue.Queue()
-        self._acks: queue.Queue = queue.Queue()
-        self._next_id = 0
-        self._inflight = 0
-        self._idle = threading.Condition()
-        self.counters = {"prefetch_ops": 0, "prefetched_pages": 0, "prefetch_bytes": 0, "prefetch_s": 0.0,
-                         "backup_ops": 0, "backed_up_pages": 0, "backup_bytes": 0, "backup_s": 0.0}
-        self._thread = threading.Thread(target=self._work, name="kvstrata-storage", daemon=True)
-        self._thread.start()
+    name = "storage"
 
-    # ---- submit / ack ---------------------------------------------------------------------------------
+    def __init__(self, tree: RadixTree, io: StorageIO, storage_namespace: str):
+        self.tree = tree
+        self.io = io
+        self.group_tokens = io.group_pages * tree.page_size   # tokens per L3 object
+        self.storage_namespace = storage_namespace
+        self.above = None      # the HostTier, set by the facade
+        self.below = None
+        self._writes: dict[int, tuple[TreeNode, list[int]]] = {}   # write op id -> (its node, pinned pages)
+        self._prefetches: dict[int, StorageOp] = {}      # in-flight prefetches (they hold host pages)
+        self._prefetch_inflight_pages = 0
+        self.last_skip_reason: str | None = None   # why the latest prefetch() returned None
+        self.prefetch_skipped: Counter = Counter()
+        self.stats = {"prefetch_requests": 0, "prefetched_tokens": 0, "prefetch_attached_tokens": 0,
+                      "storage_hit_tokens": 0, "storage_backup_pages": 0}
 
-    def submit_prefetch(self, keys: list[str], host_pages: list[int], tag: Any = None) -> StorageOp:
-        """Read the leading existing pages of `keys` into `host_pages` (reserved by the caller)."""
-        return self._submit(PREFETCH, keys, host_pages, tag)
+    # ---- protocol -------------------------------------------------------------------------------------
 
-    def submit_backup(self, keys: list[str], host_pages: list[int], tag: Any = None) -> StorageOp:
-        """Write `host_pages` under `keys`; the caller keeps the pages unchanged until the ack."""
-        return self._submit(STORAGE_BACKUP, keys, host_pages, tag)
+    def holds(self, node: TreeNode) -> bool:
+        """Whether node's pages are written to L3."""
+        return node.storage is not None and node.storage.backed
 
-    def _submit(self, kind: str, keys: list[str], host_pages: list[int], tag: Any) -> StorageOp:
-        op = StorageOp(self._next_id, kind, list(keys), list(host_pages), tag)
-        self._next_id += 1
-        with self._idle:
-            self._inflight += 1
-        self._todo.put(op)
+    def can_take(self, num_pages: int) -> bool:
+        """The backend evicts on its own: a write is always worth trying."""
+        return True
+
+    def drop(self, node: TreeNode) -> None:
+        """L3 is shared with other processes: a node leaving the tree leaves its pages there."""
+
+    def drop_subtree(self, node: TreeNode) -> None:
+        """Nothing to remove: see drop."""
+
+    def accept_demotion(self, node: TreeNode) -> None:
+        """Pages reach L3 through the host tier, never straight from the device."""
+
+    def eviction_candidates(self) -> Iterator[TreeNode]:
+        """None: the backend does its own eviction."""
+        return iter(())
+
+    def reset(self) -> None:
+        """L3 keeps its pages across a flush."""
+
+    # ---- keys -------------------------------------------------------------------------------------------
+
+    def _namespace_key(self, namespace: str | None) -> str:
+        return request_namespace(self.storage_namespace, namespace)
+
+    def _record(self, node: TreeNode) -> StorageCopy:
+        """node's storage record (the groups that end inside it), computed on first use."""
+        if node.storage is None:
+            node.storage = self._groups_ending_in(node)
+        return node.storage
+
+    def _groups_ending_in(self, node: TreeNode) -> StorageCopy:
+        """Keys and end offsets of the page groups whose last token lies in `node` (from its whole path)."""
+        tokens, namespace = _path_tokens(node)
+        gt, start = self.group_tokens, len(tokens) - len(node.key)
+        first = start // gt                                 # group i covers tokens [i*gt, (i+1)*gt)
+        prior = page_keys(tokens[:first * gt], gt, self._namespace_key(namespace))[-1] if first else None
+        return self._groups_after(tokens[first * gt:start], prior, node.key, namespace)[0]
+
+    def _groups_after(self, tail: tuple | list, prior: str | None, key: tuple,
+                      namespace: str | None) -> tuple[StorageCopy, tuple, str | None]:
+        """The groups ending in `key`, which follows `tail` (the tokens since the last group boundary, whose
+        group key before them is `prior`); also the new tail and prior for the node's children."""
+        gt, seq = self.group_tokens, tuple(tail) + tuple(key)
+        count = len(seq) // gt
+        keys = page_keys(seq[:count * gt], gt, self._namespace_key(namespace), prior)
+        ends = [(i + 1) * gt - len(tail) for i in range(count)]
+        return StorageCopy(keys, ends), seq[count * gt:], keys[-1] if keys else prior
+
+    # ---- backup to L3 -------------------------------------------------------------------------------------
+
+    def on_host_ready(self, node: TreeNode) -> None:
+        """node's host copy is complete: write the groups ending in it to L3 (once), and the groups below it
+        that begin in it and were waiting for its pages."""
+        self._write_groups(node)
+        for child in node.children.values():
+            self._retry_below(child, self.group_tokens)
+
+    def _retry_below(self, node: TreeNode, reach: int) -> None:
+        """Write the waiting groups of host-ready `node` and of its descendants within `reach` tokens."""
+        if not node.host_ready:
+            return
+        record = node.storage
+        if record is not None and not record.backed and record.op_id is None:
+            self._write_groups(node)
+        if len(node.key) < reach:
+            for child in node.children.values():
+                self._retry_below(child, reach - len(node.key))
+
+    def _write_groups(self, node: TreeNode) -> None:
+        """Submit the L3 write of the groups ending in `node`, once all their pages are on the host; an
+        ancestor whose part is only on the device is backed up to the host first (its ack retries this)."""
+        record = self._record(node)
+        if record.backed or record.op_id is not None or not record.keys:
+            return
+        pages = self._group_host_pages(node, record)
+        if pages is None:
+            up, reach = node.parent, self.group_tokens
+            while not up.is_root and reach > 0:
+                if not up.host_ready and up.host is None and up.device_slots is not None:
+                    self.above.backup(up)
+                reach -= len(up.key)
+                up = up.parent
+            return
+        self.above.pin(pages)
+        op = self.io.submit_backup(record.keys, pages, node)
+        record.op_id = op.op_id
+        self._writes[op.op_id] = (node, pages)
+        self.stats["storage_backup_pages"] += len(pages)
+
+    def _group_host_pages(self, node: TreeNode, record: StorageCopy) -> list[int] | None:
+        """The host pages of every group in `record`, in order; None if one of them is not on the host."""
+        ps, chunks, up = self.tree.page_size, [], node
+        while not up.is_root:
+            chunks.append(up.host.pages.tolist() if up.host_ready else [None] * (len(up.key) // ps))
+            up = up.parent
+        path = [p for chunk in reversed(chunks) for p in chunk]
+        start = len(path) - len(node.key) // ps
+        out = []
+        for end in record.ends:
+            group = path[start + end // ps - self.io.group_pages: start + end // ps]
+            if None in group:
+                return None
+            out.extend(group)
+        return out
+
+    # ---- prefetch from L3 ---------------------------------------------------------------------------------
+
+    def prefetch(self, token_ids: list[int], namespace: str | None = None) -> StorageOp | None:
+        """Start reading from L3 the groups of `token_ids` that neither device nor host holds (None: skipped).
+
+        Reading starts at the group the cached prefix ends in; its cached head is dropped on arrival.
+        """
+        self.stats["prefetch_requests"] += 1
+        gt, host = self.group_tokens, self.above
+        match = self.tree.match_prefix(token_ids, namespace, record=False)
+        first, count = match.cached_tokens // gt, len(token_ids) // gt
+        if count * gt <= match.cached_tokens:
+            return self._skip("nothing_to_fetch")
+        if count - first < PREFETCH_MIN_GROUPS:
+            return self._skip("too_short")
+        missing = (count - first) * self.io.group_pages
+        limit = int(host.allocator.capacity_pages * PREFETCH_MAX_INFLIGHT_FRACTION)
+        if self._prefetch_inflight_pages + missing > limit:
+            return self._skip("rate_limited")
+        # The cached path the pages will hang under stays locked until the ack: making room in the host
+        # pool must not evict it, nor may anything else before the pages are attached.
+        anchor = match.host_nodes[-1] if match.host_nodes else match.last_node
+        self.tree.inc_lock_ref(anchor)
+        pages = host.alloc(missing)
+        if pages is None:
+            self.tree.dec_lock_ref(anchor)
+            return self._skip("host_full")
+        tokens = tuple(token_ids[:count * gt])
+        keys = page_keys(tokens, gt, self._namespace_key(namespace))[first:]
+        self._prefetch_inflight_pages += missing
+        self.last_skip_reason = None
+        op = self.io.submit_prefetch(keys, pages, (tokens, namespace, first * gt, anchor))
+        self._prefetches[op.op_id] = op
         return op
 
-    def poll_acks(self) -> list[StorageOp]:
-        """Completed ops since the last call (non-blocking)."""
-        acks = []
-        while True:
-            try:
-                acks.append(self._acks.get_nowait())
-            except queue.Empty:
-                return acks
+    def _skip(self, reason: str) -> None:
+        self.prefetch_skipped[reason] += 1
+        self.last_skip_reason = reason
+        return None
 
-    def wait_idle(self, timeout: float = 120.0) -> None:
-        """Block until every submitted op has been acknowledged by the worker."""
-        with self._idle:
-            self._idle.wait_for(lambda: self._inflight == 0, timeout=timeout)
+    def apply_acks(self) -> None:
+        """Attach prefetched pages, mark written nodes (the facade calls it once per step)."""
+        for op in self.io.poll_acks():
+            op.applied = True
+            if op.kind == PREFETCH:
+                self._prefetches.pop(op.op_id, None)
+                self._prefetch_inflight_pages -= len(op.host_pages)
+                self.stats["prefetched_tokens"] += op.done * self.group_tokens
+                self._attach(op)
+                continue
+            node, pages = self._writes.pop(op.op_id)
+            self.above.unpin(pages)
+            # The node and the ancestors split off it while the write was in flight share the op.
+            while node is not None and not node.is_root and node.storage is not None \
+                    and node.storage.op_id == op.op_id:
+                node.storage.op_id = None
+                node.storage.backed = op.done == len(op.keys)
+                node = node.parent
 
-    def stats(self) -> dict:
-        """I/O counters plus the backend's own (errors, hits, ...)."""
-        c = dict(self.counters)
-        c["prefetch_bytes_per_s"] = c["prefetch_bytes"] / c["prefetch_s"] if c["prefetch_s"] else 0.0
-        c["backup_bytes_per_s"] = c["backup_bytes"] / c["backup_s"] if c["backup_s"] else 0.0
-        c["backend"] = self.backend.stats()
-        c["corrupt_pages"] = c["backend"].get("corrupt", 0)   # failed their checksum: dropped and recomputed
-        return c
+    def _attach(self, op: StorageOp) -> None:
+        """Hand the fetched pages to the host tier under their prefix; free the ones not read."""
+        tokens, namespace, start, anchor = op.tag
+        self.tree.dec_lock_ref(anchor)
+        host = self.above
+        fetched = op.done * self.io.group_pages
+        host.allocator.free(op.host_pages[fetched:])
+        leaf = host.insert_host_pages(tokens, op.host_pages[:fetched], namespace, start) if fetched else None
+        if leaf is None:
+            return
+        record = self._record(leaf)
+        record.backed = record.from_prefetch = True
+        self.stats["prefetch_attached_tokens"] += len(leaf.key)
 
-    def shutdown(self) -> None:
-        """Finish queued work, stop the worker, close the backend."""
-        self._todo.put(None)
-        self._thread.join(timeout=60)
-        self.backend.close()
+    def count_hits(self, nodes: list[TreeNode]) -> int:
+        """Tokens of `nodes` (a loaded-back chain) that came from L3; each prefetch counts once."""
+        hits = 0
+        for node in nodes:
+            if node.storage is not None and node.storage.from_prefetch:
+                hits += len(node.key)
+                node.storage.from_prefetch = False
+        self.stats["storage_hit_tokens"] += hits
+        return hits
 
-    # ---- worker -----------------------------------------------------------------------------------------
+    # ---- lifecycle and inspection -------------------------------------------------------------------------
 
-    def _work(self) -> None:
-        while True:
-            op = self._todo.get()
-            if op is None:
-                return
-            start = time.perf_counter()
-            try:
-                op.done = self._prefetch(op) if op.kind == PREFETCH else self._backup(op)
-            except Exception:  # a bug or an unexpected backend failure: the op just did nothing
-                logger.exception("storage %s failed", op.kind)
-                op.done = 0
-            op.seconds = time.perf_counter() - start
-            self._count(op)
-            self._acks.put(op)
-            with self._idle:
-                self._inflight -= 1
-                self._idle.notify_all()
+    def wait_idle(self) -> None:
+        """Wait for in-flight L3 I/O and apply its acks (shutdown and flush only, never within a step)."""
+        self.io.wait_idle()
+        self.apply_acks()
 
-    def _prefetch(self, op: StorageOp) -> int:
-        n = self.backend.batch_exists(op.keys)
-        if n == 0:
-            return 0
-        if self.zero_copy:
-            return self.backend.batch_get(op.keys[:n], [self.host_pool.page_buffer(p) for p in op.host_pages[:n]])
-        staging = [torch.empty(self.host_pool.page_bytes, dtype=torch.uint8) for _ in range(n)]
-        got = self.backend.batch_get(op.keys[:n], staging)
-        for page, buf in zip(op.host_pages[:got], staging):
-            self.host_pool.write_page_bytes(page, buf)
-        return got
+    def close(self) -> None:
+        """Finish queued L3 writes and stop the worker."""
+        self.io.shutdown()
 
-    def _backup(self, op: StorageOp) -> int:
-        page = self.host_pool.page_buffer if self.zero_copy else self.host_pool.page_tensor_copy
-        return self.backend.batch_set(op.keys, [page(p) for p in op.host_pages])
+    def host_pages_in_flight(self) -> list[int]:
+        """Host pages reserved by prefetches whose ack is not applied yet."""
+        return [p for op in self._prefetches.values() for p in op.host_pages]
 
-    def _count(self, op: StorageOp) -> None:
-        nbytes = op.done * self.host_pool.page_bytes
-        if op.kind == PREFETCH:
-            self.counters["prefetch_ops"] += 1
-            self.counters["prefetched_pages"] += op.done
-            self.counters["prefetch_bytes"] += nbytes
-            self.counters["prefetch_s"] += op.seconds
-        else:
-            self.counters["backup_ops"] += 1
-            self.counters["backed_up_pages"] += op.done
-            self.counters["backup_bytes"] += nbytes
-            self.counters["backup_s"] += op.seconds
+    def check_integrity(self) -> None:
+        """The L3 objects the tree refers to are named by the keys of their tokens; writes and prefetches in
+        flight are known, and every prefetch keeps the path it will hang under locked."""
+        # One walk from the roots, carrying each path's group boundary: O(tokens), not O(tokens x depth).
+        stack = [(child, (), None, root.namespace) for root in self.tree.roots() for child in root.children.values()]
+        while stack:
+            node, tail, prior, namespace = stack.pop()
+            expected, tail, prior = self._groups_after(tail, prior, node.key, namespace)
+            stack.extend((child, tail, prior, namespace) for child in node.children.values())
+            s = node.storage
+            if s is None:
+                continue
+            require(s.keys == expected.keys and s.ends == expected.ends,
+                    f"{node}: storage keys are not the keys of its tokens' groups")
+            require(s.op_id is None or s.op_id in self._writes, f"{node}: unknown L3 write")
+        for op in self._prefetches.values():
+            anchor = op.tag[3]
+            require(anchor.is_root or anchor.lock_ref > 0, f"prefetch {op.op_id}: its anchor {anchor} is unlocked")
+        pages = self.host_pages_in_flight()
+        require(sum(len(op.host_pages) for op in self._prefetches.values()) == self._prefetch_inflight_pages,
+                "prefetch page count drifted")
+        require(len(pages) == len(set(pages)), "a host page is reserved by two prefetches")
 
-
-def kv_namespace(model_path: str, dtype: str, page_size: int) -> str:
-    """The namespace of this engine's pages, shared by every process serving the same weights and shape.
-
-    Pages are stored in one canonical byte order whatever --hicache-mem-layout is, so the layout is not
-    part of it: servers with different layouts share pages.
-    """
-    return storage_namespace(model_identity(model_path), dtype, "canonical", page_size)
+    def metrics(self) -> dict:
+        """L3 counters and skipped prefetches by reason."""
+        m = dict(self.stats)
+        m["prefetch_skipped"] = dict(self.prefetch_skipped)
+        m["storage"] = self.io.stats()
+        return m
 
 
-def model_identity(model_path: str) -> str:
-    """A stable name for a checkpoint's weights: folder name plus a digest of its config and weight files."""
-    h = hashlib.sha256()
-    for name in sorted(os.listdir(model_path)):
-        path = os.path.join(model_path, name)
-        if name == "config.json":
-            with open(path, "rb") as fh:
-                h.update(fh.read())
-        elif name.endswith(".safetensors"):
-            size = os.path.getsize(path)
-            h.update(f"{name}:{size}".encode())
-            with open(path, "rb") as fh:   # head (header) and tail of the file: cheap and weight-sensitive
-                h.update(fh.read(1 << 16))
-                fh.seek(max(0, size - (1 << 16)))
-                h.update(fh.read())
-    return f"{os.path.basename(os.path.normpath(model_path))}-{h.hexdigest()[:16]}"
+def _path_tokens(node: TreeNode) -> tuple[list[int], str | None]:
+    """The tokens from the root to the end of `node`, and the namespace of its root."""
+    path, up = [], node
+    while not up.is_root:
+        path.append(up.key)
+        up = up.parent
+    return [t for key in reversed(path) for t in key], up.namespace
+
+
+def prefetch_deadline(policy: str, num_pages: int, now: float | None = None) -> float:
+    """When a request stops waiting for its prefetch: never for best_effort, after a size-based timeout."""
+    now = time.monotonic() if now is None else now
+    if policy == "best_effort":
+        return now
+    if policy == "wait_complete":
+        return float("inf")
+    return now + 0.2 + 0.002 * num_pages

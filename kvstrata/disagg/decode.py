@@ -155,7 +155,7 @@ class DecodeHandoff:
         self.stats.ok(req.rid, w.info.room, done.transferred_bytes, done.transfer_seconds,
                       w.sent_at - w.arrived_at, decode_reused_tokens=req.kv_len)
         req.cached_tokens = done.prefill_cached_tokens     # the prompt tokens nobody had to compute
-        req.kv_len = len(req.prompt_ids)
+        sched.cache.advance(req, len(req.prompt_ids))
         return sched.start_decoding(req, done.first_token, done.first_logprob, done.first_top_logprobs)
 
     def _expire(self) -> list[ReqOutput]:

@@ -4,8 +4,9 @@ Token bookkeeping of a request (all lengths in tokens):
 
     fill_ids  = prompt + output          tokens whose KV the request needs before its next decode
     kv_len    = tokens whose KV is already in the device pool (cached prefix + computed)
-    tree_len  = leading tokens whose pages belong to the radix tree (locked through `last_node`);
-                pages of tokens tree_len.. are the request's own ("private") pages
+
+Its KV state (slot-table row, slots, the locked cached prefix) is a handle owned by the cache (`kv`);
+`row`, `kv_len` and `slot_len` read it.
 
 A request is in prefill while kv_len < len(fill_ids) - 1 and decodes one token per step after that.
 """
@@ -45,14 +46,8 @@ class Req:
     output_ids: list[int] = field(default_factory=list)
     state: ReqState = ReqState.WAITING
     finish_reason: Optional[dict] = None
-    # KV bookkeeping (see module docstring)
-    row: Optional[int] = None
-    slot_len: int = 0               # tokens that have slots assigned (>= kv_len; > while a forward is pending)
-    kv_len: int = 0
-    tree_len: int = 0
-    last_node: Any = None
+    kv: Any = None                  # the KV handle (kvstrata.cache.kv_handle): created and written by the cache
     cached_tokens: int = 0          # prompt tokens served from the cache at (first) admission
-    tier_hits: tuple = (0, 0, 0)    # of the last match: (device, host, storage) tokens; sums to its length
     retractions: int = 0
     # Sampling state
     generator: Optional[torch.Generator] = None
@@ -67,11 +62,21 @@ class Req:
     sent_tokens: int = 0
     sent_input_logprobs: bool = False
     admitted_at_step: int = -1
-    prefetch_op: Any = None          # in-flight L3 prefetch for this request
-    prefetch_deadline: float = 0.0
-    prefetch_retry: bool = False     # the prefetch was skipped for lack of host room: try again
-    prefetch_local: int = 0          # prompt tokens L1 + L2 held when the prefetch was planned
-    prefetch_refetches: int = 0      # prefetches re-issued after those pages were evicted
+
+    @property
+    def row(self) -> Optional[int]:
+        """The request's slot-table row (None unless admitted)."""
+        return self.kv.row if self.kv is not None else None
+
+    @property
+    def kv_len(self) -> int:
+        """Tokens whose KV is in the device pool (cached prefix + computed)."""
+        return self.kv.kv_len if self.kv is not None else 0
+
+    @property
+    def slot_len(self) -> int:
+        """Tokens that have slots assigned (>= kv_len; > while a forward is pending)."""
+        return self.kv.slot_len if self.kv is not None else 0
 
     @property
     def fill_ids(self) -> list[int]:

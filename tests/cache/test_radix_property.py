@@ -18,8 +18,10 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 
 from kvstrata.cache.eviction import EVICTION_POLICIES
 from kvstrata.cache.integrity import check_slot_accounting
-from kvstrata.cache.radix_cache import MatchResult, RadixCache, TreeNode
+from kvstrata.cache.radix_tree import TreeMatch as MatchResult
+from kvstrata.cache.radix_tree import TreeNode
 from kvstrata.memory.allocator import PageAllocator
+from tests.cache.l1 import L1 as RadixCache
 
 MAX_TOKENS = 16
 MAX_RUNNING = 3

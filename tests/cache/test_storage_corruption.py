@@ -14,8 +14,9 @@ from tests.server.conftest import launch_server, stop_server
 
 SAMPLING = {"temperature": 0, "max_new_tokens": 12, "ignore_eos": True}
 PAGE = 16
+GROUP = 64          # tokens per L3 object (--hicache-storage-page-tokens' default)
 PROMPT = [(37 * i + 11) % 900 + 5 for i in range(160)]
-PROMPT_PAGES = len(PROMPT) // PAGE
+PROMPT_OBJECTS = len(PROMPT) // GROUP
 
 
 def flip(raw: bytes) -> bytes:
@@ -49,7 +50,7 @@ class FileStore:
         return [p for p in self.root.rglob("*") if p.is_file() and not p.name.startswith(".")]
 
     def corrupt_all(self, server) -> int:
-        wait_until(lambda: len(self.pages()) >= PROMPT_PAGES, "the backup of the prompt's pages")
+        wait_until(lambda: len(self.pages()) >= PROMPT_OBJECTS, "the backup of the prompt's pages")
         for path in self.pages():
             path.write_bytes(flip(path.read_bytes()))
         return len(self.pages())
@@ -82,14 +83,15 @@ class MooncakeStore:
 
 
 def prompt_page_keys(server) -> list[str]:
-    """The L3 keys of the prompt's pages, derived the way every server of this model derives them."""
+    """The L3 keys of the prompt's page groups, derived the way every server of this model derives them."""
     from kvstrata.cache.page_hash import page_keys, storage_namespace
-    from kvstrata.cache.storage_tier import model_identity
+    from kvstrata.cache.storage_io import model_identity
     from kvstrata.model.builtin import resolve_model_path
 
     dtype = server.server_info()["dtype"]
-    namespace = storage_namespace(model_identity(resolve_model_path("tiny")), f"torch.{dtype}", "canonical", PAGE)
-    return page_keys(PROMPT, PAGE, namespace)
+    namespace = storage_namespace(model_identity(resolve_model_path("tiny")), f"torch.{dtype}", "canonical", PAGE,
+                                  extra=f"group_pages={GROUP // PAGE}")
+    return page_keys(PROMPT, GROUP, namespace)
 
 
 @pytest.fixture(params=["file", pytest.param("mooncake", marks=pytest.mark.mooncake)])
@@ -117,7 +119,7 @@ def test_corrupted_pages_are_recomputed_not_served(store, tmp_path):
         expected = generate(plain, PROMPT)["output_ids"]
         assert generate(tiered, PROMPT)["output_ids"] == expected
         tiered.wait_idle()
-        assert store.corrupt_all(tiered) >= PROMPT_PAGES
+        assert store.corrupt_all(tiered) >= PROMPT_OBJECTS
         assert tiered.post("/flush_cache").status_code == 200      # L1 and L2 emptied, L3 kept
         again = generate(tiered, PROMPT)
         assert again["output_ids"] == expected

@@ -10,9 +10,11 @@ import pytest
 from tests.cache.test_hicache_engine import run_conversations
 from tests.runtime.helpers import assert_idle_integrity, make_engine
 
-# Host pool just above the device pool: returning conversations must come back from L3, not L2.
+# Host pool just above the device pool: returning conversations must come back from L3, not L2. These
+# histories are a few dozen tokens, so L3 objects are single pages here (the default groups of 64 tokens
+# would leave most of them uncached; tests/storage/test_storage_objects.py covers the default).
 SMALL_TIERS = {"enable_hierarchical_cache": True, "max_total_tokens": 160, "chunked_prefill_size": 32,
-               "hicache_ratio": 1.1}
+               "hicache_ratio": 1.1, "hicache_storage_page_tokens": 1}
 
 
 def file_tier(path) -> dict:

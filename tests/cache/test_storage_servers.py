@@ -21,6 +21,7 @@ def generate(server, input_ids: list[int]) -> dict:
 def test_conversation_moves_between_servers(own_mooncake_cluster, tmp_path):
     config = json.dumps(own_mooncake_cluster.client_config())
     flags = ["--enable-hierarchical-cache", "--hicache-ratio", "1.5", "--hicache-storage-backend", "mooncake",
+             "--hicache-storage-page-tokens", "1",   # histories of ~50 tokens: one object per page
              "--hicache-storage-backend-extra-config", config, "--hicache-storage-prefetch-policy",
              "wait_complete"]
     a = launch_server(tmp_path, *flags)

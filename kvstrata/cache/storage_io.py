@@ -1,0 +1,210 @@
+"""StorageIO: background I/O between the host pool (L2) and a storage backend (L3).
+
+Like the CacheController it applies no policy and never touches the tree: the tree submits prefetches
+(L3 -> host pages it reserved) and backups (host pages it pinned -> L3), and applies the acknowledgements
+once per scheduler step. Backend failures arrive as short reads/writes: they cost hits, never requests.
+
+An L3 object is a page group: `group_pages` consecutive host pages of one sequence, stored as the
+concatenation of their bytes under one key, so object counts follow the data, not --page-size. An op's
+`keys[i]` names host_pages[i*group_pages : (i+1)*group_pages].
+
+Zero copy: with the page_first host layout and one page per object, every object is one contiguous
+byte range, registered with the backend once and read/written in place; otherwise objects are gathered
+into (and scattered from) staging copies.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import queue
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from kvstrata.cache.page_hash import storage_namespace
+from kvstrata.memory.host_pool import HostKVPool
+from kvstrata.storage.base import StorageBackend
+
+logger = logging.getLogger(__name__)
+
+PREFETCH, STORAGE_BACKUP = "prefetch", "storage_backup"
+
+
+@dataclass(eq=False)
+class StorageOp:
+    """One batch: `keys[i]` <-> the i-th group of `host_pages`; `done` leading objects succeeded (set by
+    the worker)."""
+
+    op_id: int
+    kind: str
+    keys: list[str]
+    host_pages: list[int]
+    tag: Any = None
+    done: int = 0
+    seconds: float = 0.0
+    applied: bool = False     # set by the tree once it has applied the ack
+
+
+class StorageIO:
+    """A worker thread running prefetch and backup batches against one backend."""
+
+    def __init__(self, backend: StorageBackend, host_pool: HostKVPool, group_pages: int = 1):
+        if backend.page_bytes != group_pages * host_pool.page_bytes:
+            raise ValueError(f"backend objects of {backend.page_bytes} bytes for groups of {group_pages} pages "
+                             f"of {host_pool.page_bytes} bytes")
+        self.backend = backend
+        self.host_pool = host_pool
+        self.group_pages = group_pages
+        self.zero_copy = host_pool.layout == "page_first" and group_pages == 1
+        if self.zero_copy:
+            backend.register_buffer(host_pool.whole_buffer())
+        self._todo: queue.Queue = queue.Queue()
+        self._acks: queue.Queue = queue.Queue()
+        self._next_id = 0
+        self._inflight = 0
+        self._idle = threading.Condition()
+        self.counters = {"prefetch_ops": 0, "prefetched_pages": 0, "prefetch_bytes": 0, "prefetch_s": 0.0,
+                         "backup_ops": 0, "backed_up_pages": 0, "backed_up_objects": 0, "backup_bytes": 0,
+                         "backup_s": 0.0}
+        self._thread = threading.Thread(target=self._work, name="kvstrata-storage", daemon=True)
+        self._thread.start()
+
+    # ---- submit / ack ---------------------------------------------------------------------------------
+
+    def submit_prefetch(self, keys: list[str], host_pages: list[int], tag: Any = None) -> StorageOp:
+        """Read the leading existing objects of `keys` into `host_pages` (reserved by the caller)."""
+        return self._submit(PREFETCH, keys, host_pages, tag)
+
+    def submit_backup(self, keys: list[str], host_pages: list[int], tag: Any = None) -> StorageOp:
+        """Write `host_pages` under `keys`; the caller keeps the pages unchanged until the ack."""
+        return self._submit(STORAGE_BACKUP, keys, host_pages, tag)
+
+    def _submit(self, kind: str, keys: list[str], host_pages: list[int], tag: Any) -> StorageOp:
+        if len(host_pages) != len(keys) * self.group_pages:
+            raise ValueError(f"{len(host_pages)} host pages for {len(keys)} objects of {self.group_pages} pages")
+        op = StorageOp(self._next_id, kind, list(keys), list(host_pages), tag)
+        self._next_id += 1
+        with self._idle:
+            self._inflight += 1
+        self._todo.put(op)
+        return op
+
+    def poll_acks(self) -> list[StorageOp]:
+        """Completed ops since the last call (non-blocking)."""
+        acks = []
+        while True:
+            try:
+                acks.append(self._acks.get_nowait())
+            except queue.Empty:
+                return acks
+
+    def wait_idle(self, timeout: float = 120.0) -> None:
+        """Block until every submitted op has been acknowledged by the worker."""
+        with self._idle:
+            self._idle.wait_for(lambda: self._inflight == 0, timeout=timeout)
+
+    def stats(self) -> dict:
+        """I/O counters plus the backend's own (errors, hits, ...)."""
+        c = dict(self.counters)
+        c["prefetch_bytes_per_s"] = c["prefetch_bytes"] / c["prefetch_s"] if c["prefetch_s"] else 0.0
+        c["backup_bytes_per_s"] = c["backup_bytes"] / c["backup_s"] if c["backup_s"] else 0.0
+        c["backend"] = self.backend.stats()
+        c["corrupt_pages"] = c["backend"].get("corrupt", 0)   # failed their checksum: dropped and recomputed
+        return c
+
+    def shutdown(self) -> None:
+        """Finish queued work, stop the worker, close the backend."""
+        self._todo.put(None)
+        self._thread.join(timeout=60)
+        self.backend.close()
+
+    # ---- worker -----------------------------------------------------------------------------------------
+
+    def _work(self) -> None:
+        while True:
+            op = self._todo.get()
+            if op is None:
+                return
+            start = time.perf_counter()
+            try:
+                op.done = self._prefetch(op) if op.kind == PREFETCH else self._backup(op)
+            except Exception:  # a bug or an unexpected backend failure: the op just did nothing
+                logger.exception("storage %s failed", op.kind)
+                op.done = 0
+            op.seconds = time.perf_counter() - start
+            self._count(op)
+            self._acks.put(op)
+            with self._idle:
+                self._inflight -= 1
+                self._idle.notify_all()
+
+    def _prefetch(self, op: StorageOp) -> int:
+        n = self.backend.batch_exists(op.keys)
+        if n == 0:
+            return 0
+        if self.zero_copy:
+            return self.backend.batch_get(op.keys[:n], [self.host_pool.page_buffer(p) for p in op.host_pages[:n]])
+        staging = [torch.empty(self.backend.page_bytes, dtype=torch.uint8) for _ in range(n)]
+        got = self.backend.batch_get(op.keys[:n], staging)
+        pb = self.host_pool.page_bytes
+        for i, buf in enumerate(staging[:got]):
+            for j, page in enumerate(self._group(op, i)):
+                self.host_pool.write_page_bytes(page, buf[j * pb:(j + 1) * pb])
+        return got
+
+    def _backup(self, op: StorageOp) -> int:
+        if self.zero_copy:
+            return self.backend.batch_set(op.keys, [self.host_pool.page_buffer(p) for p in op.host_pages])
+        copy = self.host_pool.page_tensor_copy
+        objects = [torch.cat([copy(p) for p in self._group(op, i)]) for i in range(len(op.keys))]
+        return self.backend.batch_set(op.keys, objects)
+
+    def _group(self, op: StorageOp, i: int) -> list[int]:
+        """The host pages of object i of `op`."""
+        return op.host_pages[i * self.group_pages:(i + 1) * self.group_pages]
+
+    def _count(self, op: StorageOp) -> None:
+        nbytes = op.done * self.backend.page_bytes
+        if op.kind == PREFETCH:
+            self.counters["prefetch_ops"] += 1
+            self.counters["prefetched_pages"] += op.done * self.group_pages
+            self.counters["prefetch_bytes"] += nbytes
+            self.counters["prefetch_s"] += op.seconds
+        else:
+            self.counters["backup_ops"] += 1
+            self.counters["backed_up_pages"] += op.done * self.group_pages
+            self.counters["backed_up_objects"] += op.done
+            self.counters["backup_bytes"] += nbytes
+            self.counters["backup_s"] += op.seconds
+
+
+def kv_namespace(model_path: str, dtype: str, page_size: int, extra: str = "") -> str:
+    """The namespace of this engine's pages, shared by every process serving the same weights and shape.
+
+    Pages are stored in one canonical byte order whatever --hicache-mem-layout is, so the layout is not
+    part of it: servers with different layouts share pages.
+    """
+    return storage_namespace(model_identity(model_path), dtype, "canonical", page_size, extra)
+
+
+def model_identity(model_path: str) -> str:
+    """A stable name for a checkpoint's weights: folder name plus a digest of its config and weight files."""
+    h = hashlib.sha256()
+    for name in sorted(os.listdir(model_path)):
+        path = os.path.join(model_path, name)
+        if name == "config.json":
+            with open(path, "rb") as fh:
+                h.update(fh.read())
+        elif name.endswith(".safetensors"):
+            size = os.path.getsize(path)
+            h.update(f"{name}:{size}".encode())
+            with open(path, "rb") as fh:   # head (header) and tail of the file: cheap and weight-sensitive
+                h.update(fh.read(1 << 16))
+                fh.seek(max(0, size - (1 << 16)))
+                h.update(fh.read())
+    return f"{os.path.basename(os.path.normpath(model_path))}-{h.hexdigest()[:16]}"

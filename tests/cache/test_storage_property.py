@@ -1,0 +1,124 @@
+"""Property-based: random workloads through the cache facade with all three tiers keep every page accounted.
+
+As test_hicache_property, plus a file L3 under the host tier: arrivals start prefetches, host eviction
+sends pages to L3 only, and the integrity check runs after every operation *while* copies, L3 writes and
+prefetches are in flight (a false report there fails the test). Fake KV values depend on the whole prefix,
+so a page read back from L3 into the wrong place shows up as wrong data in `compute`.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from kvstrata.args import ServerArgs
+from kvstrata.cache.manager import KVCacheManager, build_cache_stack
+from kvstrata.memory.allocator import PageAllocator
+from kvstrata.memory.device_pool import DeviceKVPool
+from kvstrata.memory.req_slots import ReqSlotTable
+from kvstrata.runtime.req import Req
+from kvstrata.runtime.sampling_params import SamplingParams
+from tests.cache.test_hicache_property import LAYERS, compute
+
+# Prompts share long prefixes (one of a few bases, then a short tail), so arrivals find pages in L3.
+BASES = [[1 + (i * j) % 3 for j in range(20)] for i in range(1, 4)]
+ops = st.lists(st.tuples(st.sampled_from(["start", "start", "arrive", "arrive", "finish", "evict", "evict_host",
+                                          "forget", "settle"]),
+                         st.sampled_from(range(len(BASES))), st.lists(st.integers(1, 3), max_size=4),
+                         st.integers(0, 10)),
+               min_size=5, max_size=40)
+
+
+def make_manager(policy: str, page_size: int, storage_dir: str, group_tokens: int) -> tuple:
+    args = ServerArgs(enable_hierarchical_cache=True, hicache_write_policy=policy, page_size=page_size,
+                      hicache_ratio=2.5, hicache_storage_backend="file", hicache_storage_dir=storage_dir,
+                      hicache_storage_prefetch_policy="best_effort", hicache_storage_page_tokens=group_tokens)
+    device_pages = 48 // page_size + 1
+    pool = DeviceKVPool(device_pages, page_size, LAYERS, 1, 2, torch.float32, "cpu")
+    allocator = PageAllocator(device_pages, page_size)
+    stack = build_cache_stack(args, allocator, pool, model_path=storage_dir)
+    return KVCacheManager(allocator, ReqSlotTable(16, 64), stack, "best_effort"), pool
+
+
+GROUP_TOKENS = [4, 8]   # tokens per L3 object: one or several pages (the default 64 exceeds these prompts)
+
+
+@pytest.mark.parametrize("policy", ["write_through", "write_back"])
+@pytest.mark.parametrize("page_size", [1, 4])
+@pytest.mark.parametrize("group_tokens", GROUP_TOKENS)
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(workload=ops)
+def test_random_workloads_with_storage_keep_accounting(tmp_path_factory, policy, page_size, group_tokens,
+                                                       workload):
+    storage_dir = str(tmp_path_factory.mktemp("l3"))
+    manager, pool = make_manager(policy, page_size, storage_dir, group_tokens)
+    running: list[Req] = []
+    try:
+        for n, (op, base, tail, k) in enumerate(workload):
+            req = Req(rid=str(n), prompt_ids=BASES[base] + tail + [1], sampling=SamplingParams(max_new_tokens=1))
+            if op == "arrive":
+                manager.start_prefetch(req)
+            elif op == "start" and len(running) < 3:
+                plan = manager.plan_admit(req, 64)
+                if plan is not None and plan.fits() and manager.admit(req, plan):
+                    compute(manager, pool, req)
+                    manager.commit(req)
+                    running.append(req)
+            elif op == "finish" and running:
+                manager.release(running.pop(k % len(running)), cache=True)
+            elif op == "evict":
+                manager.device.evict(k * page_size)
+            elif op == "evict_host":
+                manager.host.evict(k)
+            elif op in ("settle", "forget"):     # time passes: in-flight copies and L3 I/O land
+                for tier in manager.tiers[1:]:
+                    tier.wait_idle()
+                if op == "forget":               # then what is not running leaves both local tiers
+                    manager.device.evict(10_000)
+                    manager.host.evict(10_000)
+            manager.begin_step()                 # whatever has landed; the rest stays in flight
+            manager.check_integrity(running)
+        for req in running:
+            manager.release(req, cache=True)
+        running.clear()
+        for tier in manager.tiers[1:]:
+            tier.wait_idle()
+        manager.check_integrity([])
+        stats = manager.storage.stats
+        assert stats["storage_hit_tokens"] <= stats["prefetch_attached_tokens"] <= stats["prefetched_tokens"]
+    finally:
+        manager.close()
+
+
+@pytest.mark.parametrize("page_size, group_tokens", [(1, 4), (1, 32), (4, 8), (4, 16)])
+def test_pages_come_back_from_storage_with_their_data(tmp_path, page_size, group_tokens):
+    """A prefix that left both local tiers is prefetched from L3 and loaded back with the right values."""
+    manager, pool = make_manager("write_through", page_size, str(tmp_path), group_tokens)
+    prompt = (BASES[0] * 2)[:40] + [1]
+    try:
+        first = Req(rid="a", prompt_ids=prompt, sampling=SamplingParams(max_new_tokens=1))
+        plan = manager.plan_admit(first, 128)
+        assert manager.admit(first, plan)
+        compute(manager, pool, first)
+        manager.release(first, cache=True)
+        for tier in manager.tiers[1:]:
+            tier.wait_idle()
+        manager.device.evict(10_000)
+        manager.host.evict(10_000)
+        again = Req(rid="b", prompt_ids=prompt, sampling=SamplingParams(max_new_tokens=1))
+        manager.start_prefetch(again)
+        manager.check_integrity([])              # with the prefetch in flight
+        manager.storage.wait_idle()
+        plan = manager.plan_admit(again, 128)
+        stored = (len(prompt) - 1) // group_tokens * group_tokens
+        assert plan.host_tokens == stored - stored % page_size
+        assert manager.admit(again, plan)
+        compute(manager, pool, again)            # checks the loaded-back KV values
+        assert manager.metrics["storage_hit_tokens"] == plan.host_tokens
+        manager.release(again, cache=True)
+        manager.host.wait_idle()
+        manager.check_integrity([])
+    finally:
+        manager.close()
