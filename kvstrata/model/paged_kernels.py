@@ -1,0 +1,76 @@
+"""The compiled CPU paged-attention kernel (csrc/paged_attention.cpp): built once per machine, or absent.
+
+`paged_attention_op()` returns the op, or None when it cannot be used (not CPU, no C++ compiler, a failed
+build, or `KVSTRATA_DISABLE_CPU_KERNELS=1`); callers then take the plain-torch path, which computes the
+same attention. The build (~20-60 s) runs on first use and is cached under the kvstrata cache directory,
+keyed by the source, the torch version and the CPU's instruction-set flags (the kernel is compiled with
+-march=native).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("csrc") / "paged_attention.cpp"
+DISABLE_ENV = "KVSTRATA_DISABLE_CPU_KERNELS"
+_lock = threading.Lock()
+_state: dict[str, object] = {}
+
+
+def _cpu_flags() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return line
+    except OSError:
+        pass
+    return platform.processor()
+
+
+def _build_dir() -> Path:
+    key = hashlib.sha256(SOURCE.read_bytes() + torch.__version__.encode() + _cpu_flags().encode()).hexdigest()
+    root = Path(os.environ.get("KVSTRATA_CACHE_DIR") or Path.home() / ".cache" / "kvstrata")
+    return root / "kernels" / key[:16]
+
+
+def _load() -> Optional[Callable]:
+    if os.environ.get(DISABLE_ENV) == "1":
+        return None
+    if shutil.which(os.environ.get("CXX", "c++")) is None:
+        logger.warning("no C++ compiler: CPU paged attention uses the plain-torch path (K/V gather)")
+        return None
+    from torch.utils import cpp_extension
+
+    build = _build_dir()
+    build.mkdir(parents=True, exist_ok=True)
+    started = time.perf_counter()
+    try:
+        cpp_extension.load(name="kvstrata_paged_attention", sources=[str(SOURCE)], build_directory=str(build),
+                           extra_cflags=["-O3", "-march=native", "-fopenmp"], extra_ldflags=["-fopenmp"],
+                           is_python_module=False, verbose=False)
+    except Exception as e:  # a broken toolchain must not stop the server: the torch path is complete
+        logger.warning("building the CPU paged-attention kernel failed (%s): using the plain-torch path", e)
+        return None
+    logger.info("CPU paged-attention kernel ready in %.1f s (%s)", time.perf_counter() - started, build)
+    return torch.ops.kvstrata.paged_attention
+
+
+def paged_attention_op() -> Optional[Callable]:
+    """`op(q, k_buf, v_buf, slots, row_seq, lens, scale) -> out`, or None where it is not available."""
+    with _lock:
+        if "op" not in _state:
+            _state["op"] = _load()
+        return _state["op"]  # type: ignore[return-value]
