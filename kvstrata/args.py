@@ -43,7 +43,6 @@ WRITE_POLICIES = ["write_through", "write_through_selective", "write_back"]
 MEM_LAYOUTS = ["layer_first", "page_first"]
 STORAGE_BACKENDS = ["file", "mooncake"]
 PREFETCH_POLICIES = ["best_effort", "wait_complete", "timeout"]
-ATTENTION_BACKENDS = ["torch_native", "kvstrata_cpu"]
 DTYPES = ["auto", "bfloat16", "float32", "float16"]
 TOOL_CALL_PARSERS = ["hermes", "qwen", "qwen25", "qwen3", "llama3"]
 # Settings whose only value we can honour: (value, why another one cannot be).
@@ -85,6 +84,10 @@ class ServerArgs:
     enable_deterministic_inference: bool = field(default=False, metadata=_opt(
         "Batch-invariant forward and sampling: a request's logits, tokens and logprobs are bit-identical "
         "whether it runs alone or in any batch, at any chunked-prefill split, with any cache hits."))
+    disable_cpu_kernels: bool = field(default=False, metadata=_opt(
+        "CPU only: attend with plain torch (SDPA over gathered K/V) instead of the compiled paged-attention "
+        "kernel that reads K/V in place (built once per machine with the C++ compiler; without one, plain "
+        "torch is used anyway)."))
 
     # --- HTTP server ---
     host: str = field(default="127.0.0.1", metadata=_opt("HTTP host to bind."))
@@ -177,11 +180,6 @@ class ServerArgs:
         "Speculative decoding algorithm (not supported)."))
     quantization: Optional[str] = field(default=None, metadata=_opt("Weight quantization (not supported)."))
     kv_cache_dtype: str = field(default="auto", metadata=_opt("KV cache dtype (only auto: the model dtype)."))
-    attention_backend: Optional[str] = field(default=None, metadata=_opt(
-        "Attention kernel. Unset: on CPU the compiled paged kernel (reads K/V pages in place; built once "
-        "per machine with the C++ compiler) where it builds, else torch_native; torch_native: torch SDPA "
-        "over gathered K/V; kvstrata_cpu: the compiled kernel, and start-up fails without it.",
-        choices=ATTENTION_BACKENDS))
     lora_paths: Optional[str] = field(default=None, metadata=_opt("LoRA adapters (not supported)."))
 
     # --- SGLang flags accepted with no effect on this engine (logged once at start) ---
@@ -189,6 +187,8 @@ class ServerArgs:
         "only the built-in Llama-family code runs; a checkpoint's own Python code is never executed"))
     disable_cuda_graph: bool = field(default=False, metadata=_no_effect("CUDA graphs are not used"))
     cuda_graph_max_bs: Optional[int] = field(default=None, metadata=_no_effect("CUDA graphs are not used"))
+    attention_backend: Optional[str] = field(default=None, metadata=_no_effect(
+        "attention always runs on torch SDPA over the paged pool"))
     sampling_backend: Optional[str] = field(default=None, metadata=_no_effect("sampling always runs in torch"))
     enable_cache_report: bool = field(default=False, metadata=_no_effect(
         "usage.prompt_tokens_details.cached_tokens is always reported"))

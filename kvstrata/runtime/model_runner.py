@@ -56,15 +56,10 @@ class ModelRunner:
                     args.page_size, self.pool.bytes_per_token * self.pool.num_slots / 2**20)
 
     def _paged_kernel(self):
-        """The compiled in-place attention op where it applies (CPU, bf16/f32, not --attention-backend
-        torch_native and it builds), else None (plain-torch attention)."""
-        backend = self.args.attention_backend
+        """The compiled in-place attention op where it applies (CPU, bf16/f32, not --disable-cpu-kernels,
+        and it builds), else None: plain-torch attention."""
         usable = self.device.type == "cpu" and self.dtype in (torch.bfloat16, torch.float32)
-        op = paged_attention_op() if usable and backend != "torch_native" else None
-        if op is None and backend == "kvstrata_cpu":
-            raise RuntimeError("--attention-backend kvstrata_cpu: the compiled kernel is not available here "
-                               "(CPU with bfloat16/float32 and a C++ compiler needed; see the log)")
-        return op
+        return paged_attention_op() if usable and not self.args.disable_cpu_kernels else None
 
     @property
     def max_total_tokens(self) -> int:

@@ -13,6 +13,10 @@
 #include <c10/util/BFloat16.h>
 #include <torch/library.h>
 
+#ifdef __AVX512F__
+#include <immintrin.h>
+#endif
+
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -74,6 +78,96 @@ struct Shape {
   int64_t heads, kv_heads, dim, group, row_stride, kv_stride, slot_stride;
 };
 
+#ifdef __AVX512F__
+// attend_tile (below) with AVX-512 for head dims that are 16 * NC: q rows stay in registers, scores, max, exp and
+// sums run 16 keys at a time (the tail masked), and each head's weighted values accumulate in registers.
+// Every key of a tile takes the same lane and the same operations whatever the row's length.
+template <typename KV>
+inline __m512 load16(const KV* p);
+template <>
+inline __m512 load16<float>(const float* p) { return _mm512_loadu_ps(p); }
+template <>
+inline __m512 load16<c10::BFloat16>(const c10::BFloat16* p) {
+  const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+}
+
+inline __m512 exp16(__m512 x) {   // exp_nonpositive, 16 lanes
+  x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
+  const __m512 fx = _mm512_roundscale_ps(_mm512_fmadd_ps(x, _mm512_set1_ps(1.44269504088896341f),
+                                                         _mm512_set1_ps(0.5f)), _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(fx, _mm512_set1_ps(0.693359375f), x);
+  r = _mm512_fnmadd_ps(fx, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+  p = _mm512_fmadd_ps(_mm512_mul_ps(p, r), r, _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+  const __m512i bits = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(fx), _mm512_set1_epi32(127)), 23);
+  return _mm512_mul_ps(p, _mm512_castsi512_ps(bits));
+}
+
+template <int NC, typename KV>
+void attend_tile_avx512(const float* qf, const KV* k_buf, const KV* v_buf, const int64_t* slots, int64_t first,
+                        int64_t count, const Shape& s, float* scores, float* partial) {
+  const int64_t G = s.group, W = s.kv_stride, H = s.heads;
+  constexpr int64_t D = 16 * NC;
+  for (int64_t kvh = 0; kvh < s.kv_heads; ++kvh) {
+    for (int64_t j = 0; j < count; ++j) {
+      const KV* krow = k_buf + slots[first + j] * W + kvh * D;
+      __m512 k[NC];
+      for (int c = 0; c < NC; ++c) k[c] = load16(krow + 16 * c);
+      for (int64_t g = 0; g < G; ++g) {
+        const float* qh = qf + (kvh * G + g) * D;
+        __m512 a = _mm512_mul_ps(_mm512_loadu_ps(qh), k[0]);
+        for (int c = 1; c < NC; ++c) a = _mm512_fmadd_ps(_mm512_loadu_ps(qh + 16 * c), k[c], a);
+        scores[(kvh * G + g) * TILE + j] = _mm512_reduce_add_ps(a);
+      }
+    }
+  }
+  for (int64_t h = 0; h < H; ++h) {
+    float* sc = scores + h * TILE;
+    __m512 m16 = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+    for (int64_t j = 0; j < count; j += 16) {
+      const __mmask16 live = count - j >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (count - j)) - 1);
+      m16 = _mm512_mask_max_ps(m16, live, m16, _mm512_maskz_loadu_ps(live, sc + j));
+    }
+    const float m = _mm512_reduce_max_ps(m16);
+    __m512 l16 = _mm512_setzero_ps();
+    for (int64_t j = 0; j < count; j += 16) {
+      const __mmask16 live = count - j >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (count - j)) - 1);
+      const __m512 e = exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(live, sc + j), _mm512_set1_ps(m)));
+      _mm512_mask_storeu_ps(sc + j, live, e);
+      l16 = _mm512_mask_add_ps(l16, live, l16, e);
+    }
+    partial[h] = m;
+    partial[H + h] = _mm512_reduce_add_ps(l16);
+  }
+  float* acc_out = partial + 2 * H;
+  for (int64_t kvh = 0; kvh < s.kv_heads; ++kvh) {
+    for (int64_t g0 = 0; g0 < G; g0 += 4) {        // four heads' accumulators in registers at a time
+      const int64_t gn = std::min<int64_t>(4, G - g0);
+      __m512 acc[4][NC];
+      for (int g = 0; g < 4; ++g)
+        for (int c = 0; c < NC; ++c) acc[g][c] = _mm512_setzero_ps();
+      for (int64_t j = 0; j < count; ++j) {
+        const KV* vrow = v_buf + slots[first + j] * W + kvh * D;
+        __m512 v[NC];
+        for (int c = 0; c < NC; ++c) v[c] = load16(vrow + 16 * c);
+        for (int64_t g = 0; g < gn; ++g) {
+          const __m512 p = _mm512_set1_ps(scores[(kvh * G + g0 + g) * TILE + j]);
+          for (int c = 0; c < NC; ++c) acc[g][c] = _mm512_fmadd_ps(p, v[c], acc[g][c]);
+        }
+      }
+      for (int64_t g = 0; g < gn; ++g)
+        for (int c = 0; c < NC; ++c) _mm512_storeu_ps(acc_out + (kvh * G + g0 + g) * D + 16 * c, acc[g][c]);
+    }
+  }
+}
+#endif
+
 // One tile of keys for all H query heads of one row: writes [H] max, [H] sum and [H, D] weighted values.
 // Whole pool rows (all KV heads) are read at once, so a tile streams through memory in order.
 template <typename T, typename KV>
@@ -83,6 +177,10 @@ void attend_tile(const T* q, const KV* k_buf, const KV* v_buf, const int64_t* sl
   std::vector<float> qf(H * D), row(W), scores(H * TILE);
   widen_row(q, qf.data(), H * D);
   for (int64_t i = 0; i < H * D; ++i) qf[i] *= scale;
+#ifdef __AVX512F__
+  if (D == 64) return attend_tile_avx512<4, KV>(qf.data(), k_buf, v_buf, slots, first, count, s, scores.data(), partial);
+  if (D == 128) return attend_tile_avx512<8, KV>(qf.data(), k_buf, v_buf, slots, first, count, s, scores.data(), partial);
+#endif
   for (int64_t j = 0; j < count; ++j) {
     widen_row(k_buf + slots[first + j] * W, row.data(), W);
     for (int64_t h = 0; h < H; ++h) scores[h * TILE + j] = dot(qf.data() + h * D, row.data() + (h / G) * D, D);
@@ -113,6 +211,7 @@ void attend_tile(const T* q, const KV* k_buf, const KV* v_buf, const int64_t* sl
     }
   }
 }
+
 
 template <typename T>
 inline void store(T* dst, float x) { *dst = static_cast<T>(x); }
