@@ -19,13 +19,12 @@ OP = paged_attention_op()
 pytestmark = pytest.mark.skipif(OP is None, reason="the CPU kernel does not build here (no C++ compiler?)")
 DTYPES = [torch.float32, torch.bfloat16]
 HEADS, KV_HEADS, DIM = 8, 2, 64
-SCALE = DIM ** -0.5
 
 
-def _pool(slots: int, dtype: torch.dtype, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+def _pool(slots: int, dtype: torch.dtype, seed: int = 0, dim: int = DIM) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
-    return (torch.randn(slots, KV_HEADS, DIM, generator=g).to(dtype),
-            torch.randn(slots, KV_HEADS, DIM, generator=g).to(dtype))
+    return (torch.randn(slots, KV_HEADS, dim, generator=g).to(dtype),
+            torch.randn(slots, KV_HEADS, dim, generator=g).to(dtype))
 
 
 def _reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, first_pos: int) -> torch.Tensor:
@@ -39,16 +38,18 @@ def _reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, first_pos: int
 
 def _run(q, k_buf, v_buf, seq_slots: list[torch.Tensor], row_seq: list[int], lens: list[int]) -> torch.Tensor:
     slots = torch.nn.utils.rnn.pad_sequence(seq_slots, batch_first=True, padding_value=0)
-    return OP(q.contiguous(), k_buf, v_buf, slots, torch.tensor(row_seq), torch.tensor(lens), SCALE)
+    return OP(q.contiguous(), k_buf, v_buf, slots, torch.tensor(row_seq), torch.tensor(lens), q.shape[-1] ** -0.5)
 
 
+@pytest.mark.parametrize("dim", [64, 128, 32], ids=["vector-64", "vector-128", "scalar-32"])
 @pytest.mark.parametrize("dtype", DTYPES, ids=["f32", "bf16"])
-def test_decodes_over_scattered_slots_match_sdpa(dtype):
-    k_buf, v_buf = _pool(4096, dtype)
+def test_decodes_over_scattered_slots_match_sdpa(dtype, dim):
+    # head dims 64 and 128 take the AVX-512 tile where the CPU has it; others the portable one
+    k_buf, v_buf = _pool(4096, dtype, dim=dim)
     lens = [1, 255, 256, 257, 1500]            # inside one tile, on tile edges, several tiles
     perm = torch.randperm(4095, generator=torch.Generator().manual_seed(1)) + 1
     seq_slots = [perm[sum(lens[:i]) % 2000:][:n] for i, n in enumerate(lens)]
-    q = torch.randn(len(lens), HEADS, DIM).to(dtype)
+    q = torch.randn(len(lens), HEADS, dim).to(dtype)
     out = _run(q, k_buf, v_buf, seq_slots, list(range(len(lens))), lens)
     tolerance = 1e-5 if dtype == torch.float32 else 1e-2
     for i, n in enumerate(lens):
@@ -67,17 +68,19 @@ def test_extend_after_prefix_matches_causal_sdpa(dtype):
     assert (out.float() - ref).abs().max() < (1e-5 if dtype == torch.float32 else 1e-2)
 
 
+@pytest.mark.parametrize("dim", [64, 32], ids=["vector", "scalar"])
 @pytest.mark.parametrize("dtype", DTYPES, ids=["f32", "bf16"])
-def test_row_bits_do_not_depend_on_batch_chunking_or_threads(dtype):
-    k_buf, v_buf = _pool(2048, dtype)
+def test_row_bits_do_not_depend_on_batch_chunking_or_threads(dtype, dim):
+    k_buf, v_buf = _pool(2048, dtype, dim=dim)
     slots = torch.arange(1, 601)
-    q = torch.randn(600, HEADS, DIM).to(dtype)
+    q = torch.randn(600, HEADS, dim).to(dtype)
     full = _run(q, k_buf, v_buf, [slots], [0] * 600, list(range(1, 601)))
     chunk = _run(q[333:], k_buf, v_buf, [slots], [0] * 267, list(range(334, 601)))
     assert torch.equal(chunk, full[333:])
     other = torch.arange(700, 1150)
     for pos in (0, 255, 256, 599):
-        queries = torch.cat([torch.randn(1, HEADS, DIM).to(dtype), q[pos:pos + 1], torch.randn(2, HEADS, DIM).to(dtype)])
+        queries = torch.cat([torch.randn(1, HEADS, dim).to(dtype), q[pos:pos + 1],
+                             torch.randn(2, HEADS, dim).to(dtype)])
         out = _run(queries, k_buf, v_buf, [other, slots], [0, 1, 1, 0], [450, pos + 1, 17, 3])
         assert torch.equal(out[1], full[pos]), f"decode at position {pos}"
     threads = torch.get_num_threads()
