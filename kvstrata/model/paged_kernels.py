@@ -89,3 +89,8 @@ def paged_attention_op() -> Optional[Callable]:
         if "op" not in _state:
             _state["op"] = _load()
         return _state["op"]  # type: ignore[return-value]
+
+
+if __name__ == "__main__":   # `python -m kvstrata.model.paged_kernels`: build (or find) the kernel now
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    print("CPU paged-attention kernel:", "ready" if paged_attention_op() is not None else "unavailable (torch path)")
