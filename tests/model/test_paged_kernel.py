@@ -115,3 +115,14 @@ def test_model_through_kernel_matches_hf(checkpoint_dir, case, dtype, invariant)
         ref = torch.stack([pair.hf_logits(t)[-1] for t in tokens])
         assert relative_error(logits[:len(tokens)], ref) < TOLERANCE[dtype]
         tokens = [t + [int(x)] for t, x in zip(tokens, logits[:len(tokens)].argmax(-1), strict=True)]
+
+
+def test_indices_outside_the_pool_or_slot_table_raise():
+    k_buf, v_buf = _pool(64, torch.float32)
+    q = torch.randn(1, HEADS, DIM)
+    with pytest.raises(RuntimeError, match="outside the pool"):
+        _run(q, k_buf, v_buf, [torch.tensor([1, 2, 64])], [0], [3])
+    with pytest.raises(RuntimeError, match="keys of"):
+        _run(q, k_buf, v_buf, [torch.tensor([1, 2, 3])], [0], [4])
+    with pytest.raises(RuntimeError, match="names sequence"):
+        _run(q, k_buf, v_buf, [torch.tensor([1, 2, 3])], [1], [3])

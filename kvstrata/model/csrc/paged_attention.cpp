@@ -277,7 +277,17 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_buf, const a
   TORCH_CHECK(row_seq.scalar_type() == at::kLong && lens.scalar_type() == at::kLong, "row_seq/lens: long");
   TORCH_CHECK(row_seq.numel() == q.size(0) && lens.numel() == q.size(0), "one row_seq and len per query row");
   TORCH_CHECK(q.size(1) % k_buf.size(1) == 0 && q.size(2) == k_buf.size(2), "head shapes do not match");
-  TORCH_CHECK(k_buf.scalar_type() == v_buf.scalar_type(), "K and V dtypes differ");
+  TORCH_CHECK(k_buf.scalar_type() == v_buf.scalar_type() && k_buf.sizes() == v_buf.sizes(), "K and V differ");
+  // Every index is checked before any is followed: a bad plan must raise, never read outside the pool.
+  const int64_t* lp = lens.data_ptr<int64_t>();
+  const int64_t* rs = row_seq.data_ptr<int64_t>();
+  for (int64_t t = 0; t < q.size(0); ++t) {
+    TORCH_CHECK(lp[t] >= 1 && lp[t] <= slots.size(1), "row ", t, " attends ", lp[t], " keys of ", slots.size(1));
+    TORCH_CHECK(rs[t] >= 0 && rs[t] < slots.size(0), "row ", t, " names sequence ", rs[t]);
+  }
+  const int64_t* sp = slots.data_ptr<int64_t>();
+  for (int64_t i = 0; i < slots.numel(); ++i)
+    TORCH_CHECK(sp[i] >= 0 && sp[i] < k_buf.size(0), "slot ", sp[i], " is outside the pool");
   at::Tensor out = at::empty_like(q);
   const bool q16 = q.scalar_type() == at::kBFloat16, kv16 = k_buf.scalar_type() == at::kBFloat16;
   TORCH_CHECK((q16 || q.scalar_type() == at::kFloat) && (kv16 || k_buf.scalar_type() == at::kFloat),
