@@ -85,6 +85,10 @@ class ServerArgs:
     enable_deterministic_inference: bool = field(default=False, metadata=_opt(
         "Batch-invariant forward and sampling: a request's logits, tokens and logprobs are bit-identical "
         "whether it runs alone or in any batch, at any chunked-prefill split, with any cache hits."))
+    disable_cpu_kernels: bool = field(default=False, metadata=_opt(
+        "CPU only: attend with plain torch (SDPA over gathered K/V) instead of the compiled paged-attention "
+        "kernel that reads K/V in place (built once per machine with the C++ compiler; without one, plain "
+        "torch is used anyway)."))
 
     # --- HTTP server ---
     host: str = field(default="127.0.0.1", metadata=_opt("HTTP host to bind."))

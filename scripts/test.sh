@@ -9,4 +9,6 @@ export KVSTRATA_CACHE_DIR=${KVSTRATA_CACHE_DIR:-$PWD/.cache/kvstrata}
 # The Mooncake tests must run, not skip, once install.sh has installed its libraries.
 export KVSTRATA_REQUIRE_MOONCAKE=${KVSTRATA_REQUIRE_MOONCAKE:-1}
 ruff check kvstrata tests
+# Build the CPU paged-attention kernel once, before the servers the tests start would each compile it.
+python -m kvstrata.model.paged_kernels
 python -m pytest -q -p no:cacheprovider --durations=15 "$@"

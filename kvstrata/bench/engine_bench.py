@@ -28,19 +28,26 @@ def _timeit(fn, repeat: int) -> float:
     return statistics.median(times)
 
 
-def bench_kvstrata(args, deterministic: bool = False) -> dict:
-    """TTFT and decode rates through kvstrata.Engine."""
+def make_engine(args, deterministic: bool = False):
+    """The offline engine every kvstrata measurement here uses (radix cache off: every prompt computed)."""
     import kvstrata
 
-    eng = kvstrata.Engine(model_path=args.model_path, dtype=args.dtype, disable_radix_cache=True,
-                          max_total_tokens=args.streams * (args.context + args.decode_tokens) + 1024,
-                          num_threads=args.threads, random_seed=0, chunked_prefill_size=args.context,
-                          enable_deterministic_inference=deterministic)
-    vocab = eng.scheduler.runner.vocab_size
-    rng = random.Random(0)
+    return kvstrata.Engine(model_path=args.model_path, dtype=args.dtype, disable_radix_cache=True,
+                           max_total_tokens=args.streams * (args.context + args.decode_tokens) + 1024,
+                           num_threads=args.threads, random_seed=0, chunked_prefill_size=args.context,
+                           page_size=args.page_size, enable_deterministic_inference=deterministic)
 
-    def prompt(n: int) -> list[int]:
-        return [rng.randrange(100, vocab - 1) for _ in range(n)]
+
+def prompt_maker(vocab: int, seed: int = 0):
+    """A function n -> n random non-special token ids (reproducible from `seed`)."""
+    rng = random.Random(seed)
+    return lambda n: [rng.randrange(100, vocab - 1) for _ in range(n)]
+
+
+def bench_kvstrata(args, deterministic: bool = False) -> dict:
+    """TTFT and decode rates through kvstrata.Engine."""
+    eng = make_engine(args, deterministic)
+    prompt = prompt_maker(eng.scheduler.runner.vocab_size)
 
     greedy1 = {"temperature": 0, "max_new_tokens": 1, "ignore_eos": True}
     ttft = _timeit(lambda: eng.generate(input_ids=prompt(args.context), sampling_params=greedy1), args.repeat)
@@ -84,6 +91,19 @@ def bench_transformers(args) -> dict:
     return {"forward_s": fwd, "decode_tok_s_1": single}
 
 
+def profile_main(args) -> int:
+    """`--profile`: the per-step breakdown of each scenario (with --enable-deterministic-inference, that
+    mode too), printed as JSON and as a markdown table."""
+    from kvstrata.bench.engine_profile import format_table, run_profile
+
+    modes = [False, True] if args.enable_deterministic_inference else [False]
+    for deterministic in modes:
+        results = run_profile(args, lambda d=deterministic: make_engine(args, d), prompt_maker)
+        print(json.dumps({"deterministic": deterministic, "profile": results}, indent=2))
+        print(f"\n{'deterministic' if deterministic else 'default'} mode, ms per step:\n{format_table(results)}\n")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     """CLI entry point."""
     p = argparse.ArgumentParser(prog="kvstrata bench engine", description=__doc__)
@@ -94,11 +114,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--decode-tokens", type=int, default=64)
     p.add_argument("--streams", type=int, default=16)
     p.add_argument("--repeat", type=int, default=3)
+    p.add_argument("--page-size", type=int, default=1)
     p.add_argument("--skip-transformers", action="store_true")
+    p.add_argument("--profile", action="store_true",
+                   help="per-step breakdown (prefill, decode with 1 and --streams streams) instead of the rates")
     p.add_argument("--enable-deterministic-inference", action="store_true",
                    help="also measure the batch-invariant mode, side by side")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
+    if args.profile:
+        return profile_main(args)
     ours = bench_kvstrata(args)
     result = {"config": vars(args), "kvstrata": ours}
     if args.enable_deterministic_inference:

@@ -13,6 +13,11 @@ Two paths, both planned once per forward (`AttentionPlan`, cached in `meta.cache
 On CPU, a lone sequence whose slots are one ascending range is read in place (no copy), and keys are
 otherwise gathered a whole page at a time where the pages allow it (page_size > 1): far fewer, larger
 row copies than slot by slot.
+
+With the compiled CPU kernel (`meta.paged_kernel`, see paged_kernels.py) decode rows skip the gather: the
+kernel reads every key's pool row in place. With `batch_invariant` it attends every row (extends too), since
+its rows are invariant by construction (fixed key tiles merged in order); otherwise the plain-torch invariant
+path of invariant_attention.py runs.
 """
 
 from __future__ import annotations
@@ -68,11 +73,23 @@ class DecodeGroup:
 
 
 @dataclass
+class KernelRows:
+    """Query rows the compiled paged kernel attends in place (no gather): row r reads keys
+    0..lens[r]-1 of sequence seq[r], whose key j is pool row slots[seq[r], j]."""
+
+    rows: Optional[torch.Tensor]     # their rows in the batch; None when they are the whole batch
+    slots: torch.Tensor              # [S, max keys] long, padded with the reserved slot 0
+    seq: torch.Tensor                # [R] long
+    lens: torch.Tensor               # [R] long
+
+
+@dataclass
 class AttentionPlan:
     """Index and mask tensors for one forward, shared by all layers."""
 
     extends: list[ExtendSpan]
     decode: Optional[DecodeGroup]
+    kernel: Optional[KernelRows] = None
 
 
 def attention_plan(meta: ForwardMetadata, q: torch.Tensor, kv_pool) -> AttentionPlan:
@@ -84,10 +101,26 @@ def attention_plan(meta: ForwardMetadata, q: torch.Tensor, kv_pool) -> Attention
     """
     plan = meta.cache.get(_PLAN_KEY)
     if plan is None:
-        plan = _build_plan(meta, q.device, q.dtype, kv_pool.page_size, fresh_kv_ok=kv_pool.dtype == q.dtype,
-                           masks=not meta.batch_invariant)   # the invariant kernel masks by position
+        if meta.paged_kernel is not None and meta.batch_invariant:
+            plan = AttentionPlan([], None, _kernel_rows(meta, range(len(meta.extend_lens)), q.device))
+        else:
+            plan = _build_plan(meta, q.device, q.dtype, kv_pool.page_size, fresh_kv_ok=kv_pool.dtype == q.dtype,
+                               masks=not meta.batch_invariant)   # the invariant kernel masks by position
         meta.cache[_PLAN_KEY] = plan
     return plan
+
+
+def _kernel_rows(meta: ForwardMetadata, seqs, device: torch.device, rows: Optional[torch.Tensor] = None
+                 ) -> KernelRows:
+    """Every new token of the sequences `seqs` (batch order), for the compiled kernel."""
+    seqs = list(seqs)
+    totals = [meta.prefix_lens[i] + meta.extend_lens[i] for i in seqs]
+    slots = torch.nn.utils.rnn.pad_sequence([meta.kv_slots[i][:n] for i, n in zip(seqs, totals, strict=True)],
+                                            batch_first=True, padding_value=0)
+    extends = torch.tensor([meta.extend_lens[i] for i in seqs])
+    seq = torch.repeat_interleave(torch.arange(len(seqs)), extends)
+    lens = torch.cat([torch.arange(meta.prefix_lens[i] + 1, n + 1) for i, n in zip(seqs, totals, strict=True)])
+    return KernelRows(rows, slots.to(device).contiguous(), seq.to(device), lens.to(device))
 
 
 def _build_plan(meta: ForwardMetadata, device: torch.device, dtype: torch.dtype, page_size: int,
@@ -104,10 +137,14 @@ def _build_plan(meta: ForwardMetadata, device: torch.device, dtype: torch.dtype,
             extends.append(_extend_span(meta.kv_slots[i].to(device), start, prefix, extend, dtype, page_size,
                                         fresh_kv_ok, masks))
         start += extend
-    decode = None
-    if decode_seqs:
+    decode, kernel = None, None
+    if decode_seqs and meta.paged_kernel is not None:
+        whole_batch = len(decode_rows) == start
+        rows = None if whole_batch else torch.tensor(decode_rows, dtype=torch.long, device=device)
+        kernel = _kernel_rows(meta, decode_seqs, device, rows)
+    elif decode_seqs:
         decode = _decode_group(meta, decode_seqs, decode_rows, start, device, dtype, page_size, masks)
-    return AttentionPlan(extends=extends, decode=decode)
+    return AttentionPlan(extends=extends, decode=decode, kernel=kernel)
 
 
 def _additive(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -175,6 +212,8 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id:
     kv_pool.set_kv(layer_id, meta.out_slots, k, v)
     plan = attention_plan(meta, q, kv_pool)
     num_tokens, num_heads, head_dim = q.shape
+    if plan.kernel is not None and plan.kernel.rows is None:
+        return _in_place(q, layer_id, plan.kernel, meta, kv_pool).view(num_tokens, num_heads * head_dim)
     if meta.batch_invariant:
         return _invariant(q, k, v, layer_id, plan, kv_pool).view(num_tokens, num_heads * head_dim)
     if plan.decode is not None and plan.decode.rows is None:
@@ -184,7 +223,15 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id:
         out[span.start:span.end] = _extend(q, k, v, layer_id, span, kv_pool)
     if plan.decode is not None:
         out[plan.decode.rows] = _decode(q[plan.decode.rows], layer_id, plan.decode, kv_pool)
+    if plan.kernel is not None:
+        out[plan.kernel.rows] = _in_place(q[plan.kernel.rows], layer_id, plan.kernel, meta, kv_pool)
     return out.view(num_tokens, num_heads * head_dim)
+
+
+def _in_place(q: torch.Tensor, layer_id: int, rows: KernelRows, meta: ForwardMetadata, kv_pool) -> torch.Tensor:
+    """The compiled kernel over `rows` (queries `q` `[R, H, D]`), reading the pool's K/V rows in place."""
+    return meta.paged_kernel(q.contiguous(), kv_pool.k_buffer[layer_id], kv_pool.v_buffer[layer_id], rows.slots,
+                             rows.seq, rows.lens, q.shape[-1] ** -0.5)
 
 
 def _invariant(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int, plan: AttentionPlan,

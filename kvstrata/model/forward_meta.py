@@ -29,6 +29,9 @@ class ForwardMetadata:
     # Batch-invariant kernels (--enable-deterministic-inference): each row's result is independent of the
     # rest of the batch, of chunking and of cache hits.
     batch_invariant: bool = False
+    # The compiled CPU paged-attention op (model/paged_kernels.py), or None for the plain-torch path. With it,
+    # decode rows (and, when batch_invariant, every row) read K/V in place; its rows are batch-invariant.
+    paged_kernel: Optional[Callable] = None
     # Derived tensors cached by the attention backend for this forward (e.g. padded decode slots).
     cache: dict = field(default_factory=dict)
 

@@ -18,6 +18,7 @@ from kvstrata.model.config import ModelConfig
 from kvstrata.model.forward_meta import ForwardMetadata
 from kvstrata.model.layers import make_batch_invariant
 from kvstrata.model.loader import load_model
+from kvstrata.model.paged_kernels import paged_attention_op
 from kvstrata.runtime.batch import ScheduledBatch, StepResult
 from kvstrata.runtime.sampler import Sampler
 
@@ -49,9 +50,16 @@ class ModelRunner:
         self.pool = DeviceKVPool(num_pages, args.page_size, self.config.num_layers, self.config.num_kv_heads,
                                  self.config.head_dim, self.dtype, self.device)
         self.sampler = Sampler(self.vocab_size, args.random_seed or 0, self.device)
+        self.paged_kernel = self._paged_kernel()
         self.grammar_backend = None   # set by the scheduler when structured output is enabled
         logger.info("KV pool: %d tokens (%d pages of %d), %.1f MB", self.max_total_tokens, num_pages - 1,
                     args.page_size, self.pool.bytes_per_token * self.pool.num_slots / 2**20)
+
+    def _paged_kernel(self):
+        """The compiled in-place attention op where it applies (CPU, bf16/f32, not --disable-cpu-kernels,
+        and it builds), else None: plain-torch attention."""
+        usable = self.device.type == "cpu" and self.dtype in (torch.bfloat16, torch.float32)
+        return paged_attention_op() if usable and not self.args.disable_cpu_kernels else None
 
     @property
     def max_total_tokens(self) -> int:
@@ -107,7 +115,8 @@ class ModelRunner:
         meta = ForwardMetadata(
             extend_lens=extend_lens, prefix_lens=prefix_lens, kv_slots=kv_slots,
             out_slots=torch.cat(out_slots), logits_indices=torch.tensor(logit_rows, dtype=torch.long, device=dev),
-            layer_wait=batch.layer_wait, batch_invariant=self.args.enable_deterministic_inference)
+            layer_wait=batch.layer_wait, batch_invariant=self.args.enable_deterministic_inference,
+            paged_kernel=self.paged_kernel)
         logits = self.model(torch.tensor(ids, dtype=torch.long, device=dev), positions.to(dev), meta, self.pool)
         logits = logits.float()
         prompt_rows = {i: torch.log_softmax(logits[r0:r0 + n], dim=-1).cpu() for i, r0, n in prompt_spans}

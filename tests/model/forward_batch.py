@@ -27,6 +27,8 @@ class PagedSequences:
         random.Random(seed).shuffle(self.free_slots)
         self.scatter = scatter
         self.slots: dict[int, list[int]] = {}
+        self.paged_kernel = None        # set to the compiled op to run attention through it
+        self.batch_invariant = False
 
     def _append_slots(self, seq: int, count: int) -> list[int]:
         slots = self.slots.setdefault(seq, [])
@@ -63,7 +65,8 @@ class PagedSequences:
             kv_slots.append(torch.tensor(self.slots[seq], dtype=torch.long))
         meta = ForwardMetadata(extend_lens=extend_lens, prefix_lens=prefix_lens, kv_slots=kv_slots,
                                out_slots=torch.tensor(out_slots, dtype=torch.long),
-                               logits_indices=torch.tensor(logits_rows, dtype=torch.long))
+                               logits_indices=torch.tensor(logits_rows, dtype=torch.long),
+                               batch_invariant=self.batch_invariant, paged_kernel=self.paged_kernel)
         return torch.tensor(ids, dtype=torch.long), torch.tensor(positions, dtype=torch.long), meta
 
 

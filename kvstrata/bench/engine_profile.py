@@ -1,0 +1,275 @@
+"""`kvstrata bench engine --profile`: where one prefill step and one decode step spend their time.
+
+Three scenarios on one model, measured in one process: a fresh N-token prefill, and a decode step at
+context N with 1 and with S streams. Each is reported as a breakdown of the step:
+
+  * scheduler (schedule, process outputs, cache bookkeeping), batch metadata (the runner building the
+    forward's inputs), sampler, and the model forward, timed with `perf_counter` (no profiler running;
+    each part's fastest of --repeat rounds, the least disturbed estimate on a shared machine);
+  * inside the forward, torch.profiler attributes every top-level aten op to the innermost labelled region
+    (linear layers, attention kernel, K/V gather, K/V write, attention plan, norms, rope, activations,
+    embedding/residual); "Python overhead" is the forward's unprofiled wall time minus all those ops;
+  * IPC/result handling: the offline Engine's time per step beyond the scheduler step (queue handoff,
+    per-request bookkeeping), from the same workload through `kvstrata.Engine`.
+
+The labels are installed by wrapping functions for the profiled steps only; nothing is left patched.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+import uuid
+from collections import defaultdict
+from collections.abc import Callable, Iterator
+
+from torch.profiler import ProfilerActivity, profile, record_function
+
+from kvstrata.runtime.messages import TokenizedGenerateReq
+from kvstrata.runtime.sampling_params import SamplingParams
+
+REGION_PREFIX = "kv::"
+# (module, attribute, region): functions labelled while profiling; the innermost label owns an op.
+LABELLED = [
+    ("kvstrata.model.layers", "Linear.forward", "linear"),
+    ("kvstrata.model.layers", "RMSNorm.forward", "norm"),
+    ("kvstrata.model.layers", "GatedMLP.forward", "activation"),
+    ("kvstrata.model.llama", "apply_rotary", "rope"),
+    ("kvstrata.model.rope", "RotaryEmbedding.rotation", "rope"),
+    ("kvstrata.model.llama", "paged_attention", "attention kernel"),
+    ("kvstrata.model.attention", "attention_plan", "attention plan"),
+    ("kvstrata.model.attention", "_gather", "K/V gather"),
+    ("kvstrata.memory.device_pool", "DeviceKVPool.set_kv", "K/V write"),
+]
+FORWARD_ROWS = ["linear", "attention kernel", "K/V gather", "K/V write", "attention plan", "norm", "rope",
+                "activation", "embedding/residual/other ops", "Python overhead"]
+
+
+def _resolve(module: str, attr: str) -> tuple[object, str]:
+    import importlib
+
+    owner = importlib.import_module(module)
+    *path, name = attr.split(".")
+    for part in path:
+        owner = getattr(owner, part)
+    return owner, name
+
+
+@contextlib.contextmanager
+def labelled_regions() -> Iterator[None]:
+    """Wrap the LABELLED functions in record_function regions for the duration of the block."""
+    saved = []
+    for module, attr, region in LABELLED:
+        owner, name = _resolve(module, attr)
+        original = getattr(owner, name)
+        saved.append((owner, name, original))
+        setattr(owner, name, _with_label(original, REGION_PREFIX + region))
+    try:
+        yield
+    finally:
+        for owner, name, original in reversed(saved):
+            setattr(owner, name, original)
+
+
+def _with_label(fn: Callable, label: str) -> Callable:
+    def wrapped(*args, **kwargs):
+        with record_function(label):
+            return fn(*args, **kwargs)
+    return wrapped
+
+
+class StepTimer:
+    """Accumulates wall time of named scheduler/runner calls by wrapping them on one instance."""
+
+    def __init__(self):
+        self.totals: dict[str, float] = defaultdict(float)
+
+    def wrap(self, obj: object, attr: str, name: str) -> None:
+        """Time every call of `obj.attr` under `name` (an instance attribute shadows the method)."""
+        fn = getattr(obj, attr)
+
+        def timed(*args, **kwargs):
+            t = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.totals[name] += time.perf_counter() - t
+        setattr(obj, attr, timed)
+
+    def reset(self) -> None:
+        """Forget what was timed so far."""
+        self.totals.clear()
+
+
+def _instrument(scheduler) -> StepTimer:
+    timer = StepTimer()
+    runner = scheduler.runner
+    timer.wrap(scheduler, "step", "step")
+    timer.wrap(runner, "forward", "runner")
+    timer.wrap(runner.model, "forward", "model")
+    timer.wrap(runner.sampler, "sample", "sampler")
+    return timer
+
+
+def _request(ids: list[int], max_new_tokens: int) -> TokenizedGenerateReq:
+    params = SamplingParams.from_dict({"temperature": 0, "max_new_tokens": max_new_tokens, "ignore_eos": True})
+    return TokenizedGenerateReq(uuid.uuid4().hex, ids, params)
+
+
+def _is_op(name: str) -> bool:
+    """A dispatched operator (aten::mm, kvstrata::paged_attention, ...), not one of our region labels."""
+    return "::" in name and not name.startswith(REGION_PREFIX)
+
+
+def _kernel_breakdown(prof, steps: int) -> dict[str, float]:
+    """Seconds per step of top-level aten ops inside the model, by innermost labelled region."""
+    out: dict[str, float] = defaultdict(float)
+    for ev in prof.events():
+        if not _is_op(ev.name):
+            continue
+        region, parent, inside_model = None, ev.cpu_parent, False
+        nested = False
+        while parent is not None:
+            if _is_op(parent.name):
+                nested = True
+                break
+            if parent.name == REGION_PREFIX + "model":
+                inside_model = True
+            elif parent.name.startswith(REGION_PREFIX) and region is None:
+                region = parent.name[len(REGION_PREFIX):]
+            parent = parent.cpu_parent
+        if nested or not inside_model:
+            continue
+        out[region or "embedding/residual/other ops"] += ev.cpu_time_total / 1e6 / steps
+    return out
+
+
+def _profile_steps(scheduler, steps: int, setup: Callable[[], None]) -> dict[str, float]:
+    """Kernel seconds per step by region over `steps` profiled steps (after `setup()`)."""
+    model = scheduler.runner.model
+    original = model.forward
+
+    def labelled_forward(*args, **kwargs):
+        with record_function(REGION_PREFIX + "model"):
+            return original(*args, **kwargs)
+    model.forward = labelled_forward
+    try:
+        setup()
+        with labelled_regions(), profile(activities=[ProfilerActivity.CPU]) as prof:
+            for _ in range(steps):
+                scheduler.step()
+    finally:
+        model.forward = original
+    return _kernel_breakdown(prof, steps)
+
+
+def _decode_ready(scheduler, prompts: list[list[int]], max_new_tokens: int) -> None:
+    """Queue the prompts and step until every one is decoding."""
+    for ids in prompts:
+        scheduler.add_request(_request(ids, max_new_tokens))
+    while scheduler.waiting or any(r.kv_len < r.fill_len - 1 for r in scheduler.running):
+        scheduler.step()
+
+
+def _drain(scheduler) -> None:
+    while scheduler.has_work():
+        scheduler.step()
+
+
+def profile_scenario(scheduler, timer: StepTimer, prompts: list[list[int]], steps: int, repeat: int
+                     ) -> dict[str, float]:
+    """Seconds per step of each breakdown row for one scenario (prefill when steps == 0)."""
+    prefill = steps == 0
+    per_step: list[dict[str, float]] = []
+    for _ in range(repeat + 1):        # the first round warms up
+        if prefill:
+            scheduler.add_request(_request(prompts[0], 1))
+            timer.reset()
+            scheduler.step()
+            count = 1
+        else:
+            _decode_ready(scheduler, prompts, steps * 4 + 8)
+            timer.reset()
+            for _ in range(steps):
+                scheduler.step()
+            count = steps
+        per_step.append({k: v / count for k, v in timer.totals.items()})
+        _drain(scheduler)
+    # The fastest round, part by part: on a shared machine the minimum is the least disturbed estimate.
+    walls = {k: min(p[k] for p in per_step[1:]) for k in per_step[1]}
+
+    if prefill:
+        kernels = _profile_steps(scheduler, 1, lambda: scheduler.add_request(_request(prompts[0], 1)))
+    else:
+        kernels = _profile_steps(scheduler, steps, lambda: _decode_ready(scheduler, prompts, steps * 4 + 8))
+    _drain(scheduler)
+    row = {"step": walls["step"], "scheduler": walls["step"] - walls["runner"],
+           "batch metadata": walls["runner"] - walls["model"] - walls.get("sampler", 0.0),
+           "sampler": walls.get("sampler", 0.0), "model forward": walls["model"]}
+    # Ops cannot take longer than the unprofiled forward: where the profiled step ran slower (profiler cost,
+    # a busier moment), its op times are scaled down together, which keeps their shares.
+    op_total = sum(kernels.values())
+    fit = min(1.0, walls["model"] / op_total) if op_total else 1.0
+    for name in FORWARD_ROWS[:-1]:
+        row[name] = kernels.get(name, 0.0) * fit
+    row["Python overhead"] = walls["model"] - op_total * fit
+    return row
+
+
+def engine_step_overhead(engine, prompts: list[list[int]], new_tokens: int) -> float:
+    """Seconds per decode step that the Engine adds around the scheduler step (queues, result handling)."""
+    timer = StepTimer()
+    timer.wrap(engine.scheduler, "step", "step")
+    greedy = {"temperature": 0, "max_new_tokens": new_tokens, "ignore_eos": True}
+    timer.reset()
+    t = time.perf_counter()
+    engine.generate(input_ids=prompts, sampling_params=greedy)
+    wall = time.perf_counter() - t
+    steps = new_tokens + len(prompts)    # one prefill step per prompt (chunk == context), then decodes
+    return max(0.0, (wall - timer.totals["step"]) / steps)
+
+
+def format_table(results: dict[str, dict[str, float]]) -> str:
+    """Markdown table: ms per step and share of the step per row, one column pair per scenario."""
+    names = list(results)
+    head = "| part | " + " | ".join(f"{n} ms | {n} share" for n in names) + " |"
+    lines = [head, "|---|" + "---|---|" * len(names)]
+    rows = ["step", "scheduler", "batch metadata", "sampler", "model forward", *FORWARD_ROWS,
+            "IPC/result handling (Engine)"]
+    for row in rows:
+        cells = []
+        for n in names:
+            value, step = results[n].get(row, 0.0), results[n]["step"]
+            cells.append(f"{value * 1000:.2f} | {100 * value / step:.1f}%")
+        label = f"  {row}" if row in FORWARD_ROWS else row
+        lines.append(f"| {label} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def run_profile(args, make_engine: Callable, prompt_maker: Callable) -> dict[str, dict[str, float]]:
+    """All three scenarios; `make_engine()` builds a fresh kvstrata.Engine with the bench's settings,
+    `prompt_maker(vocab)` a function n -> n random token ids."""
+    engine = make_engine()
+    prompt = prompt_maker(engine.scheduler.runner.vocab_size)
+    decode_steps = max(4, min(args.decode_tokens, 32))
+    scenarios = {f"prefill {args.context}": ([prompt(args.context)], 0),
+                 "decode 1 stream": ([prompt(args.context)], decode_steps),
+                 f"decode {args.streams} streams": ([prompt(args.context) for _ in range(args.streams)],
+                                                    decode_steps)}
+    engine.generate(input_ids=prompt(64), sampling_params={"max_new_tokens": 4})   # warm-up
+    overheads = {name: engine_step_overhead(engine, prompts, max(steps, 1))
+                 for name, (prompts, steps) in scenarios.items()}
+    scheduler = engine.scheduler
+    # Stop the engine's loop thread but keep its scheduler: it is driven from this thread from now on
+    # (Engine.shutdown would also close the scheduler).
+    engine._inbox.put(None)
+    engine._thread.join(timeout=30)
+    timer = _instrument(scheduler)
+    results = {}
+    try:
+        for name, (prompts, steps) in scenarios.items():
+            results[name] = profile_scenario(scheduler, timer, prompts, steps, args.repeat)
+            results[name]["IPC/result handling (Engine)"] = overheads[name]
+    finally:
+        scheduler.close()
+    return results

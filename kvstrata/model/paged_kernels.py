@@ -1,0 +1,96 @@
+"""The compiled CPU paged-attention kernel (csrc/paged_attention.cpp): built once per machine, or absent.
+
+`paged_attention_op()` returns the op, or None when it cannot be built (no C++ compiler, a failed build);
+callers (and `--disable-cpu-kernels`) then take the plain-torch path, which computes the
+same attention. The build (~20-60 s) runs on first use and is cached under the kvstrata cache directory,
+keyed by the source, the torch version and the CPU's instruction-set flags (the kernel is compiled with
+-march=native).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("csrc") / "paged_attention.cpp"
+NAME = "kvstrata_paged_attention"
+CFLAGS = ["-O3", "-march=native", "-fopenmp"]   # OpenMP: at::parallel_for's threads (torch's own runtime)
+_lock = threading.Lock()
+_state: dict[str, object] = {}
+
+
+def _cpu_flags() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return line
+    except OSError:
+        pass
+    return platform.processor()
+
+
+def _build_dir() -> Path:
+    parts = [SOURCE.read_bytes(), torch.__version__.encode(), _cpu_flags().encode(), " ".join(CFLAGS).encode()]
+    key = hashlib.sha256(b"\0".join(parts)).hexdigest()
+    root = Path(os.environ.get("KVSTRATA_CACHE_DIR") or Path.home() / ".cache" / "kvstrata")
+    return root / "kernels" / key[:16]
+
+
+def _load() -> Optional[Callable]:
+    if shutil.which(os.environ.get("CXX", "c++")) is None:
+        logger.warning("no C++ compiler: CPU paged attention uses the plain-torch path (K/V gather)")
+        return None
+    final = _build_dir()
+    library = final / f"{NAME}.so"
+    started = time.perf_counter()
+    try:
+        if library.exists():
+            torch.ops.load_library(str(library))
+        else:
+            _build(final)
+    except Exception as e:  # a broken toolchain must not stop the server: the torch path is complete
+        logger.warning("building the CPU paged-attention kernel failed (%s): using the plain-torch path", e)
+        return None
+    logger.info("CPU paged-attention kernel ready in %.1f s (%s)", time.perf_counter() - started, final)
+    return torch.ops.kvstrata.paged_attention
+
+
+def _build(final: Path) -> None:
+    """Compile into a folder of this process's own and load it, then move it into place. Processes that
+    start together each build (no lock that a killed build could leave behind); the first rename wins."""
+    from torch.utils import cpp_extension
+
+    staging = final.with_name(f"{final.name}-building-{os.getpid()}")
+    shutil.rmtree(staging, ignore_errors=True)
+    staging.mkdir(parents=True)
+    cpp_extension.load(name=NAME, sources=[str(SOURCE)], build_directory=str(staging),
+                       extra_cflags=CFLAGS, extra_ldflags=["-fopenmp"], is_python_module=False, verbose=False)
+    try:
+        staging.rename(final)
+    except OSError:   # another process got there first: its copy is the same build
+        shutil.rmtree(staging, ignore_errors=True)
+
+
+def paged_attention_op() -> Optional[Callable]:
+    """`op(q, k_buf, v_buf, slots, row_seq, lens, scale) -> out`, or None where it is not available."""
+    with _lock:
+        if "op" not in _state:
+            _state["op"] = _load()
+        return _state["op"]  # type: ignore[return-value]
+
+
+if __name__ == "__main__":   # `python -m kvstrata.model.paged_kernels`: build (or find) the kernel now
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    print("CPU paged-attention kernel:", "ready" if paged_attention_op() is not None else "unavailable (torch path)")
