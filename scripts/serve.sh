@@ -7,4 +7,5 @@ cd "$(dirname "$0")/.."
 bash scripts/install.sh
 # shellcheck disable=SC1091
 . .venv/bin/activate
+python -m kvstrata.model.paged_kernels    # build (or find) the CPU attention kernel before the server starts
 exec kvstrata serve --model-path tiny --enable-hierarchical-cache --hicache-storage-backend file "$@"
