@@ -2,11 +2,13 @@
 # Install the shared libraries the Mooncake wheel (mooncake-transfer-engine-non-cuda) links against:
 # libibverbs.so.1, librdmacm.so.1, libnuma.so.1 (Debian/Ubuntu: libibverbs1 librdmacm1 libnuma1), and
 # Debian's chromium, the headless browser the dashboard test drives through Playwright (never
-# `playwright install`: nothing is downloaded at test time).
+# `playwright install`: nothing is downloaded at test time), and a C++ compiler (g++) for the CPU
+# paged-attention kernel (kvstrata/model/csrc; without one the engine falls back to plain torch and the
+# kernel's tests would skip).
 # Idempotent: does nothing when everything is already there. Used by scripts/install.sh and CI.
 set -euo pipefail
 
-PACKAGES=(libibverbs1 librdmacm1 libnuma1 chromium)
+PACKAGES=(libibverbs1 librdmacm1 libnuma1 chromium g++)
 LIBS=(libibverbs.so.1 librdmacm.so.1 libnuma.so.1)
 BROWSER=/usr/bin/chromium
 
@@ -20,11 +22,11 @@ have_all_libs() {
 }
 
 have_all() {
-    have_all_libs && [ -x "$BROWSER" ]
+    have_all_libs && [ -x "$BROWSER" ] && command -v g++ >/dev/null 2>&1
 }
 
 if have_all; then
-    echo "install_system_deps: Mooncake's libraries (${LIBS[*]}) and $BROWSER are present"
+    echo "install_system_deps: Mooncake's libraries (${LIBS[*]}), $BROWSER and g++ are present"
     exit 0
 fi
 
@@ -47,4 +49,4 @@ echo "install_system_deps: installing ${PACKAGES[*]}"
 export DEBIAN_FRONTEND=noninteractive
 "${SUDO[@]}" apt-get update -qq
 "${SUDO[@]}" apt-get install -y -qq --no-install-recommends "${PACKAGES[@]}"
-have_all || { echo "install_system_deps: libraries or $BROWSER still missing after install" >&2; exit 1; }
+have_all || { echo "install_system_deps: libraries, $BROWSER or g++ still missing after install" >&2; exit 1; }

@@ -19,6 +19,8 @@ and the next clean stop writes a new one.
 
 from __future__ import annotations
 
+import contextlib
+import glob
 import json
 import logging
 import os
@@ -122,6 +124,9 @@ class HostSnapshot:
         """Restore what the file at `path` holds into the (empty) host tier, then delete the file."""
         start = time.monotonic()
         stats = SnapshotStats()
+        for stale in glob.glob(glob.escape(self.path) + ".*.tmp"):   # a save killed mid-write
+            with contextlib.suppress(OSError):
+                os.unlink(stale)
         if not os.path.exists(self.path):
             return stats
         try:

@@ -53,8 +53,11 @@ def test_restart_restores_l2_and_outputs_match(tmp_path, dtype):
         before.shutdown()
     assert os.path.getsize(path) > 0
 
+    stale = tmp_path / "l2.snapshot.12345.tmp"      # what a save killed mid-write leaves
+    stale.write_bytes(b"partial")
     after = make_engine(hicache_snapshot_path=path, dtype=dtype, **L2)
     try:
+        assert not stale.exists()
         loaded = after.get_server_info()["internal_states"][0]["hicache"]["snapshot"]["last_load"]
         assert loaded["pages"] > 0 and loaded["skipped_records"] == 0 and not loaded["rejected"], loaded
         assert not os.path.exists(path)          # consumed: the next clean stop writes a new one
