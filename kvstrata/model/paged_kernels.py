@@ -1,8 +1,8 @@
-"""The compiled CPU paged-attention kernel (csrc/paged_attention.cpp): built once per machine, or absent.
+"""The compiled CPU kernels (every csrc/*.cpp, one library): built once per machine, or absent.
 
-`paged_attention_op()` returns the op, or None when it cannot be built (no C++ compiler, a failed build);
-callers (and `--disable-cpu-kernels`) then take the plain-torch path, which computes the
-same attention. The build (~20-60 s) runs on first use and is cached under the kvstrata cache directory,
+`paged_attention_op()` / `extend_attention_op()` return an op, or None when the library cannot be built
+(no C++ compiler, a failed build) or the CPU lacks what the op needs; callers (and `--disable-cpu-kernels`)
+then take the plain-torch path, which computes the same attention. The build (~20-60 s) runs on first use and is cached under the kvstrata cache directory,
 keyed by the source, the torch version and the CPU's instruction-set flags (the kernel is compiled with
 -march=native).
 """
@@ -24,8 +24,8 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).with_name("csrc") / "paged_attention.cpp"
-NAME = "kvstrata_paged_attention"
+SOURCES = sorted((Path(__file__).with_name("csrc")).glob("*.cpp"))
+NAME = "kvstrata_cpu_kernels"
 CFLAGS = ["-O3", "-march=native", "-fopenmp"]   # OpenMP: at::parallel_for's threads (torch's own runtime)
 _lock = threading.Lock()
 _state: dict[str, object] = {}
@@ -42,16 +42,16 @@ def _cpu_flags() -> str:
 
 
 def _build_dir() -> Path:
-    parts = [SOURCE.read_bytes(), torch.__version__.encode(), _cpu_flags().encode(), " ".join(CFLAGS).encode()]
+    parts = [*(src.read_bytes() for src in SOURCES), torch.__version__.encode(), _cpu_flags().encode(), " ".join(CFLAGS).encode()]
     key = hashlib.sha256(b"\0".join(parts)).hexdigest()
     root = Path(os.environ.get("KVSTRATA_CACHE_DIR") or Path.home() / ".cache" / "kvstrata")
     return root / "kernels" / key[:16]
 
 
-def _load() -> Optional[Callable]:
+def _load() -> bool:
     if shutil.which(os.environ.get("CXX", "c++")) is None:
-        logger.warning("no C++ compiler: CPU paged attention uses the plain-torch path (K/V gather)")
-        return None
+        logger.warning("no C++ compiler: CPU attention uses the plain-torch path (K/V gather)")
+        return False
     final = _build_dir()
     library = final / f"{NAME}.so"
     started = time.perf_counter()
@@ -61,10 +61,10 @@ def _load() -> Optional[Callable]:
         else:
             _build(final)
     except Exception as e:  # a broken toolchain must not stop the server: the torch path is complete
-        logger.warning("building the CPU paged-attention kernel failed (%s): using the plain-torch path", e)
-        return None
-    logger.info("CPU paged-attention kernel ready in %.1f s (%s)", time.perf_counter() - started, final)
-    return torch.ops.kvstrata.paged_attention
+        logger.warning("building the CPU kernels failed (%s): using the plain-torch path", e)
+        return False
+    logger.info("CPU kernels ready in %.1f s (%s)", time.perf_counter() - started, final)
+    return True
 
 
 def _build(final: Path) -> None:
@@ -75,7 +75,7 @@ def _build(final: Path) -> None:
     staging = final.with_name(f"{final.name}-building-{os.getpid()}")
     shutil.rmtree(staging, ignore_errors=True)
     staging.mkdir(parents=True)
-    cpp_extension.load(name=NAME, sources=[str(SOURCE)], build_directory=str(staging),
+    cpp_extension.load(name=NAME, sources=[str(src) for src in SOURCES], build_directory=str(staging),
                        extra_cflags=CFLAGS, extra_ldflags=["-fopenmp"], is_python_module=False, verbose=False)
     try:
         staging.rename(final)
@@ -83,14 +83,18 @@ def _build(final: Path) -> None:
         shutil.rmtree(staging, ignore_errors=True)
 
 
+def _loaded() -> bool:
+    with _lock:
+        if "loaded" not in _state:
+            _state["loaded"] = _load()
+        return bool(_state["loaded"])
+
+
 def paged_attention_op() -> Optional[Callable]:
     """`op(q, k_buf, v_buf, slots, row_seq, lens, scale) -> out`, or None where it is not available."""
-    with _lock:
-        if "op" not in _state:
-            _state["op"] = _load()
-        return _state["op"]  # type: ignore[return-value]
+    return torch.ops.kvstrata.paged_attention if _loaded() else None
 
 
 if __name__ == "__main__":   # `python -m kvstrata.model.paged_kernels`: build (or find) the kernel now
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    print("CPU paged-attention kernel:", "ready" if paged_attention_op() is not None else "unavailable (torch path)")
+    print("CPU kernels:", "ready" if _loaded() else "unavailable (torch path)")
