@@ -95,6 +95,19 @@ def paged_attention_op() -> Optional[Callable]:
     return torch.ops.kvstrata.paged_attention if _loaded() else None
 
 
+EXTEND_HEAD_DIMS = (16, 32, 64, 128, 256)   # what csrc/extend_attention.cpp is instantiated for
+
+
+def extend_attention_op() -> Optional[Callable]:
+    """`op(q, k_buf, v_buf, slots, q_start, prefix, extend, scale) -> out` (bf16, AVX-512 BF16 CPUs), or None."""
+    if not _loaded():
+        return None
+    try:
+        return torch.ops.kvstrata.extend_attention
+    except (AttributeError, RuntimeError):   # compiled without AVX-512 BF16: the op is not registered
+        return None
+
+
 if __name__ == "__main__":   # `python -m kvstrata.model.paged_kernels`: build (or find) the kernel now
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     print("CPU kernels:", "ready" if _loaded() else "unavailable (torch path)")

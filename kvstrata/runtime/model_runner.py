@@ -18,7 +18,7 @@ from kvstrata.model.config import ModelConfig
 from kvstrata.model.forward_meta import ForwardMetadata
 from kvstrata.model.layers import make_batch_invariant
 from kvstrata.model.loader import load_model
-from kvstrata.model.paged_kernels import paged_attention_op
+from kvstrata.model.paged_kernels import EXTEND_HEAD_DIMS, extend_attention_op, paged_attention_op
 from kvstrata.runtime.batch import ScheduledBatch, StepResult
 from kvstrata.runtime.sampler import Sampler
 
@@ -51,6 +51,7 @@ class ModelRunner:
                                  self.config.head_dim, self.dtype, self.device)
         self.sampler = Sampler(self.vocab_size, args.random_seed or 0, self.device)
         self.paged_kernel = self._paged_kernel()
+        self.extend_kernel = self._extend_kernel()
         self.grammar_backend = None   # set by the scheduler when structured output is enabled
         logger.info("KV pool: %d tokens (%d pages of %d), %.1f MB", self.max_total_tokens, num_pages - 1,
                     args.page_size, self.pool.bytes_per_token * self.pool.num_slots / 2**20)
@@ -60,6 +61,14 @@ class ModelRunner:
         and it builds), else None: plain-torch attention."""
         usable = self.device.type == "cpu" and self.dtype in (torch.bfloat16, torch.float32)
         return paged_attention_op() if usable and not self.args.disable_cpu_kernels else None
+
+    def _extend_kernel(self):
+        """The compiled bf16 extend-attention op where it applies (CPU with AVX-512 BF16, bf16 model, a head dim
+        it serves, default mode: deterministic inference keeps every row on the batch-invariant kernel), else None."""
+        a = self.args
+        usable = (self.device.type == "cpu" and self.dtype == torch.bfloat16 and self.config.head_dim in EXTEND_HEAD_DIMS
+                  and not a.disable_cpu_kernels and not a.enable_deterministic_inference)
+        return extend_attention_op() if usable else None
 
     @property
     def max_total_tokens(self) -> int:
@@ -116,7 +125,7 @@ class ModelRunner:
             extend_lens=extend_lens, prefix_lens=prefix_lens, kv_slots=kv_slots,
             out_slots=torch.cat(out_slots), logits_indices=torch.tensor(logit_rows, dtype=torch.long, device=dev),
             layer_wait=batch.layer_wait, batch_invariant=self.args.enable_deterministic_inference,
-            paged_kernel=self.paged_kernel)
+            paged_kernel=self.paged_kernel, extend_kernel=self.extend_kernel)
         logits = self.model(torch.tensor(ids, dtype=torch.long, device=dev), positions.to(dev), meta, self.pool)
         logits = logits.float()
         prompt_rows = {i: torch.log_softmax(logits[r0:r0 + n], dim=-1).cpu() for i, r0, n in prompt_spans}
