@@ -98,14 +98,24 @@ def paged_attention_op() -> Optional[Callable]:
 EXTEND_HEAD_DIMS = (16, 32, 64, 128, 256)   # what csrc/extend_attention.cpp is instantiated for
 
 
-def extend_attention_op() -> Optional[Callable]:
-    """`op(q, k_buf, v_buf, slots, q_start, prefix, extend, scale) -> out` (bf16, AVX-512 BF16 CPUs), or None."""
+def _bf16_op(name: str) -> Optional[Callable]:
+    """An op of the AVX-512 BF16 files, or None (not built, or compiled for a CPU without it: not registered)."""
     if not _loaded():
         return None
     try:
-        return torch.ops.kvstrata.extend_attention
-    except (AttributeError, RuntimeError):   # compiled without AVX-512 BF16: the op is not registered
+        return getattr(torch.ops.kvstrata, name)
+    except (AttributeError, RuntimeError):
         return None
+
+
+def extend_attention_op() -> Optional[Callable]:
+    """`op(q, k_buf, v_buf, slots, q_start, prefix, extend, scale) -> out` (bf16, AVX-512 BF16 CPUs), or None."""
+    return _bf16_op("extend_attention")
+
+
+def silu_and_mul_op() -> Optional[Callable]:
+    """`op(gate_up [T, 2I]) -> silu(gate) * up [T, I]` (bf16, AVX-512 BF16 CPUs), or None."""
+    return _bf16_op("silu_and_mul")
 
 
 if __name__ == "__main__":   # `python -m kvstrata.model.paged_kernels`: build (or find) the kernel now

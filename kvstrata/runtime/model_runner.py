@@ -16,9 +16,14 @@ from kvstrata.memory.req_slots import ReqSlotTable
 from kvstrata.model.builtin import resolve_model_path
 from kvstrata.model.config import ModelConfig
 from kvstrata.model.forward_meta import ForwardMetadata
-from kvstrata.model.layers import make_batch_invariant
+from kvstrata.model.layers import make_batch_invariant, use_cpu_kernels
 from kvstrata.model.loader import load_model
-from kvstrata.model.paged_kernels import EXTEND_HEAD_DIMS, extend_attention_op, paged_attention_op
+from kvstrata.model.paged_kernels import (
+    EXTEND_HEAD_DIMS,
+    extend_attention_op,
+    paged_attention_op,
+    silu_and_mul_op,
+)
 from kvstrata.runtime.batch import ScheduledBatch, StepResult
 from kvstrata.runtime.sampler import Sampler
 
@@ -52,6 +57,8 @@ class ModelRunner:
         self.sampler = Sampler(self.vocab_size, args.random_seed or 0, self.device)
         self.paged_kernel = self._paged_kernel()
         self.extend_kernel = self._extend_kernel()
+        if self.device.type == "cpu" and self.dtype == torch.bfloat16 and not args.disable_cpu_kernels:
+            use_cpu_kernels(self.model, silu_and_mul_op())
         self.grammar_backend = None   # set by the scheduler when structured output is enabled
         logger.info("KV pool: %d tokens (%d pages of %d), %.1f MB", self.max_total_tokens, num_pages - 1,
                     args.page_size, self.pool.bytes_per_token * self.pool.num_slots / 2**20)
