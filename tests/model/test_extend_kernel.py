@@ -120,3 +120,14 @@ def test_bad_plans_raise():
         _run(q[:2], k_buf, v_buf, [(torch.tensor([1, 2, 3]), 0, 3)])
     with pytest.raises(RuntimeError, match="bfloat16 only"):
         _run(q.float(), k_buf, v_buf, [(torch.tensor([1, 2, 3]), 0, 3)])
+
+
+def test_contexts_beyond_the_pack_budget_run_in_waves():
+    # 10 sequences x 7,000 keys at head dim 256: 70 MB of packed K/V, past the kernel's 64 MB per wave
+    k_buf, v_buf = _pool(70_001, 1, 256, seed=4)
+    seqs = [(torch.arange(1 + 7000 * i, 1 + 7000 * (i + 1)), 6997, 3) for i in range(10)]
+    q = torch.randn(30, 2, 256).to(BF16)
+    out = _run(q, k_buf, v_buf, seqs)
+    for i, (slots, prefix, _) in enumerate(seqs):
+        ref = _reference(q[3 * i:3 * i + 3], k_buf[slots], v_buf[slots], prefix)
+        assert (out[3 * i:3 * i + 3].float() - ref).abs().max() < 2e-2, f"sequence {i}"

@@ -7,10 +7,11 @@
 // probabilities, rounded to bf16, times V. Softmax is online over fixed blocks of KB keys counted from key
 // 0, so a row's result depends only on its query, its keys and KB, not on the chunk or batch it runs in.
 //
-// Work: first every (sequence, KV head, key block) is packed once into the operand layouts the dot
-// product wants (K as [D/2][KB] pairs along the head dim, V as [KB/2][D] pairs of consecutive keys);
-// then each task, (sequence, KV head, QB query positions x the heads sharing that KV head), walks its
-// key blocks: MR-row score tiles in registers, softmax, and the weighted V added into float32 rows.
+// Work, per unit (sequence, KV head): its key blocks are packed once into the operand layouts the dot
+// product wants (K as [D/2][KB] pairs along the head dim, V as [KB/2][D] pairs of consecutive keys); then
+// each task, (unit, QB query positions x the heads sharing that KV head), walks the unit's blocks:
+// MR-row score tiles in registers, softmax, and the weighted V added into float32 rows. Units run in waves
+// whose packed blocks fit PACK_BUDGET, so memory stays bounded however long the contexts are.
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -27,6 +28,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <tuple>
 #include <vector>
 
 namespace {
@@ -34,6 +36,7 @@ namespace {
 constexpr int64_t KB = 32;   // keys per block: two 16-lane score vectors per row
 constexpr int64_t QB = 16;   // query positions per task
 constexpr int MR = 8;        // score rows held in registers at a time
+constexpr int64_t PACK_BUDGET = int64_t(64) << 20;   // bytes of packed K+V per wave (more: one unit per wave)
 
 // 2^x for x <= 0 (x = log2-scaled score minus the running max): 2^n * e^(f ln 2), f in [-0.5, 0.5],
 // degree-6 Taylor (relative error ~2e-7, far below the bf16 rounding the probabilities then get).
@@ -59,9 +62,11 @@ struct Dims {
   int64_t heads, kv_heads, dim, group;
 };
 
-// Where one sequence's packed key blocks live, and its rows.
+// One sequence: its rows, its tokens, and the pool row of each of its keys.
 struct SeqInfo {
-  int64_t q_start, prefix, extend, blocks, pack_offset;   // pack_offset: first block in the packed buffers
+  int64_t q_start, prefix, extend;
+  const int64_t* slots;
+  int64_t blocks() const { return (prefix + extend + KB - 1) / KB; }
 };
 
 // K block: [D/2][KB] uint32, lane j = (K[j][2p], K[j][2p+1]); V block: [KB/2][D] uint32, lane d =
@@ -81,6 +86,7 @@ void pack_block(const uint16_t* k_buf, const uint16_t* v_buf, const int64_t* slo
 }
 
 // One task's rows: position i (0-based in the extend) and head g, row r = (i - i0) * group + g.
+// kpack / vpack: the unit's packed blocks, block b at b * D/2 * KB words.
 template <int64_t D>
 void attend_task(const uint16_t* q, const SeqInfo& s, int64_t kvh, int64_t i0, int64_t i1, const Dims& d,
                  const uint32_t* kpack, const uint32_t* vpack, float scale_log2, uint16_t* out) {
@@ -102,8 +108,8 @@ void attend_task(const uint16_t* q, const SeqInfo& s, int64_t kvh, int64_t i0, i
   const int64_t last_block = limit[R - 1] / KB;
   const int64_t block_words = P * KB;   // = (KB / 2) * D
   for (int64_t b = 0; b <= last_block; ++b) {
-    const uint32_t* kp = kpack + (s.pack_offset + b) * d.kv_heads * block_words + kvh * block_words;
-    const uint32_t* vp = vpack + (s.pack_offset + b) * d.kv_heads * block_words + kvh * block_words;
+    const uint32_t* kp = kpack + b * block_words;
+    const uint32_t* vp = vpack + b * block_words;
     const int64_t k0 = b * KB;
     int64_t first_row = 0;                 // rows are ordered by limit: skip those that end before k0
     while (first_row < R && limit[first_row] < k0) ++first_row;
@@ -178,8 +184,24 @@ void attend_task(const uint16_t* q, const SeqInfo& s, int64_t kvh, int64_t i0, i
 }
 
 struct Task {
-  int64_t seq, kvh, i0, i1, cost;
+  int64_t seq, kvh, i0, i1, cost, pack_offset;   // pack_offset: the unit's first block in the wave's buffers
 };
+
+template <int64_t D>
+void attend_wave(const std::vector<Task>& tasks, const std::vector<SeqInfo>& seqs, const uint16_t* q,
+                 const Dims& d, const uint32_t* kpack, const uint32_t* vpack, float scale_log2, uint16_t* out) {
+  constexpr int64_t block_words = (D / 2) * KB;
+  // Dealt to threads round-robin by decreasing cost (key blocks), so causal rows balance.
+  const int64_t workers = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), tasks.size()));
+  at::parallel_for(0, workers, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t w = begin; w < end; ++w)
+      for (size_t t = w; t < tasks.size(); t += workers) {
+        const Task& task = tasks[t];
+        attend_task<D>(q, seqs[task.seq], task.kvh, task.i0, task.i1, d, kpack + task.pack_offset * block_words,
+                       vpack + task.pack_offset * block_words, scale_log2, out);
+      }
+  });
+}
 
 at::Tensor extend_attention(const at::Tensor& q, const at::Tensor& k_buf, const at::Tensor& v_buf,
                             const at::Tensor& slots, const at::Tensor& q_start, const at::Tensor& prefix,
@@ -204,65 +226,69 @@ at::Tensor extend_attention(const at::Tensor& q, const at::Tensor& k_buf, const 
   const int64_t* sp = slots.data_ptr<int64_t>();
   // Every index is checked before any is followed: a bad plan must raise, never read outside a buffer.
   std::vector<SeqInfo> seqs(S);
-  int64_t blocks = 0;
   for (int64_t s = 0; s < S; ++s) {
     const int64_t total = pre[s] + ext[s];
     TORCH_CHECK(pre[s] >= 0 && ext[s] >= 1 && total <= slots.size(1), "sequence ", s, " has ", total,
                 " keys for a slot row of ", slots.size(1));
     TORCH_CHECK(qs[s] >= 0 && qs[s] + ext[s] <= q.size(0), "sequence ", s, " rows are outside q");
+    const int64_t* row = sp + s * slots.size(1);
     for (int64_t j = 0; j < total; ++j)
-      TORCH_CHECK(sp[s * slots.size(1) + j] >= 0 && sp[s * slots.size(1) + j] < k_buf.size(0),
-                  "slot ", sp[s * slots.size(1) + j], " is outside the pool");
-    seqs[s] = {qs[s], pre[s], ext[s], (total + KB - 1) / KB, blocks};
-    blocks += seqs[s].blocks;
+      TORCH_CHECK(row[j] >= 0 && row[j] < k_buf.size(0), "slot ", row[j], " is outside the pool");
+    seqs[s] = {qs[s], pre[s], ext[s], row};
   }
-  const int64_t block_words = (d.dim / 2) * KB;
-  std::vector<uint32_t> kpack(blocks * d.kv_heads * block_words), vpack(blocks * d.kv_heads * block_words);
-  std::vector<std::pair<int64_t, int64_t>> pack_jobs;   // (sequence, block)
+  const int64_t block_words = (D / 2) * KB, block_bytes = 2 * block_words * 4;   // K + V
+  std::vector<std::pair<int64_t, int64_t>> units;   // (sequence, KV head)
   for (int64_t s = 0; s < S; ++s)
-    for (int64_t b = 0; b < seqs[s].blocks; ++b) pack_jobs.emplace_back(s, b);
+    for (int64_t h = 0; h < d.kv_heads; ++h) units.emplace_back(s, h);
+  int64_t max_blocks = 0;
+  for (const SeqInfo& s : seqs) max_blocks = std::max(max_blocks, s.blocks());
+  const int64_t wave_blocks = std::max(max_blocks, PACK_BUDGET / block_bytes);
+  std::vector<uint32_t> kpack, vpack;
   const auto* kb = reinterpret_cast<const uint16_t*>(k_buf.data_ptr());
   const auto* vb = reinterpret_cast<const uint16_t*>(v_buf.data_ptr());
-  at::parallel_for(0, static_cast<int64_t>(pack_jobs.size()), 1, [&](int64_t begin, int64_t end) {
-    for (int64_t job = begin; job < end; ++job) {
-      const auto [s, b] = pack_jobs[job];
-      const int64_t total = seqs[s].prefix + seqs[s].extend, first = b * KB;
-      for (int64_t h = 0; h < d.kv_heads; ++h) {
-        const int64_t at = (seqs[s].pack_offset + b) * d.kv_heads * block_words + h * block_words;
-        pack_block(kb, vb, sp + s * slots.size(1), first, std::min(KB, total - first), h, d,
-                   kpack.data() + at, vpack.data() + at);
-      }
-    }
-  });
-  // Tasks dealt to threads round-robin by decreasing cost (key blocks), so causal rows balance.
-  std::vector<Task> tasks;
-  for (int64_t s = 0; s < S; ++s)
-    for (int64_t h = 0; h < d.kv_heads; ++h)
-      for (int64_t i0 = 0; i0 < seqs[s].extend; i0 += QB) {
-        const int64_t i1 = std::min(seqs[s].extend, i0 + QB);
-        tasks.push_back({s, h, i0, i1, (seqs[s].prefix + i1) / KB + 1});
-      }
-  std::stable_sort(tasks.begin(), tasks.end(), [](const Task& a, const Task& b) { return a.cost > b.cost; });
-  at::Tensor out = at::zeros_like(q);
   const auto* qp = reinterpret_cast<const uint16_t*>(q.data_ptr());
+  at::Tensor out = at::zeros_like(q);
   auto* op = reinterpret_cast<uint16_t*>(out.data_ptr());
   const float scale_log2 = static_cast<float>(scale * 1.4426950408889634);
-  const int64_t workers = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), tasks.size()));
-  at::parallel_for(0, workers, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t w = begin; w < end; ++w)
-      for (size_t t = w; t < tasks.size(); t += workers) {
-        const Task& task = tasks[t];
-        const SeqInfo& s = seqs[task.seq];
-        const uint32_t *kpk = kpack.data(), *vpk = vpack.data();
-        switch (D) {
-          case 16: attend_task<16>(qp, s, task.kvh, task.i0, task.i1, d, kpk, vpk, scale_log2, op); break;
-          case 32: attend_task<32>(qp, s, task.kvh, task.i0, task.i1, d, kpk, vpk, scale_log2, op); break;
-          case 64: attend_task<64>(qp, s, task.kvh, task.i0, task.i1, d, kpk, vpk, scale_log2, op); break;
-          case 128: attend_task<128>(qp, s, task.kvh, task.i0, task.i1, d, kpk, vpk, scale_log2, op); break;
-          default: attend_task<256>(qp, s, task.kvh, task.i0, task.i1, d, kpk, vpk, scale_log2, op);
-        }
+  for (size_t first = 0; first < units.size();) {
+    // A wave: the next units whose blocks fit wave_blocks (at least one).
+    std::vector<Task> tasks;
+    std::vector<std::tuple<int64_t, int64_t, int64_t>> pack_jobs;   // (unit, block, wave block)
+    int64_t used = 0;
+    size_t last = first;
+    for (; last < units.size(); ++last) {
+      const auto [s, h] = units[last];
+      const int64_t n = seqs[s].blocks();
+      if (used > 0 && used + n > wave_blocks) break;
+      for (int64_t b = 0; b < n; ++b) pack_jobs.emplace_back(last, b, used + b);
+      for (int64_t i0 = 0; i0 < seqs[s].extend; i0 += QB) {
+        const int64_t i1 = std::min(seqs[s].extend, i0 + QB);
+        tasks.push_back({s, h, i0, i1, (seqs[s].prefix + i1) / KB + 1, used});
       }
-  });
+      used += n;
+    }
+    kpack.resize(std::max<size_t>(kpack.size(), used * block_words));
+    vpack.resize(kpack.size());
+    at::parallel_for(0, static_cast<int64_t>(pack_jobs.size()), 1, [&](int64_t begin, int64_t end) {
+      for (int64_t job = begin; job < end; ++job) {
+        const auto [u, b, at] = pack_jobs[job];
+        const SeqInfo& s = seqs[units[u].first];
+        const int64_t k0 = b * KB;
+        pack_block(kb, vb, s.slots, k0, std::min(KB, s.prefix + s.extend - k0), units[u].second, d,
+                   kpack.data() + at * block_words, vpack.data() + at * block_words);
+      }
+    });
+    std::stable_sort(tasks.begin(), tasks.end(), [](const Task& a, const Task& b) { return a.cost > b.cost; });
+    const uint32_t *kpk = kpack.data(), *vpk = vpack.data();
+    switch (D) {
+      case 16: attend_wave<16>(tasks, seqs, qp, d, kpk, vpk, scale_log2, op); break;
+      case 32: attend_wave<32>(tasks, seqs, qp, d, kpk, vpk, scale_log2, op); break;
+      case 64: attend_wave<64>(tasks, seqs, qp, d, kpk, vpk, scale_log2, op); break;
+      case 128: attend_wave<128>(tasks, seqs, qp, d, kpk, vpk, scale_log2, op); break;
+      default: attend_wave<256>(tasks, seqs, qp, d, kpk, vpk, scale_log2, op);
+    }
+    first = last;
+  }
   return out;
 }
 
