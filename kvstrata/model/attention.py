@@ -15,11 +15,12 @@ otherwise gathered a whole page at a time where the pages allow it (page_size > 
 row copies than slot by slot.
 
 With the compiled CPU kernel (`meta.paged_kernel`, see paged_kernels.py) decode rows skip the gather: the
-kernel reads every key's pool row in place. With the bf16 extend kernel (`meta.extend_kernel`, AVX-512 BF16
-CPUs) every extend, cached prefix or not, is one call that reads its keys in place too (bf16 dot products,
-about 5x SDPA's CPU flash kernel on a 2048-token prefill). With `batch_invariant` it attends every row (extends too), since
-its rows are invariant by construction (fixed key tiles merged in order); otherwise the plain-torch invariant
-path of invariant_attention.py runs.
+kernel reads every key's pool row in place. With `batch_invariant` that kernel attends every row (extends
+too), since its rows are invariant by construction (fixed key tiles merged in order); otherwise the
+plain-torch invariant path of invariant_attention.py runs. In the default mode, the bf16 extend kernel
+(`meta.extend_kernel`, AVX-512 BF16 CPUs) takes every extend, cached prefix or not, in one call that reads
+its keys in place too (bf16 dot products: 2.4-2.6x SDPA's CPU flash kernel on a 2048-token prefill or a
+256-token extend after 1024).
 """
 
 from __future__ import annotations
