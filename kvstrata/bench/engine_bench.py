@@ -118,12 +118,21 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--skip-transformers", action="store_true")
     p.add_argument("--profile", action="store_true",
                    help="per-step breakdown (prefill, decode with 1 and --streams streams) instead of the rates")
+    p.add_argument("--attention", action="store_true",
+                   help="one layer's attention: the compiled extend kernel next to the torch path (gather + SDPA)")
     p.add_argument("--enable-deterministic-inference", action="store_true",
                    help="also measure the batch-invariant mode, side by side")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
     if args.profile:
         return profile_main(args)
+    if args.attention:
+        from kvstrata.bench.attention_bench import attention_cases, format_attention
+
+        results = attention_cases(args)
+        print(json.dumps(results, indent=2))
+        print(format_attention(results, args.threads))
+        return 0
     ours = bench_kvstrata(args)
     result = {"config": vars(args), "kvstrata": ours}
     if args.enable_deterministic_inference:
