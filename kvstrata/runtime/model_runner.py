@@ -16,9 +16,9 @@ from kvstrata.memory.req_slots import ReqSlotTable
 from kvstrata.model.builtin import resolve_model_path
 from kvstrata.model.config import ModelConfig
 from kvstrata.model.forward_meta import ForwardMetadata
-from kvstrata.model.layers import make_batch_invariant
+from kvstrata.model.layers import make_batch_invariant, use_decode_linear, use_fused_norms
 from kvstrata.model.loader import load_model
-from kvstrata.model.paged_kernels import paged_attention_op
+from kvstrata.model.paged_kernels import decode_linear_op, norm_ops, paged_attention_op
 from kvstrata.runtime.batch import ScheduledBatch, StepResult
 from kvstrata.runtime.sampler import Sampler
 
@@ -51,6 +51,7 @@ class ModelRunner:
                                  self.config.head_dim, self.dtype, self.device)
         self.sampler = Sampler(self.vocab_size, args.random_seed or 0, self.device)
         self.paged_kernel = self._paged_kernel()
+        self._use_layer_kernels()
         self.grammar_backend = None   # set by the scheduler when structured output is enabled
         logger.info("KV pool: %d tokens (%d pages of %d), %.1f MB", self.max_total_tokens, num_pages - 1,
                     args.page_size, self.pool.bytes_per_token * self.pool.num_slots / 2**20)
@@ -60,6 +61,15 @@ class ModelRunner:
         and it builds), else None: plain-torch attention."""
         usable = self.device.type == "cpu" and self.dtype in (torch.bfloat16, torch.float32)
         return paged_attention_op() if usable and not self.args.disable_cpu_kernels else None
+
+    def _use_layer_kernels(self) -> None:
+        """Compiled norms (row-invariant: both modes) and, outside deterministic mode, the decode GEMV, on CPU
+        unless --disable-cpu-kernels; the plain-torch layers otherwise."""
+        if self.device.type != "cpu" or self.args.disable_cpu_kernels:
+            return
+        use_fused_norms(self.model, norm_ops())
+        if not self.args.enable_deterministic_inference:
+            use_decode_linear(self.model, decode_linear_op())
 
     @property
     def max_total_tokens(self) -> int:
