@@ -33,6 +33,7 @@ REGION_PREFIX = "kv::"
 LABELLED = [
     ("kvstrata.model.layers", "Linear.forward", "linear"),
     ("kvstrata.model.layers", "RMSNorm.forward", "norm"),
+    ("kvstrata.model.layers", "RMSNorm.add_norm", "norm"),
     ("kvstrata.model.layers", "GatedMLP.forward", "activation"),
     ("kvstrata.model.llama", "apply_rotary", "rope"),
     ("kvstrata.model.rope", "RotaryEmbedding.rotation", "rope"),

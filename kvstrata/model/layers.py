@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import torch
 import torch.nn.functional as F
@@ -16,6 +16,9 @@ from kvstrata.args import cpu_has_fast_bf16
 # weight to float32 (cheap while it fits in cache) and running a float32 GEMM is then faster. A single
 # row (decode) is memory-bound and reads the half-size weight natively.
 UPCAST_MIN_ROWS = 4
+# Products of up to this many rows go through the compiled decode GEMV where one is set (`use_decode_linear`):
+# it streams the weight at the memory bandwidth; oneDNN's bf16 GEMM wins again from ~16 rows on.
+DECODE_LINEAR_MAX_ROWS = 8
 _CPU_NATIVE_LOW_PRECISION = cpu_has_fast_bf16()
 _LOW_PRECISION = (torch.bfloat16, torch.float16)
 
@@ -33,10 +36,13 @@ class Linear(nn.Linear):
         super().__init__(in_features, out_features, bias=bias)
         self.upcast_min_rows = upcast_min_rows
         self.min_rows = 1   # inputs with fewer rows are zero-padded (batch-invariant mode)
+        self.decode_op: Optional[Callable] = None   # compiled bf16 GEMV for decode-sized inputs
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x `[T, in]` -> `[T, out]` (in the weight's dtype when a float32 weight serves a bf16 model)."""
         rows = x.shape[0]
+        if self.decode_op is not None and rows <= DECODE_LINEAR_MAX_ROWS and x.dtype == self.weight.dtype:
+            return self.decode_op(x.contiguous(), self.weight, self.bias)
         if rows < self.min_rows:
             return self._forward(F.pad(x, (0, 0, 0, self.min_rows - rows)))[:rows]
         return self._forward(x)
@@ -73,9 +79,37 @@ def make_batch_invariant(model: nn.Module) -> None:
             module.upcast_min_rows = 1
 
 
+def use_decode_linear(model: nn.Module, op: Optional[Callable]) -> None:
+    """Route `model`'s decode-sized bf16 products through `op` (paged_kernels.decode_linear_op()).
+
+    Only Linears whose weight the op can read (bf16, contiguous row-major, on CPU) take it. Not for
+    batch-invariant mode: its rows are invariant among themselves but summed in another order than
+    oneDNN's, which serves the same row in a larger batch.
+    """
+    for module in model.modules():
+        if isinstance(module, Linear):
+            w = module.weight
+            readable = w.device.type == "cpu" and w.dtype == torch.bfloat16 and w.is_contiguous()
+            module.decode_op = op if readable else None
+
+
+def use_fused_norms(model: nn.Module, ops: Optional[NormOps]) -> None:
+    """Make every RMSNorm of `model` run through the compiled `ops` (paged_kernels.norm_ops()), or stop."""
+    for module in model.modules():
+        if isinstance(module, RMSNorm):
+            module.ops = ops
+
+
 def upcasts_on_cpu(dtype: torch.dtype) -> bool:
     """Whether CPU matmuls in `dtype` are emulated (bf16/fp16 without AVX-512 BF16 / AMX)."""
     return dtype in _LOW_PRECISION and not _CPU_NATIVE_LOW_PRECISION
+
+
+class NormOps(NamedTuple):
+    """The compiled norms: `rms_norm(x, w, eps)` and `add_rms_norm(x, residual, w, eps) -> (out, x + residual)`."""
+
+    rms_norm: Callable
+    add_rms_norm: Callable
 
 
 class RMSNorm(nn.Module):
@@ -85,10 +119,25 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
+        self.ops: Optional[NormOps] = None   # compiled one-pass norms (CPU), else F.rms_norm
+
+    def _compiled(self, x: torch.Tensor) -> bool:
+        return self.ops is not None and x.dim() == 2 and x.is_contiguous() and x.dtype == self.weight.dtype
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Normalize `x` `[..., dim]`."""
+        if self._compiled(x):
+            return self.ops.rms_norm(x, self.weight, self.eps)
         return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
+
+    def add_norm(self, x: torch.Tensor, residual: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        """(norm of `x + residual`, `x + residual`) `[T, dim]`; a None residual counts as zero."""
+        if residual is None:
+            return self(x), x
+        if self._compiled(x) and residual.is_contiguous():
+            return self.ops.add_rms_norm(x, residual, self.weight, self.eps)
+        residual = residual + x
+        return self(residual), residual
 
 
 class GatedMLP(nn.Module):
@@ -99,7 +148,7 @@ class GatedMLP(nn.Module):
         self.intermediate_size = intermediate_size
         self.gate_up_proj = Linear(hidden_size, 2 * intermediate_size, bias=False)
         self.down_proj = Linear(intermediate_size, hidden_size, bias=False)
-        # The compiled one-pass silu(gate) * up for bf16 on CPU (see use_cpu_kernels), or None: torch ops.
+        # The compiled one-pass silu(gate) * up for bf16 on CPU (see use_fused_activation), or None: torch ops.
         self.silu_and_mul: Optional[Callable] = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -111,7 +160,7 @@ class GatedMLP(nn.Module):
         return self.down_proj(F.silu(gate) * up)
 
 
-def use_cpu_kernels(model: nn.Module, silu_and_mul: Optional[Callable]) -> None:
+def use_fused_activation(model: nn.Module, silu_and_mul: Optional[Callable]) -> None:
     """Route every GatedMLP of `model` through the compiled activation op (None: back to torch ops)."""
     for module in model.modules():
         if isinstance(module, GatedMLP):

@@ -67,10 +67,10 @@ class LlamaDecoderLayer(nn.Module):
     def forward(self, hidden: torch.Tensor, residual: torch.Tensor | None, rotation: Rotation,
                 meta: ForwardMetadata, kv_pool) -> tuple[torch.Tensor, torch.Tensor]:
         """Returns (block output, residual before it); their sum is the next layer's input."""
-        residual = hidden if residual is None else residual + hidden
-        hidden = self.self_attn(self.input_layernorm(residual), rotation, meta, kv_pool)
-        residual = residual + hidden
-        return self.mlp(self.post_attention_layernorm(residual)), residual
+        hidden, residual = self.input_layernorm.add_norm(hidden, residual)
+        hidden = self.self_attn(hidden, rotation, meta, kv_pool)
+        hidden, residual = self.post_attention_layernorm.add_norm(hidden, residual)
+        return self.mlp(hidden), residual
 
 
 class LlamaModel(nn.Module):
@@ -132,7 +132,7 @@ class LlamaForCausalLM(nn.Module):
             hidden, residual = layer(hidden, residual, rotation, meta, kv_pool)
         # Only the requested rows go through the final norm and lm_head (prefill needs the last one).
         rows = meta.logits_indices
-        hidden = self.model.norm(hidden[rows] + residual[rows])
+        hidden, _ = self.model.norm.add_norm(hidden[rows], residual[rows])
         return self.lm_head(hidden).float()
 
     def checkpoint_targets(self) -> dict[str, tuple[str, int, int]]:

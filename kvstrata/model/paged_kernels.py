@@ -118,6 +118,22 @@ def silu_and_mul_op() -> Optional[Callable]:
     return _bf16_op("silu_and_mul")
 
 
+def decode_linear_op() -> Optional[Callable]:
+    """`op(x [M, K], w [N, K], bias [N] | None) -> x @ w.T + bias`, bf16 (AVX-512 BF16 builds), or None."""
+    if not _loaded() or not torch.ops.kvstrata.decode_linear_available():
+        return None
+    return torch.ops.kvstrata.decode_linear
+
+
+def norm_ops():
+    """The compiled one-pass RMSNorm and residual-add + RMSNorm (bf16 / float32) as a layers.NormOps, or None."""
+    from kvstrata.model.layers import NormOps
+
+    if not _loaded():
+        return None
+    return NormOps(torch.ops.kvstrata.rms_norm, torch.ops.kvstrata.add_rms_norm)
+
+
 if __name__ == "__main__":   # `python -m kvstrata.model.paged_kernels`: build (or find) the kernel now
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     print("CPU kernels:", "ready" if _loaded() else "unavailable (torch path)")

@@ -16,11 +16,18 @@ from kvstrata.memory.req_slots import ReqSlotTable
 from kvstrata.model.builtin import resolve_model_path
 from kvstrata.model.config import ModelConfig
 from kvstrata.model.forward_meta import ForwardMetadata
-from kvstrata.model.layers import make_batch_invariant, use_cpu_kernels
+from kvstrata.model.layers import (
+    make_batch_invariant,
+    use_decode_linear,
+    use_fused_activation,
+    use_fused_norms,
+)
 from kvstrata.model.loader import load_model
 from kvstrata.model.paged_kernels import (
     EXTEND_HEAD_DIMS,
+    decode_linear_op,
     extend_attention_op,
+    norm_ops,
     paged_attention_op,
     silu_and_mul_op,
 )
@@ -57,8 +64,7 @@ class ModelRunner:
         self.sampler = Sampler(self.vocab_size, args.random_seed or 0, self.device)
         self.paged_kernel = self._paged_kernel()
         self.extend_kernel = self._extend_kernel()
-        if self.device.type == "cpu" and self.dtype == torch.bfloat16 and not args.disable_cpu_kernels:
-            use_cpu_kernels(self.model, silu_and_mul_op())
+        self._use_layer_kernels()
         self.grammar_backend = None   # set by the scheduler when structured output is enabled
         logger.info("KV pool: %d tokens (%d pages of %d), %.1f MB", self.max_total_tokens, num_pages - 1,
                     args.page_size, self.pool.bytes_per_token * self.pool.num_slots / 2**20)
@@ -76,6 +82,17 @@ class ModelRunner:
         usable = (self.device.type == "cpu" and self.dtype == torch.bfloat16 and self.config.head_dim in EXTEND_HEAD_DIMS
                   and not a.disable_cpu_kernels and not a.enable_deterministic_inference)
         return extend_attention_op() if usable else None
+
+    def _use_layer_kernels(self) -> None:
+        """Compiled norms and silu·mul (row-invariant: both modes) and, outside deterministic mode, the decode
+        GEMV, on CPU unless --disable-cpu-kernels; the plain-torch layers otherwise."""
+        if self.device.type != "cpu" or self.args.disable_cpu_kernels:
+            return
+        use_fused_norms(self.model, norm_ops())
+        if self.dtype == torch.bfloat16:
+            use_fused_activation(self.model, silu_and_mul_op())
+        if not self.args.enable_deterministic_inference:
+            use_decode_linear(self.model, decode_linear_op())
 
     @property
     def max_total_tokens(self) -> int:

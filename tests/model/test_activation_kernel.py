@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kvstrata.model.layers import use_cpu_kernels
+from kvstrata.model.layers import use_fused_activation
 from kvstrata.model.paged_kernels import silu_and_mul_op
 from tests.model.test_llama_vs_hf import PROMPT_LENS, Pair, random_prompts
 
@@ -30,12 +30,12 @@ def test_model_forward_unchanged(checkpoint_dir):
     logits = []
     try:
         for op in (OP, None):
-            use_cpu_kernels(pair.ours, op)
+            use_fused_activation(pair.ours, op)
             seqs = pair.sequences()
             ids, positions, meta = seqs.batch(list(enumerate(prompts)))
             logits.append(pair.ours(ids, positions, meta, seqs.pool))
     finally:
-        use_cpu_kernels(pair.ours, None)   # the Pair is shared with other tests
+        use_fused_activation(pair.ours, None)   # the Pair is shared with other tests
     assert torch.equal(logits[0], logits[1])
 
 

@@ -1,0 +1,281 @@
+// Decode-step kernels for CPU: a bf16 matrix-vector product for a few rows, and a fused residual-add +
+// RMSNorm.
+//
+// decode_linear: y[m, n] = sum_k x[m, k] * w[n, k] (+ bias[n]) for bf16 x / w and a few rows M (callers
+// choose: it beats oneDNN up to ~8-16 rows). There a projection is a stream over the weight: oneDNN's bf16
+// GEMM reads it at ~5-14 GB/s on 2 Zen 4 threads, this AVX-512 BF16 loop over whole weight rows at
+// ~25-35 GB/s. float32 accumulation (vdpbf16ps: exact products, fp32 sums), one rounding of the output.
+// Row m's arithmetic does not depend on M or on the thread count (threads split the output columns),
+// but it differs from oneDNN's summation order: callers keep it out of batch-invariant mode, where a
+// decode row must match the same row computed in a larger (oneDNN) batch.
+//
+// add_rms_norm: residual' = x + residual (rounded to the input dtype, as the unfused add), and
+// out = rms_norm(residual') with the arithmetic of transformers' LlamaRMSNorm: float32 inside, the
+// normalized row rounded to the input dtype, then multiplied by the weight and rounded again (torch's
+// F.rms_norm rounds once, so it differs from transformers by an ulp in ~25% of bf16 elements). One pass
+// per row; rows are independent and their sums of squares fixed in order (batch-invariant).
+
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
+#include <c10/util/BFloat16.h>
+#include <torch/library.h>
+
+#ifdef __AVX512F__
+#include <immintrin.h>
+#endif
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <tuple>
+#include <type_traits>
+#include <vector>
+
+namespace {
+
+using bf16 = c10::BFloat16;
+
+constexpr int UNROLL = 4;           // independent accumulators per dot product
+constexpr int64_t GRAIN = 64;       // weight rows per parallel task (>= 32 KB of weight at K=256)
+
+inline float to_float(float v) { return v; }
+inline float to_float(bf16 v) { return static_cast<float>(v); }
+
+template <typename T>
+inline T from_float(float v) { return static_cast<T>(v); }   // c10::BFloat16: round to nearest even
+
+#ifdef __AVX512BF16__
+
+inline __m512bh load_pairs(const bf16* p, int64_t k, int64_t K) {
+  if (k + 32 <= K) return (__m512bh)_mm512_loadu_si512(p + k);
+  const __mmask32 mask = (K - k) >= 32 ? ~0u : ((1u << (K - k)) - 1u);
+  return (__m512bh)_mm512_maskz_loadu_epi16(mask, p + k);
+}
+
+// Row n of the weight times G input rows: out[m * N + n] for m < G. UNROLL accumulators per input row break
+// the dot product's dependency chain; input row m's arithmetic is the same whatever G is.
+template <int G>
+inline void dot_rows(const bf16* x, const bf16* wr, const bf16* bias, bf16* out, int64_t K, int64_t N, int64_t n) {
+  __m512 acc[UNROLL][G];
+  for (int u = 0; u < UNROLL; ++u)
+    for (int m = 0; m < G; ++m) acc[u][m] = _mm512_setzero_ps();
+  int64_t k = 0;
+  for (; k + 32 * UNROLL <= K; k += 32 * UNROLL) {
+    for (int u = 0; u < UNROLL; ++u) {
+      const __m512bh wv = (__m512bh)_mm512_loadu_si512(wr + k + 32 * u);
+      for (int m = 0; m < G; ++m)
+        acc[u][m] = _mm512_dpbf16_ps(acc[u][m], wv, (__m512bh)_mm512_loadu_si512(x + m * K + k + 32 * u));
+    }
+  }
+  for (; k < K; k += 32) {
+    const __m512bh wv = load_pairs(wr, k, K);
+    for (int m = 0; m < G; ++m) acc[0][m] = _mm512_dpbf16_ps(acc[0][m], wv, load_pairs(x + m * K, k, K));
+  }
+  const float b = bias ? static_cast<float>(bias[n]) : 0.0f;
+  for (int m = 0; m < G; ++m) {
+    __m512 total = acc[0][m];
+    for (int u = 1; u < UNROLL; ++u) total = _mm512_add_ps(total, acc[u][m]);
+    out[m * N + n] = from_float<bf16>(_mm512_reduce_add_ps(total) + b);
+  }
+}
+
+// Weight rows [n0, n1), each read front to back once (one sequential stream per thread: what the hardware
+// prefetcher follows best; interleaving several weight rows halved the bandwidth), then reused from L1 by
+// every group of up to 4 input rows.
+void linear_block(const bf16* x, const bf16* w, const bf16* bias, bf16* out, int64_t M, int64_t K, int64_t N,
+                  int64_t n0, int64_t n1) {
+  for (int64_t n = n0; n < n1; ++n) {
+    const bf16* wr = w + n * K;
+    for (int64_t m = 0; m < M; m += 4) {
+      const bf16* xm = x + m * K;
+      bf16* om = out + m * N;
+      switch (std::min<int64_t>(4, M - m)) {
+        case 1: dot_rows<1>(xm, wr, bias, om, K, N, n); break;
+        case 2: dot_rows<2>(xm, wr, bias, om, K, N, n); break;
+        case 3: dot_rows<3>(xm, wr, bias, om, K, N, n); break;
+        default: dot_rows<4>(xm, wr, bias, om, K, N, n); break;
+      }
+    }
+  }
+}
+
+#endif  // __AVX512BF16__
+
+bool decode_linear_available() {
+#ifdef __AVX512BF16__
+  return true;
+#else
+  return false;
+#endif
+}
+
+at::Tensor decode_linear(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias) {
+  TORCH_CHECK(x.dim() == 2 && weight.dim() == 2 && x.size(1) == weight.size(1), "decode_linear: x [M, K], w [N, K]");
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && weight.scalar_type() == at::kBFloat16,
+              "decode_linear: bf16 inputs");
+  TORCH_CHECK(x.is_contiguous() && weight.is_contiguous(), "decode_linear: contiguous inputs");
+  const at::Tensor b = bias.has_value() ? bias->contiguous() : at::Tensor();
+  TORCH_CHECK(!b.defined() || (b.scalar_type() == at::kBFloat16 && b.numel() == weight.size(0)),
+              "decode_linear: bias [N] bf16");
+  const int64_t M = x.size(0), K = x.size(1), N = weight.size(0);
+  at::Tensor out = at::empty({M, N}, x.options());
+#ifdef __AVX512BF16__
+  const bf16* xp = x.data_ptr<bf16>();
+  const bf16* wp = weight.data_ptr<bf16>();
+  const bf16* bp = b.defined() ? b.data_ptr<bf16>() : nullptr;
+  bf16* op = out.data_ptr<bf16>();
+  at::parallel_for(0, N, GRAIN, [&](int64_t begin, int64_t end) { linear_block(xp, wp, bp, op, M, K, N, begin, end); });
+#else
+  TORCH_CHECK(false, "decode_linear: built without AVX-512 BF16");
+#endif
+  return out;
+}
+
+// One row: residual_out = round(x + residual) (when residual is given), out = norm of that row (scalar code:
+// rows whose size is not a multiple of 16, or CPUs without AVX-512).
+template <typename T>
+void add_rms_norm_row(const T* x, const T* residual, const T* weight, T* out, T* residual_out, int64_t H,
+                      float eps, float* scratch) {
+  float sum_sq = 0.0f;
+  for (int64_t i = 0; i < H; ++i) {
+    float v = to_float(x[i]);
+    if (residual) {
+      const T rounded = from_float<T>(v + to_float(residual[i]));
+      residual_out[i] = rounded;
+      v = to_float(rounded);
+    }
+    scratch[i] = v;
+    sum_sq += v * v;
+  }
+  const float inv = 1.0f / std::sqrt(sum_sq / static_cast<float>(H) + eps);
+  for (int64_t i = 0; i < H; ++i) {
+    const float normalized = to_float(from_float<T>(scratch[i] * inv));
+    out[i] = from_float<T>(normalized * to_float(weight[i]));
+  }
+}
+
+#ifdef __AVX512F__
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const bf16* p) {
+  const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+}
+inline void store16(float* p, __m512 v) { _mm512_storeu_ps(p, v); }
+inline void store16(bf16* p, __m512 v) {   // round to nearest even, as c10::BFloat16 (NaN kept quiet)
+  __m512i bits = _mm512_castps_si512(v);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+  __m512i rounded = _mm512_srli_epi32(_mm512_add_epi32(bits, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff))), 16);
+  const __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+  rounded = _mm512_mask_mov_epi32(rounded, nan, _mm512_set1_epi32(0x7fc0));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(rounded));
+}
+template <typename T>
+inline __m512 round16(__m512 v) {   // v rounded to T and widened back
+  if constexpr (std::is_same_v<T, float>) {
+    return v;
+  } else {
+    alignas(64) T tmp[16];
+    store16(tmp, v);
+    return load16(tmp);
+  }
+}
+
+// The same row with 16-lane vectors (H % 16 == 0).
+template <typename T>
+void add_rms_norm_row16(const T* x, const T* residual, const T* weight, T* out, T* residual_out, int64_t H,
+                        float eps, float* scratch) {
+  __m512 sum_sq = _mm512_setzero_ps();
+  for (int64_t i = 0; i < H; i += 16) {
+    __m512 v = load16(x + i);
+    if (residual) {
+      v = _mm512_add_ps(v, load16(residual + i));
+      store16(residual_out + i, v);
+      v = round16<T>(v);
+    }
+    _mm512_storeu_ps(scratch + i, v);
+    sum_sq = _mm512_fmadd_ps(v, v, sum_sq);
+  }
+  const __m512 inv = _mm512_set1_ps(1.0f / std::sqrt(_mm512_reduce_add_ps(sum_sq) / static_cast<float>(H) + eps));
+  for (int64_t i = 0; i < H; i += 16) {
+    const __m512 normalized = round16<T>(_mm512_mul_ps(_mm512_loadu_ps(scratch + i), inv));
+    store16(out + i, _mm512_mul_ps(normalized, load16(weight + i)));
+  }
+}
+#endif
+
+template <typename T>
+void add_rms_norm_rows(const at::Tensor& x, const at::Tensor& residual, const at::Tensor& weight, at::Tensor& out,
+                       at::Tensor& residual_out, double eps) {
+  const int64_t rows = x.size(0), H = x.size(1);
+  const T* xp = x.data_ptr<T>();
+  const T* rp = residual.defined() ? residual.data_ptr<T>() : nullptr;
+  const T* wp = weight.data_ptr<T>();
+  T* op = out.data_ptr<T>();
+  T* rop = residual_out.defined() ? residual_out.data_ptr<T>() : nullptr;
+  // ~64 rows per task at hidden 512-4096: small batches run on one thread (no fork/join).
+  const int64_t grain = std::max<int64_t>(1, 32768 / std::max<int64_t>(H, 1));
+  at::parallel_for(0, rows, grain, [&](int64_t begin, int64_t end) {
+    std::vector<float> scratch(H);
+    for (int64_t r = begin; r < end; ++r) {
+      const T* res = rp ? rp + r * H : nullptr;
+      T* res_out = rop ? rop + r * H : nullptr;
+#ifdef __AVX512F__
+      if (H % 16 == 0) {
+        add_rms_norm_row16<T>(xp + r * H, res, wp, op + r * H, res_out, H, static_cast<float>(eps), scratch.data());
+        continue;
+      }
+#endif
+      add_rms_norm_row<T>(xp + r * H, res, wp, op + r * H, res_out, H, static_cast<float>(eps), scratch.data());
+    }
+  });
+}
+
+void check_norm_args(const at::Tensor& x, const at::Tensor& weight) {
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "rms_norm: x [T, H] contiguous");
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat, "rms_norm: bf16 or float32");
+  TORCH_CHECK(weight.dim() == 1 && weight.size(0) == x.size(1) && weight.scalar_type() == x.scalar_type(),
+              "rms_norm: weight [H] in x's dtype");
+}
+
+void norm_rows(const at::Tensor& x, const at::Tensor& residual, const at::Tensor& weight, at::Tensor& out,
+               at::Tensor& residual_out, double eps) {
+  const at::Tensor w = weight.contiguous();
+  if (x.scalar_type() == at::kBFloat16)
+    add_rms_norm_rows<bf16>(x, residual, w, out, residual_out, eps);
+  else
+    add_rms_norm_rows<float>(x, residual, w, out, residual_out, eps);
+}
+
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
+  check_norm_args(x, weight);
+  at::Tensor out = at::empty_like(x);
+  at::Tensor none;
+  norm_rows(x, none, weight, out, none, eps);
+  return out;
+}
+
+std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x, const at::Tensor& residual,
+                                                const at::Tensor& weight, double eps) {
+  check_norm_args(x, weight);
+  TORCH_CHECK(residual.sizes() == x.sizes() && residual.scalar_type() == x.scalar_type(),
+              "add_rms_norm: residual shaped and typed like x");
+  const at::Tensor res = residual.contiguous();
+  at::Tensor out = at::empty_like(x);
+  at::Tensor residual_out = at::empty_like(x);
+  norm_rows(x, res, weight, out, residual_out, eps);
+  return {out, residual_out};
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(kvstrata, m) {
+  m.def("decode_linear_available() -> bool", &decode_linear_available);
+  m.def("decode_linear(Tensor x, Tensor weight, Tensor? bias) -> Tensor");
+  m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
+  m.def("add_rms_norm(Tensor x, Tensor residual, Tensor weight, float eps) -> (Tensor, Tensor)");
+  m.impl("decode_linear", c10::DispatchKey::CPU, TORCH_FN(decode_linear));
+  m.impl("rms_norm", c10::DispatchKey::CPU, TORCH_FN(rms_norm));
+  m.impl("add_rms_norm", c10::DispatchKey::CPU, TORCH_FN(add_rms_norm));
+}

@@ -1,0 +1,163 @@
+"""The compiled decode-step kernels (csrc/decode_ops.cpp) against the plain-torch layers they replace.
+
+Checked: the bf16 GEMV equals a float32 product up to bf16 rounding, its rows do not depend on the row count
+or the thread count; the fused residual-add + RMSNorm gives transformers' LlamaRMSNorm arithmetic, row by
+row; a whole model through both kernels stays within the transformers tolerances and generates its greedy
+tokens; the ModelRunner takes them only where they apply (CPU, not --disable-cpu-kernels, the GEMV not in
+deterministic mode).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from kvstrata.args import ServerArgs
+from kvstrata.model.layers import DECODE_LINEAR_MAX_ROWS, Linear, RMSNorm, use_decode_linear, use_fused_norms
+from kvstrata.model.paged_kernels import decode_linear_op, norm_ops, paged_attention_op
+from kvstrata.runtime.model_runner import ModelRunner
+from tests.model.hf_ckpt import CASES
+from tests.model.test_llama_vs_hf import PROMPT_LENS, TOLERANCE, Pair, random_prompts, relative_error
+
+LINEAR = decode_linear_op()
+NORMS = norm_ops()
+pytestmark = pytest.mark.skipif(NORMS is None, reason="the CPU kernels do not build here (no C++ compiler?)")
+needs_gemv = pytest.mark.skipif(LINEAR is None, reason="no AVX-512 BF16 on this CPU: the GEMV is not built")
+DTYPES = [torch.float32, torch.bfloat16]
+
+
+def _hf_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """transformers' LlamaRMSNorm: float32 inside, normalized row rounded, then times the weight."""
+    xf = x.float()
+    return weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+
+
+@needs_gemv
+@pytest.mark.parametrize("k", [512, 1536, 100, 16], ids=["k512", "k1536", "k100-tail", "k16-tail"])
+def test_gemv_matches_float32_product_up_to_rounding(k):
+    g = torch.Generator().manual_seed(k)
+    w = torch.randn(777, k, generator=g).bfloat16()
+    bias = torch.randn(777, generator=g).bfloat16()
+    for rows in range(1, DECODE_LINEAR_MAX_ROWS + 1):
+        x = torch.randn(rows, k, generator=g).bfloat16()
+        ref = x.float() @ w.float().T + bias.float()
+        out = LINEAR(x, w, bias)
+        assert out.dtype == torch.bfloat16 and out.shape == (rows, 777)
+        # one rounding to bf16 (relative 2^-8) plus float32 summation-order differences
+        assert ((out.float() - ref).abs() <= ref.abs() * 2**-8 + 1e-3 * k ** 0.5).all(), rows
+
+
+@needs_gemv
+def test_gemv_row_bits_do_not_depend_on_row_count_or_threads():
+    g = torch.Generator().manual_seed(1)
+    w = torch.randn(3000, 512, generator=g).bfloat16()
+    x = torch.randn(DECODE_LINEAR_MAX_ROWS * 2, 512, generator=g).bfloat16()
+    full = LINEAR(x, w, None)
+    threads = torch.get_num_threads()
+    try:
+        for count in (1, 2):
+            torch.set_num_threads(count)
+            for rows in (1, 3, 5, DECODE_LINEAR_MAX_ROWS, 2 * DECODE_LINEAR_MAX_ROWS):
+                pick = torch.randperm(x.shape[0], generator=g)[:rows]
+                assert torch.equal(LINEAR(x[pick], w, None), full[pick]), (count, rows)
+    finally:
+        torch.set_num_threads(threads)
+
+
+@needs_gemv
+def test_gemv_rejects_what_it_cannot_read():
+    w = torch.randn(8, 16).bfloat16()
+    with pytest.raises(RuntimeError, match="bf16"):
+        LINEAR(torch.randn(1, 16), w, None)
+    with pytest.raises(RuntimeError, match=r"x \[M, K\]"):
+        LINEAR(torch.randn(1, 8).bfloat16(), w, None)
+    with pytest.raises(RuntimeError, match="contiguous"):
+        LINEAR(torch.randn(1, 16).bfloat16(), torch.randn(16, 8).bfloat16().T, None)
+
+
+@pytest.mark.parametrize("hidden", [512, 100], ids=["vector", "scalar-tail"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=["f32", "bf16"])
+def test_fused_norm_is_transformers_rms_norm_row_by_row(dtype, hidden):
+    g = torch.Generator().manual_seed(hidden)
+    x, residual = (torch.randn(300, hidden, generator=g).to(dtype) for _ in range(2))
+    weight = (1 + torch.randn(hidden, generator=g) / 4).to(dtype)
+    out, summed = NORMS.add_rms_norm(x, residual, weight, 1e-5)
+    assert torch.equal(summed, residual + x)           # the same rounding as the unfused add
+    ref = _hf_rms_norm(residual + x, weight, 1e-5)
+    # float32 sums of squares in another order: rarely, the normalized value rounds one ulp off, which the
+    # weight's product carries into at most two ulps of the output
+    ulp = ref.float().abs() * (2**-6 if dtype == torch.bfloat16 else 2**-20) + 1e-30
+    assert ((out.float() - ref.float()).abs() <= ulp).all()
+    if dtype == torch.bfloat16:
+        assert (out != ref).float().mean() < 0.01
+    assert torch.equal(NORMS.rms_norm(x, weight, 1e-5), NORMS.add_rms_norm(x, torch.zeros_like(x), weight, 1e-5)[0])
+    for rows in (1, 2, 17):
+        pick = torch.randperm(300, generator=g)[:rows]
+        assert torch.equal(NORMS.add_rms_norm(x[pick], residual[pick], weight, 1e-5)[0], out[pick])
+
+
+def test_fused_norm_module_falls_back_where_it_cannot_read():
+    norm = RMSNorm(64, 1e-6)
+    use_fused_norms(norm, NORMS)
+    x = torch.randn(4, 3, 64)
+    assert torch.equal(norm(x), F.rms_norm(x, (64,), norm.weight, 1e-6))   # 3-D (q/k norms): torch
+    with pytest.raises(RuntimeError, match="weight"):
+        NORMS.rms_norm(torch.randn(2, 32), norm.weight, 1e-6)
+
+
+def _kernel_pair(checkpoint_dir, case: str, dtype: torch.dtype) -> Pair:
+    """A fresh (uncached) Pair whose kvstrata model runs every compiled kernel the runner would use."""
+    pair = Pair(checkpoint_dir(case), dtype)
+    use_fused_norms(pair.ours, NORMS)
+    use_decode_linear(pair.ours, LINEAR)
+    return pair
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["f32", "bf16"])
+@pytest.mark.parametrize("case", list(CASES))
+def test_model_through_decode_kernels_matches_hf(checkpoint_dir, case, dtype):
+    pair = _kernel_pair(checkpoint_dir, case, dtype)
+    prompts = random_prompts(PROMPT_LENS, pair.config.vocab_size)
+    seqs = pair.sequences()
+    seqs.paged_kernel = paged_attention_op()
+    ids, positions, meta = seqs.batch(list(enumerate(prompts)))
+    logits = pair.ours(ids, positions, meta, seqs.pool)
+    assert relative_error(logits, torch.cat([pair.hf_logits(p) for p in prompts])) < TOLERANCE[dtype]
+    next_rows = torch.tensor(PROMPT_LENS).cumsum(0) - 1
+    tokens = [p + [int(t)] for p, t in zip(prompts, logits[next_rows].argmax(-1), strict=True)]
+    for subset in ((0, 1, 2, 3), (0, 2), (1,), (3,)):   # decode batches within the GEMV's row range
+        ids, positions, meta = seqs.batch([(i, tokens[i][-1:]) for i in subset])
+        logits = pair.ours(ids, positions, meta, seqs.pool)
+        ref = torch.stack([pair.hf_logits(tokens[i])[-1] for i in subset])
+        assert relative_error(logits, ref) < TOLERANCE[dtype]
+        for row, i in enumerate(subset):
+            tokens[i].append(int(logits[row].argmax()))
+
+
+@needs_gemv
+def test_lm_head_and_layers_take_the_gemv_only_where_it_reads_the_weight():
+    layer = Linear(64, 32, bias=True).bfloat16()
+    column_major = Linear(64, 32).bfloat16()
+    column_major.weight.data = column_major.weight.data.T.contiguous().T
+    for module in (layer, column_major, Linear(64, 32)):
+        use_decode_linear(module, LINEAR)
+    assert layer.decode_op is LINEAR and column_major.decode_op is None
+    x = torch.randn(2, 64).bfloat16()
+    with torch.inference_mode():
+        assert relative_error(layer(x), F.linear(x.float(), layer.weight.float(), layer.bias.float())) < 1e-2
+        assert torch.equal(column_major(x), F.linear(x, column_major.weight, column_major.bias))
+
+
+@pytest.mark.parametrize("flags, linear, norms", [
+    ({}, True, True),
+    ({"enable_deterministic_inference": True}, False, True),
+    ({"disable_cpu_kernels": True}, False, False),
+], ids=["default", "deterministic", "disabled"])
+def test_runner_uses_the_kernels_where_they_apply(flags, linear, norms):
+    args = ServerArgs(model_path="tiny", dtype="bfloat16", max_total_tokens=256, random_seed=0, **flags).resolve()
+    runner = ModelRunner(args)
+    layer = runner.model.model.layers[0]
+    assert (layer.input_layernorm.ops is not None) == norms
+    assert (layer.mlp.down_proj.decode_op is not None) == (linear and LINEAR is not None)
+    assert (runner.model.lm_head.decode_op is not None) == (linear and LINEAR is not None)
