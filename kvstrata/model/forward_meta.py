@@ -32,6 +32,9 @@ class ForwardMetadata:
     # The compiled CPU paged-attention op (model/paged_kernels.py), or None for the plain-torch path. With it,
     # decode rows (and, when batch_invariant, every row) read K/V in place; its rows are batch-invariant.
     paged_kernel: Optional[Callable] = None
+    # The compiled bf16 extend-attention op (AVX-512 BF16 CPUs, default mode), or None: extend rows (prompt
+    # tokens, after a cached prefix or none) then read K/V in place instead of SDPA over gathered keys.
+    extend_kernel: Optional[Callable] = None
     # Derived tensors cached by the attention backend for this forward (e.g. padded decode slots).
     cache: dict = field(default_factory=dict)
 

@@ -148,8 +148,20 @@ class GatedMLP(nn.Module):
         self.intermediate_size = intermediate_size
         self.gate_up_proj = Linear(hidden_size, 2 * intermediate_size, bias=False)
         self.down_proj = Linear(intermediate_size, hidden_size, bias=False)
+        # The compiled one-pass silu(gate) * up for bf16 on CPU (see use_cpu_kernels), or None: torch ops.
+        self.silu_and_mul: Optional[Callable] = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Apply the MLP to `x` `[T, hidden]`."""
-        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
+        gate_up = self.gate_up_proj(x)
+        if self.silu_and_mul is not None and gate_up.dtype == torch.bfloat16 and gate_up.device.type == "cpu":
+            return self.down_proj(self.silu_and_mul(gate_up))   # same bits as the two torch ops below
+        gate, up = gate_up.split(self.intermediate_size, dim=-1)
         return self.down_proj(F.silu(gate) * up)
+
+
+def use_cpu_kernels(model: nn.Module, silu_and_mul: Optional[Callable]) -> None:
+    """Route every GatedMLP of `model` through the compiled activation op (None: back to torch ops)."""
+    for module in model.modules():
+        if isinstance(module, GatedMLP):
+            module.silu_and_mul = silu_and_mul

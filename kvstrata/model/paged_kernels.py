@@ -95,11 +95,32 @@ def paged_attention_op() -> Optional[Callable]:
     return torch.ops.kvstrata.paged_attention if _loaded() else None
 
 
-def decode_linear_op() -> Optional[Callable]:
-    """`op(x [M, K], w [N, K], bias [N] | None) -> x @ w.T + bias`, bf16 (AVX-512 BF16 builds), or None."""
-    if not _loaded() or not torch.ops.kvstrata.decode_linear_available():
+EXTEND_HEAD_DIMS = (16, 32, 64, 128, 256)   # what csrc/extend_attention.cpp is instantiated for
+
+
+def _bf16_op(name: str) -> Optional[Callable]:
+    """An op of the AVX-512 BF16 files, or None (not built, or compiled for a CPU without it: not registered)."""
+    if not _loaded():
         return None
-    return torch.ops.kvstrata.decode_linear
+    try:
+        return getattr(torch.ops.kvstrata, name)
+    except (AttributeError, RuntimeError):
+        return None
+
+
+def extend_attention_op() -> Optional[Callable]:
+    """`op(q, k_buf, v_buf, slots, q_start, prefix, extend, scale) -> out` (bf16, AVX-512 BF16 CPUs), or None."""
+    return _bf16_op("extend_attention")
+
+
+def silu_and_mul_op() -> Optional[Callable]:
+    """`op(gate_up [T, 2I]) -> silu(gate) * up [T, I]` (bf16, AVX-512 BF16 CPUs), or None."""
+    return _bf16_op("silu_and_mul")
+
+
+def decode_linear_op() -> Optional[Callable]:
+    """`op(x [M, K], w [N, K], bias [N] | None) -> x @ w.T + bias` (bf16, AVX-512 BF16 CPUs), or None."""
+    return _bf16_op("decode_linear")
 
 
 def norm_ops():

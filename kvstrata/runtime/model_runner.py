@@ -16,9 +16,16 @@ from kvstrata.memory.req_slots import ReqSlotTable
 from kvstrata.model.builtin import resolve_model_path
 from kvstrata.model.config import ModelConfig
 from kvstrata.model.forward_meta import ForwardMetadata
-from kvstrata.model.layers import make_batch_invariant, use_decode_linear, use_fused_norms
+from kvstrata.model.layers import make_batch_invariant, use_cpu_kernels, use_decode_linear, use_fused_norms
 from kvstrata.model.loader import load_model
-from kvstrata.model.paged_kernels import decode_linear_op, norm_ops, paged_attention_op
+from kvstrata.model.paged_kernels import (
+    EXTEND_HEAD_DIMS,
+    decode_linear_op,
+    extend_attention_op,
+    norm_ops,
+    paged_attention_op,
+    silu_and_mul_op,
+)
 from kvstrata.runtime.batch import ScheduledBatch, StepResult
 from kvstrata.runtime.sampler import Sampler
 
@@ -51,6 +58,9 @@ class ModelRunner:
                                  self.config.head_dim, self.dtype, self.device)
         self.sampler = Sampler(self.vocab_size, args.random_seed or 0, self.device)
         self.paged_kernel = self._paged_kernel()
+        self.extend_kernel = self._extend_kernel()
+        if self.device.type == "cpu" and self.dtype == torch.bfloat16 and not args.disable_cpu_kernels:
+            use_cpu_kernels(self.model, silu_and_mul_op())
         self._use_layer_kernels()
         self.grammar_backend = None   # set by the scheduler when structured output is enabled
         logger.info("KV pool: %d tokens (%d pages of %d), %.1f MB", self.max_total_tokens, num_pages - 1,
@@ -70,6 +80,14 @@ class ModelRunner:
         use_fused_norms(self.model, norm_ops())
         if not self.args.enable_deterministic_inference:
             use_decode_linear(self.model, decode_linear_op())
+
+    def _extend_kernel(self):
+        """The compiled bf16 extend-attention op where it applies (CPU with AVX-512 BF16, bf16 model, a head dim
+        it serves, default mode: deterministic inference keeps every row on the batch-invariant kernel), else None."""
+        a = self.args
+        usable = (self.device.type == "cpu" and self.dtype == torch.bfloat16 and self.config.head_dim in EXTEND_HEAD_DIMS
+                  and not a.disable_cpu_kernels and not a.enable_deterministic_inference)
+        return extend_attention_op() if usable else None
 
     @property
     def max_total_tokens(self) -> int:
@@ -126,7 +144,7 @@ class ModelRunner:
             extend_lens=extend_lens, prefix_lens=prefix_lens, kv_slots=kv_slots,
             out_slots=torch.cat(out_slots), logits_indices=torch.tensor(logit_rows, dtype=torch.long, device=dev),
             layer_wait=batch.layer_wait, batch_invariant=self.args.enable_deterministic_inference,
-            paged_kernel=self.paged_kernel)
+            paged_kernel=self.paged_kernel, extend_kernel=self.extend_kernel)
         logits = self.model(torch.tensor(ids, dtype=torch.long, device=dev), positions.to(dev), meta, self.pool)
         logits = logits.float()
         prompt_rows = {i: torch.log_softmax(logits[r0:r0 + n], dim=-1).cpu() for i, r0, n in prompt_spans}

@@ -188,8 +188,8 @@ class Scheduler:
         budget = self.args.chunked_prefill_size
         if budget == -1:
             budget = self.args.max_prefill_tokens
-        budget = self._continue_prefills(entries, budget)
-        self._admit(entries, budget)
+        left = self._continue_prefills(entries, budget)
+        self._admit(entries, left, filled=budget - left)
         if not entries and self.running:
             # Partly prefilled requests hold the pool and none can go on: free the newest, retry next step.
             self._retract(self.running[-1])
@@ -231,14 +231,17 @@ class Scheduler:
                 budget -= n
         return budget
 
-    def _admit(self, entries: list[BatchEntry], budget: int) -> None:
+    def _admit(self, entries: list[BatchEntry], budget: int, filled: int) -> None:
+        """Move waiting requests into the step while `budget` prefill tokens last; `filled` prefill tokens are
+        already in it (--prefill-admit-threshold stops admission early)."""
         if not self.waiting:
             return
+        threshold = self.args.prefill_admit_threshold
         self._order_waiting()
         reserved_decode = self._decode_headroom_pages()
         started: list[list[int]] = []
         for req in list(self.waiting):
-            if budget <= 0 or len(self.running) >= self.args.max_running_requests:
+            if budget <= 0 or len(self.running) >= self.args.max_running_requests or 0 < threshold <= filled:
                 break
             if req.grammar_future is not None or not self.cache.prefetch_ready(req):
                 continue
@@ -262,6 +265,7 @@ class Scheduler:
             reserved_decode += self._future_pages(req)
             started.append(req.fill_ids[: SHARED_PREFIX_TOKENS])
             budget -= n
+            filled += n
 
     def _order_waiting(self) -> None:
         if self.args.schedule_policy != "lpm" or not self.cache.shares_prefixes or len(self.waiting) > LPM_MAX_QUEUE:

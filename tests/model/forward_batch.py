@@ -28,6 +28,7 @@ class PagedSequences:
         self.scatter = scatter
         self.slots: dict[int, list[int]] = {}
         self.paged_kernel = None        # set to the compiled op to run attention through it
+        self.extend_kernel = None       # set to the compiled bf16 extend op
         self.batch_invariant = False
 
     def _append_slots(self, seq: int, count: int) -> list[int]:
@@ -66,7 +67,8 @@ class PagedSequences:
         meta = ForwardMetadata(extend_lens=extend_lens, prefix_lens=prefix_lens, kv_slots=kv_slots,
                                out_slots=torch.tensor(out_slots, dtype=torch.long),
                                logits_indices=torch.tensor(logits_rows, dtype=torch.long),
-                               batch_invariant=self.batch_invariant, paged_kernel=self.paged_kernel)
+                               batch_invariant=self.batch_invariant, paged_kernel=self.paged_kernel,
+                               extend_kernel=self.extend_kernel)
         return torch.tensor(ids, dtype=torch.long), torch.tensor(positions, dtype=torch.long), meta
 
 

@@ -1,0 +1,133 @@
+"""The compiled bf16 extend-attention kernel (csrc/extend_attention.cpp) against float32 SDPA and the model.
+
+Checked: every extend row (fresh prompts and extends after a cached prefix, over scattered slots, several
+sequences per call, GQA and plain multi-head, head dims 16 to 256) matches float32 causal SDPA within
+bf16 rounding; a row's bits do not depend on the chunk, the batch or the thread count; a model forward
+through it stays within the transformers tolerance and picks the same next tokens as the plain-torch path;
+bad indices raise. Skipped where the CPU has no AVX-512 BF16 (the op is then not built; SDPA serves).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from kvstrata.model.paged_kernels import EXTEND_HEAD_DIMS, extend_attention_op
+from tests.model.hf_ckpt import CASES
+from tests.model.test_llama_vs_hf import PROMPT_LENS, TOLERANCE, Pair, random_prompts, relative_error
+
+OP = extend_attention_op()
+pytestmark = pytest.mark.skipif(OP is None, reason="no AVX-512 BF16 (or no C++ compiler): SDPA serves extends")
+BF16 = torch.bfloat16
+
+
+def _pool(slots: int, kv_heads: int, dim: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(slots, kv_heads, dim, generator=g).to(BF16),
+            torch.randn(slots, kv_heads, dim, generator=g).to(BF16))
+
+
+def _run(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, seqs: list[tuple[torch.Tensor, int, int]]
+         ) -> torch.Tensor:
+    """The op over `seqs` = [(slots of keys 0..prefix+extend-1, prefix, extend)], rows in that order."""
+    slots = torch.nn.utils.rnn.pad_sequence([s for s, _, _ in seqs], batch_first=True, padding_value=0)
+    extends = torch.tensor([e for _, _, e in seqs])
+    starts = torch.cumsum(extends, 0) - extends
+    return OP(q.contiguous(), k_buf, v_buf, slots, starts, torch.tensor([p for _, p, _ in seqs]), extends,
+              q.shape[-1] ** -0.5)
+
+
+def _reference(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, prefix: int) -> torch.Tensor:
+    """float32 causal SDPA of `q` `[n, H, D]` at positions prefix.. over keys 0..prefix+n-1."""
+    n, total = q.shape[0], keys.shape[0]
+    allowed = torch.arange(total)[None, :] <= torch.arange(prefix, prefix + n)[:, None]
+    out = F.scaled_dot_product_attention(q.float().transpose(0, 1)[None], keys.float().transpose(0, 1)[None],
+                                         values.float().transpose(0, 1)[None], attn_mask=allowed, enable_gqa=True)
+    return out[0].transpose(0, 1)
+
+
+@pytest.mark.parametrize("heads,kv_heads,dim", [(8, 2, 64), (4, 4, 128), (12, 4, 64), (4, 2, 16), (2, 1, 256)],
+                         ids=["gqa-64", "mha-128", "gqa3-64", "gqa-16", "gqa-256"])
+def test_extends_over_scattered_slots_match_sdpa(heads, kv_heads, dim):
+    k_buf, v_buf = _pool(4096, kv_heads, dim)
+    perm = torch.randperm(4095, generator=torch.Generator().manual_seed(1)) + 1
+    # fresh prompts and extends after a prefix; lengths on and off the 32-key blocks and 16-row tasks
+    shapes = [(0, 2), (0, 100), (37, 50), (31, 33), (200, 16), (1000, 7)]
+    seqs, first = [], 0
+    for prefix, extend in shapes:
+        seqs.append((perm[first:first + prefix + extend], prefix, extend))
+        first += prefix + extend
+    q = torch.randn(sum(e for _, _, e in seqs), heads, dim).to(BF16)
+    out = _run(q, k_buf, v_buf, seqs)
+    row = 0
+    for slots, prefix, extend in seqs:
+        ref = _reference(q[row:row + extend], k_buf[slots], v_buf[slots], prefix)
+        err = (out[row:row + extend].float() - ref).abs().max()
+        assert err < 2e-2, f"prefix {prefix} extend {extend}: max error {err}"
+        row += extend
+
+
+def test_row_bits_do_not_depend_on_chunk_batch_or_threads():
+    k_buf, v_buf = _pool(2048, 2, 64)
+    slots = torch.randperm(2047, generator=torch.Generator().manual_seed(3))[:600] + 1
+    q = torch.randn(600, 8, 64).to(BF16)
+    full = _run(q, k_buf, v_buf, [(slots, 0, 600)])
+    for cut in (333, 256, 17):   # the same prompt as a cached prefix + an extend
+        assert torch.equal(_run(q[cut:], k_buf, v_buf, [(slots, cut, 600 - cut)]), full[cut:]), f"chunk at {cut}"
+    other = torch.arange(700, 1150)
+    mixed = torch.cat([torch.randn(40, 8, 64).to(BF16), q[300:]])
+    out = _run(mixed, k_buf, v_buf, [(other[:90], 50, 40), (slots, 300, 300)])
+    assert torch.equal(out[40:], full[300:])
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        single = _run(q, k_buf, v_buf, [(slots, 0, 600)])
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(single, full)
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_model_through_kernel_matches_hf_and_torch_path(checkpoint_dir, case):
+    pair = Pair.get(checkpoint_dir, case, BF16)
+    assert pair.config.head_dim in EXTEND_HEAD_DIMS
+    prompts = random_prompts(PROMPT_LENS, pair.config.vocab_size)
+    logits = {}
+    for name, op in (("kernel", OP), ("torch", None)):
+        seqs = pair.sequences()
+        seqs.extend_kernel = op
+        ids, positions, meta = seqs.batch(list(enumerate(prompts)))
+        logits[name] = pair.ours(ids, positions, meta, seqs.pool)
+        assert (meta.cache["paged_attention_plan"].kernel_extends is not None) == (op is not None)
+        # an extend after a cached prefix, next to a decode of another sequence
+        ids, positions, meta = seqs.batch([(0, prompts[0][:5]), (1, prompts[1][-1:])])
+        logits[name + "-extend"] = pair.ours(ids, positions, meta, seqs.pool)
+    ref = torch.cat([pair.hf_logits(p) for p in prompts])
+    assert relative_error(logits["kernel"], ref) < TOLERANCE[BF16]
+    assert torch.equal(logits["kernel"].argmax(-1), logits["torch"].argmax(-1))
+    assert relative_error(logits["kernel-extend"], logits["torch-extend"]) < TOLERANCE[BF16]
+
+
+def test_bad_plans_raise():
+    k_buf, v_buf = _pool(64, 2, 64)
+    q = torch.randn(3, 8, 64).to(BF16)
+    with pytest.raises(RuntimeError, match="outside the pool"):
+        _run(q, k_buf, v_buf, [(torch.tensor([1, 2, 64]), 0, 3)])
+    with pytest.raises(RuntimeError, match="keys for a slot row"):
+        _run(q, k_buf, v_buf, [(torch.tensor([1, 2, 3]), 1, 3)])
+    with pytest.raises(RuntimeError, match="rows are outside q"):
+        _run(q[:2], k_buf, v_buf, [(torch.tensor([1, 2, 3]), 0, 3)])
+    with pytest.raises(RuntimeError, match="bfloat16 only"):
+        _run(q.float(), k_buf, v_buf, [(torch.tensor([1, 2, 3]), 0, 3)])
+
+
+def test_contexts_beyond_the_pack_budget_run_in_waves():
+    # 10 sequences x 7,000 keys at head dim 256: 70 MB of packed K/V, past the kernel's 64 MB per wave
+    k_buf, v_buf = _pool(70_001, 1, 256, seed=4)
+    seqs = [(torch.arange(1 + 7000 * i, 1 + 7000 * (i + 1)), 6997, 3) for i in range(10)]
+    q = torch.randn(30, 2, 256).to(BF16)
+    out = _run(q, k_buf, v_buf, seqs)
+    for i, (slots, prefix, _) in enumerate(seqs):
+        ref = _reference(q[3 * i:3 * i + 3], k_buf[slots], v_buf[slots], prefix)
+        assert (out[3 * i:3 * i + 3].float() - ref).abs().max() < 2e-2, f"sequence {i}"
