@@ -119,10 +119,8 @@ def silu_and_mul_op() -> Optional[Callable]:
 
 
 def decode_linear_op() -> Optional[Callable]:
-    """`op(x [M, K], w [N, K], bias [N] | None) -> x @ w.T + bias`, bf16 (AVX-512 BF16 builds), or None."""
-    if not _loaded() or not torch.ops.kvstrata.decode_linear_available():
-        return None
-    return torch.ops.kvstrata.decode_linear
+    """`op(x [M, K], w [N, K], bias [N] | None) -> x @ w.T + bias` (bf16, AVX-512 BF16 CPUs), or None."""
+    return _bf16_op("decode_linear")
 
 
 def norm_ops():

@@ -101,16 +101,6 @@ void linear_block(const bf16* x, const bf16* w, const bf16* bias, bf16* out, int
   }
 }
 
-#endif  // __AVX512BF16__
-
-bool decode_linear_available() {
-#ifdef __AVX512BF16__
-  return true;
-#else
-  return false;
-#endif
-}
-
 at::Tensor decode_linear(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias) {
   TORCH_CHECK(x.dim() == 2 && weight.dim() == 2 && x.size(1) == weight.size(1), "decode_linear: x [M, K], w [N, K]");
   TORCH_CHECK(x.scalar_type() == at::kBFloat16 && weight.scalar_type() == at::kBFloat16,
@@ -121,17 +111,15 @@ at::Tensor decode_linear(const at::Tensor& x, const at::Tensor& weight, const c1
               "decode_linear: bias [N] bf16");
   const int64_t M = x.size(0), K = x.size(1), N = weight.size(0);
   at::Tensor out = at::empty({M, N}, x.options());
-#ifdef __AVX512BF16__
   const bf16* xp = x.data_ptr<bf16>();
   const bf16* wp = weight.data_ptr<bf16>();
   const bf16* bp = b.defined() ? b.data_ptr<bf16>() : nullptr;
   bf16* op = out.data_ptr<bf16>();
   at::parallel_for(0, N, GRAIN, [&](int64_t begin, int64_t end) { linear_block(xp, wp, bp, op, M, K, N, begin, end); });
-#else
-  TORCH_CHECK(false, "decode_linear: built without AVX-512 BF16");
-#endif
   return out;
 }
+
+#endif  // __AVX512BF16__
 
 // One row: residual_out = round(x + residual) (when residual is given), out = norm of that row (scalar code:
 // rows whose size is not a multiple of 16, or CPUs without AVX-512).
@@ -271,11 +259,12 @@ std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x, const at::T
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(kvstrata, m) {
-  m.def("decode_linear_available() -> bool", &decode_linear_available);
+#ifdef __AVX512BF16__   // not registered on CPUs without it: paged_kernels.decode_linear_op() is then None
   m.def("decode_linear(Tensor x, Tensor weight, Tensor? bias) -> Tensor");
+  m.impl("decode_linear", c10::DispatchKey::CPU, TORCH_FN(decode_linear));
+#endif
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
   m.def("add_rms_norm(Tensor x, Tensor residual, Tensor weight, float eps) -> (Tensor, Tensor)");
-  m.impl("decode_linear", c10::DispatchKey::CPU, TORCH_FN(decode_linear));
   m.impl("rms_norm", c10::DispatchKey::CPU, TORCH_FN(rms_norm));
   m.impl("add_rms_norm", c10::DispatchKey::CPU, TORCH_FN(add_rms_norm));
 }
