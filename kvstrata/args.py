@@ -89,9 +89,9 @@ class ServerArgs:
         "Batch-invariant forward and sampling: a request's logits, tokens and logprobs are bit-identical "
         "whether it runs alone or in any batch, at any chunked-prefill split, with any cache hits."))
     disable_cpu_kernels: bool = field(default=False, metadata=_opt(
-        "CPU only: attend with plain torch (SDPA over gathered K/V) instead of the compiled paged-attention "
-        "kernel that reads K/V in place (built once per machine with the C++ compiler; without one, plain "
-        "torch is used anyway)."))
+        "CPU only: plain torch instead of the compiled kernels (paged and extend attention reading K/V in "
+        "place, silu*mul, the decode GEMV, fused residual-add + RMSNorm; built once per machine with the C++ "
+        "compiler; without one, plain torch is used anyway)."))
 
     # --- HTTP server ---
     host: str = field(default="127.0.0.1", metadata=_opt("HTTP host to bind."))
