@@ -62,9 +62,6 @@ _SINGLE_VALUE = {
 }
 DISAGGREGATION_MODES = ["null", "prefill", "decode"]
 TRANSFER_BACKENDS = ["mooncake"]
-# On CPU a step with this many prefill tokens runs its GEMMs at full speed (measured on Zen 4: 64 rows
-# 192 GFLOPS, 256 rows 210, 1024 rows 214), so more prompts in the same step only raise their TTFT.
-CPU_PREFILL_ADMIT_THRESHOLD = 256
 
 
 @dataclass(frozen=True)
@@ -113,10 +110,11 @@ class ServerArgs:
         "CUDA; -1 disables chunking)."))
     max_prefill_tokens: int = field(default=16384, metadata=_opt(
         "Maximum prompt tokens admitted into one prefill step when chunking is disabled."))
-    prefill_admit_threshold: Optional[int] = field(default=None, metadata=_opt(
-        "Stop admitting new prompts into a forward step once it holds this many prefill tokens (default 256 "
-        "on CPU, where such a step is already compute-bound: packing more prompts into it only delays every "
-        "one of them; 0 on CUDA = fill the --chunked-prefill-size budget)."))
+    prefill_admit_threshold: int = field(default=0, metadata=_opt(
+        "Stop admitting new prompts into a forward step once it holds this many prefill tokens (0, the "
+        "default: fill the --chunked-prefill-size budget, as SGLang does). On CPU a step of ~256 tokens is "
+        "already compute-bound, so a threshold there gives simultaneous long prompts their first tokens one "
+        "step after another instead of all at the end of one big step."))
     schedule_policy: str = field(default="fcfs", metadata=_opt(
         "Order of the waiting queue: fcfs, or lpm (longest cached prefix first).", SCHEDULE_POLICIES))
 
@@ -282,7 +280,7 @@ class ServerArgs:
                 raise ConfigError(
                     f"--chunked-prefill-size ({self.chunked_prefill_size}) must be a multiple of "
                     f"--page-size ({self.page_size})")
-        if self.prefill_admit_threshold is not None and self.prefill_admit_threshold < 0:
+        if self.prefill_admit_threshold < 0:
             raise ConfigError("--prefill-admit-threshold must be >= 0 (0: fill the prefill budget)")
         if self.mem_fraction_static is not None and not 0 < self.mem_fraction_static < 1:
             raise ConfigError("--mem-fraction-static must be in (0, 1)")
@@ -362,8 +360,6 @@ class ServerArgs:
             random_seed=self.random_seed if self.random_seed is not None else random.randrange(1 << 30),
             max_running_requests=self.max_running_requests or 256,
             chunked_prefill_size=chunk,
-            prefill_admit_threshold=(self.prefill_admit_threshold if self.prefill_admit_threshold is not None
-                                     else 0 if device == "cuda" else CPU_PREFILL_ADMIT_THRESHOLD),
         )
 
     def storage_group_pages(self) -> int:

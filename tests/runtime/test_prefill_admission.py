@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvstrata.args import CPU_PREFILL_ADMIT_THRESHOLD, ConfigError, ServerArgs
+from kvstrata.args import ConfigError, ServerArgs
 from kvstrata.runtime.messages import TokenizedGenerateReq
 from kvstrata.runtime.sampling_params import SamplingParams
 from kvstrata.runtime.scheduler import Scheduler
@@ -14,7 +14,7 @@ from kvstrata.runtime.scheduler import Scheduler
 GREEDY = {"temperature": 0, "max_new_tokens": 3, "ignore_eos": True}
 
 
-def _scheduler(threshold: int | None) -> Scheduler:
+def _scheduler(threshold: int) -> Scheduler:
     return Scheduler(ServerArgs(model_path="tiny", max_total_tokens=4096, random_seed=0, dtype="float32",
                                 enable_deterministic_inference=True, disable_radix_cache=True,
                                 prefill_admit_threshold=threshold).resolve())
@@ -68,6 +68,6 @@ def test_long_prompts_take_a_step_each_short_ones_share():
 
 
 def test_defaults_and_bad_value():
-    assert ServerArgs(model_path="tiny", device="cpu").resolve().prefill_admit_threshold == CPU_PREFILL_ADMIT_THRESHOLD
+    assert ServerArgs(model_path="tiny").prefill_admit_threshold == 0      # SGLang's behaviour unless asked
     with pytest.raises(ConfigError, match="prefill-admit-threshold"):
         ServerArgs(model_path="tiny", prefill_admit_threshold=-1)
