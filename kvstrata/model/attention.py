@@ -130,12 +130,17 @@ def _kernel_rows(meta: ForwardMetadata, seqs, device: torch.device, rows: Option
     """Every new token of the sequences `seqs` (batch order), for the compiled kernel."""
     seqs = list(seqs)
     totals = [meta.prefix_lens[i] + meta.extend_lens[i] for i in seqs]
-    slots = torch.nn.utils.rnn.pad_sequence([meta.kv_slots[i][:n] for i, n in zip(seqs, totals, strict=True)],
-                                            batch_first=True, padding_value=0)
+    slots = _padded_slots(meta, seqs, device)
     extends = torch.tensor([meta.extend_lens[i] for i in seqs])
     seq = torch.repeat_interleave(torch.arange(len(seqs)), extends)
     lens = torch.cat([torch.arange(meta.prefix_lens[i] + 1, n + 1) for i, n in zip(seqs, totals, strict=True)])
-    return KernelRows(rows, slots.to(device).contiguous(), seq.to(device), lens.to(device))
+    return KernelRows(rows, slots, seq.to(device), lens.to(device))
+
+
+def _padded_slots(meta: ForwardMetadata, seqs: list[int], device: torch.device) -> torch.Tensor:
+    """`[S, max keys]` long: each sequence's slots of keys 0..prefix+extend-1, padded with the reserved slot 0."""
+    rows = [meta.kv_slots[i][:meta.prefix_lens[i] + meta.extend_lens[i]] for i in seqs]
+    return torch.nn.utils.rnn.pad_sequence(rows, batch_first=True, padding_value=0).to(device).contiguous()
 
 
 def _build_plan(meta: ForwardMetadata, device: torch.device, dtype: torch.dtype, page_size: int,
@@ -167,11 +172,8 @@ def _build_plan(meta: ForwardMetadata, device: torch.device, dtype: torch.dtype,
 
 
 def _kernel_extends(meta: ForwardMetadata, seqs: list[tuple[int, int]], device: torch.device) -> KernelExtends:
-    totals = [meta.prefix_lens[i] + meta.extend_lens[i] for i, _ in seqs]
-    slots = torch.nn.utils.rnn.pad_sequence([meta.kv_slots[i][:n] for (i, _), n in zip(seqs, totals, strict=True)],
-                                            batch_first=True, padding_value=0)
     long = dict(dtype=torch.long, device=device)
-    return KernelExtends(slots.to(device).contiguous(), torch.tensor([row for _, row in seqs], **long),
+    return KernelExtends(_padded_slots(meta, [i for i, _ in seqs], device), torch.tensor([row for _, row in seqs], **long),
                          torch.tensor([meta.prefix_lens[i] for i, _ in seqs], **long),
                          torch.tensor([meta.extend_lens[i] for i, _ in seqs], **long))
 

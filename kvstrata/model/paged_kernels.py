@@ -25,6 +25,7 @@ import torch
 logger = logging.getLogger(__name__)
 
 SOURCES = sorted((Path(__file__).with_name("csrc")).glob("*.cpp"))
+HEADERS = sorted((Path(__file__).with_name("csrc")).glob("*.h"))   # part of the cache key, not compiled alone
 NAME = "kvstrata_cpu_kernels"
 CFLAGS = ["-O3", "-march=native", "-fopenmp"]   # OpenMP: at::parallel_for's threads (torch's own runtime)
 _lock = threading.Lock()
@@ -42,7 +43,8 @@ def _cpu_flags() -> str:
 
 
 def _build_dir() -> Path:
-    parts = [*(src.read_bytes() for src in SOURCES), torch.__version__.encode(), _cpu_flags().encode(), " ".join(CFLAGS).encode()]
+    parts = [*(src.read_bytes() for src in SOURCES + HEADERS), torch.__version__.encode(), _cpu_flags().encode(),
+             " ".join(CFLAGS).encode()]
     key = hashlib.sha256(b"\0".join(parts)).hexdigest()
     root = Path(os.environ.get("KVSTRATA_CACHE_DIR") or Path.home() / ".cache" / "kvstrata")
     return root / "kernels" / key[:16]

@@ -76,10 +76,12 @@ class ModelRunner:
         return paged_attention_op() if usable and not self.args.disable_cpu_kernels else None
 
     def _extend_kernel(self):
-        """The compiled bf16 extend-attention op where it applies (CPU with AVX-512 BF16, bf16 model, a head dim
-        it serves, default mode: deterministic inference keeps every row on the batch-invariant kernel), else None."""
+        """The compiled bf16 extend-attention op where it applies (CPU with AVX-512 BF16, bf16 model, a head
+        dim it serves, default mode: deterministic inference keeps every row on the batch-invariant kernel),
+        else None."""
         a = self.args
-        usable = (self.device.type == "cpu" and self.dtype == torch.bfloat16 and self.config.head_dim in EXTEND_HEAD_DIMS
+        usable = (self.device.type == "cpu" and self.dtype == torch.bfloat16
+                  and self.config.head_dim in EXTEND_HEAD_DIMS
                   and not a.disable_cpu_kernels and not a.enable_deterministic_inference)
         return extend_attention_op() if usable else None
 

@@ -11,11 +11,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 from kvstrata.model.paged_kernels import EXTEND_HEAD_DIMS, extend_attention_op
 from tests.model.hf_ckpt import CASES
 from tests.model.test_llama_vs_hf import PROMPT_LENS, TOLERANCE, Pair, random_prompts, relative_error
+from tests.model.test_paged_kernel import _reference  # float32 causal SDPA over the same keys
 
 OP = extend_attention_op()
 pytestmark = pytest.mark.skipif(OP is None, reason="no AVX-512 BF16 (or no C++ compiler): SDPA serves extends")
@@ -36,15 +36,6 @@ def _run(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, seqs: list[t
     starts = torch.cumsum(extends, 0) - extends
     return OP(q.contiguous(), k_buf, v_buf, slots, starts, torch.tensor([p for _, p, _ in seqs]), extends,
               q.shape[-1] ** -0.5)
-
-
-def _reference(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, prefix: int) -> torch.Tensor:
-    """float32 causal SDPA of `q` `[n, H, D]` at positions prefix.. over keys 0..prefix+n-1."""
-    n, total = q.shape[0], keys.shape[0]
-    allowed = torch.arange(total)[None, :] <= torch.arange(prefix, prefix + n)[:, None]
-    out = F.scaled_dot_product_attention(q.float().transpose(0, 1)[None], keys.float().transpose(0, 1)[None],
-                                         values.float().transpose(0, 1)[None], attn_mask=allowed, enable_gqa=True)
-    return out[0].transpose(0, 1)
 
 
 @pytest.mark.parametrize("heads,kv_heads,dim", [(8, 2, 64), (4, 4, 128), (12, 4, 64), (4, 2, 16), (2, 1, 256)],

@@ -20,6 +20,8 @@
 #include <c10/util/BFloat16.h>
 #include <torch/library.h>
 
+#include "vec_math.h"
+
 #ifdef __AVX512BF16__
 #include <immintrin.h>
 
@@ -44,14 +46,7 @@ inline __m512 exp2_nonpositive(__m512 x) {
   x = _mm512_max_ps(x, _mm512_set1_ps(-126.0f));
   const __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
   const __m512 t = _mm512_mul_ps(_mm512_sub_ps(x, n), _mm512_set1_ps(0.69314718055994531f));
-  __m512 p = _mm512_set1_ps(1.0f / 720);
-  p = _mm512_fmadd_ps(p, t, _mm512_set1_ps(1.0f / 120));
-  p = _mm512_fmadd_ps(p, t, _mm512_set1_ps(1.0f / 24));
-  p = _mm512_fmadd_ps(p, t, _mm512_set1_ps(1.0f / 6));
-  p = _mm512_fmadd_ps(p, t, _mm512_set1_ps(0.5f));
-  p = _mm512_fmadd_ps(p, t, _mm512_set1_ps(1.0f));
-  p = _mm512_fmadd_ps(p, t, _mm512_set1_ps(1.0f));
-  return _mm512_scalef_ps(p, n);
+  return _mm512_scalef_ps(kvstrata_cpu::exp_reduced(t), n);
 }
 
 inline __m512 dot_pairs(__m512 acc, __m512i a, __m512i b) {
