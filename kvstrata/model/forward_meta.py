@@ -29,8 +29,9 @@ class ForwardMetadata:
     # Batch-invariant kernels (--enable-deterministic-inference): each row's result is independent of the
     # rest of the batch, of chunking and of cache hits.
     batch_invariant: bool = False
-    # The compiled CPU paged-attention op (model/paged_kernels.py), or None for the plain-torch path. With it,
-    # decode rows (and, when batch_invariant, every row) read K/V in place; its rows are batch-invariant.
+    # The compiled CPU paged-attention op (model/paged_kernels.py: the float32 kernel, or its bf16 variant in the
+    # default mode), or None for the plain-torch path. With it, decode rows (and, when batch_invariant, every
+    # row) read K/V in place; its rows are batch-invariant.
     paged_kernel: Optional[Callable] = None
     # The compiled bf16 extend-attention op (AVX-512 BF16 CPUs, default mode), or None: extend rows (prompt
     # tokens, after a cached prefix or none) then read K/V in place instead of SDPA over gathered keys.

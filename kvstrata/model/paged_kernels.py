@@ -97,7 +97,8 @@ def paged_attention_op() -> Optional[Callable]:
     return torch.ops.kvstrata.paged_attention if _loaded() else None
 
 
-EXTEND_HEAD_DIMS = (16, 32, 64, 128, 256)   # what csrc/extend_attention.cpp is instantiated for
+# Head dims the bf16 attention kernels (decode and extend) are instantiated for: with_head_dim in csrc/vec_math.h.
+BF16_HEAD_DIMS = (16, 32, 64, 128, 256)
 
 
 def _bf16_op(name: str) -> Optional[Callable]:
@@ -108,6 +109,11 @@ def _bf16_op(name: str) -> Optional[Callable]:
         return getattr(torch.ops.kvstrata, name)
     except (AttributeError, RuntimeError):
         return None
+
+
+def decode_attention_op() -> Optional[Callable]:
+    """`paged_attention_op()`'s contract with bf16 dot products (bf16 tensors, AVX-512 BF16 CPUs), or None."""
+    return _bf16_op("decode_attention")
 
 
 def extend_attention_op() -> Optional[Callable]:

@@ -24,7 +24,8 @@ from kvstrata.model.layers import (
 )
 from kvstrata.model.loader import load_model
 from kvstrata.model.paged_kernels import (
-    EXTEND_HEAD_DIMS,
+    BF16_HEAD_DIMS,
+    decode_attention_op,
     decode_linear_op,
     extend_attention_op,
     norm_ops,
@@ -70,10 +71,16 @@ class ModelRunner:
                     args.page_size, self.pool.bytes_per_token * self.pool.num_slots / 2**20)
 
     def _paged_kernel(self):
-        """The compiled in-place attention op where it applies (CPU, bf16/f32, not --disable-cpu-kernels,
-        and it builds), else None: plain-torch attention."""
+        """The compiled in-place attention op for decode rows where it applies (CPU, bf16/f32, not
+        --disable-cpu-kernels, and it builds), else None: plain-torch attention. On AVX-512 BF16 CPUs a bf16
+        model in the default mode gets the bf16 decode kernel; deterministic inference keeps the float32 one,
+        which then attends every row (extends too) with the same arithmetic."""
         usable = self.device.type == "cpu" and self.dtype in (torch.bfloat16, torch.float32)
-        return paged_attention_op() if usable and not self.args.disable_cpu_kernels else None
+        if not usable or self.args.disable_cpu_kernels:
+            return None
+        bf16_decode = (self.dtype == torch.bfloat16 and self.config.head_dim in BF16_HEAD_DIMS
+                       and not self.args.enable_deterministic_inference)
+        return (decode_attention_op() if bf16_decode else None) or paged_attention_op()
 
     def _extend_kernel(self):
         """The compiled bf16 extend-attention op where it applies (CPU with AVX-512 BF16, bf16 model, a head
@@ -81,7 +88,7 @@ class ModelRunner:
         else None."""
         a = self.args
         usable = (self.device.type == "cpu" and self.dtype == torch.bfloat16
-                  and self.config.head_dim in EXTEND_HEAD_DIMS
+                  and self.config.head_dim in BF16_HEAD_DIMS
                   and not a.disable_cpu_kernels and not a.enable_deterministic_inference)
         return extend_attention_op() if usable else None
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvstrata.model.paged_kernels import EXTEND_HEAD_DIMS, extend_attention_op
+from kvstrata.model.paged_kernels import BF16_HEAD_DIMS, extend_attention_op
 from tests.model.hf_ckpt import CASES
 from tests.model.test_llama_vs_hf import PROMPT_LENS, TOLERANCE, Pair, random_prompts, relative_error
 from tests.model.test_paged_kernel import _reference  # float32 causal SDPA over the same keys
@@ -82,7 +82,7 @@ def test_row_bits_do_not_depend_on_chunk_batch_or_threads():
 @pytest.mark.parametrize("case", list(CASES))
 def test_model_through_kernel_matches_hf_and_torch_path(checkpoint_dir, case):
     pair = Pair.get(checkpoint_dir, case, BF16)
-    assert pair.config.head_dim in EXTEND_HEAD_DIMS
+    assert pair.config.head_dim in BF16_HEAD_DIMS
     prompts = random_prompts(PROMPT_LENS, pair.config.vocab_size)
     logits = {}
     for name, op in (("kernel", OP), ("torch", None)):

@@ -35,23 +35,13 @@
 
 namespace {
 
+using kvstrata_cpu::dot_pairs;
+using kvstrata_cpu::exp2_nonpositive;
+
 constexpr int64_t KB = 32;   // keys per block: two 16-lane score vectors per row
 constexpr int64_t QB = 16;   // query positions per task
 constexpr int MR = 8;        // score rows held in registers at a time
 constexpr int64_t PACK_BUDGET = int64_t(64) << 20;   // bytes of packed K+V per wave (more: one unit per wave)
-
-// 2^x for x <= 0 (x = log2-scaled score minus the running max): 2^n * e^(f ln 2), f in [-0.5, 0.5],
-// degree-6 Taylor (relative error ~2e-7, far below the bf16 rounding the probabilities then get).
-inline __m512 exp2_nonpositive(__m512 x) {
-  x = _mm512_max_ps(x, _mm512_set1_ps(-126.0f));
-  const __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  const __m512 t = _mm512_mul_ps(_mm512_sub_ps(x, n), _mm512_set1_ps(0.69314718055994531f));
-  return _mm512_scalef_ps(kvstrata_cpu::exp_reduced(t), n);
-}
-
-inline __m512 dot_pairs(__m512 acc, __m512i a, __m512i b) {
-  return _mm512_dpbf16_ps(acc, reinterpret_cast<__m512bh>(a), reinterpret_cast<__m512bh>(b));
-}
 
 struct Dims {
   int64_t heads, kv_heads, dim, group;
@@ -208,7 +198,7 @@ at::Tensor extend_attention(const at::Tensor& q, const at::Tensor& k_buf, const 
   TORCH_CHECK(k_buf.sizes() == v_buf.sizes(), "K and V differ");
   TORCH_CHECK(q.size(1) % k_buf.size(1) == 0 && q.size(2) == k_buf.size(2), "head shapes do not match");
   const int64_t D = q.size(2);
-  TORCH_CHECK(D == 16 || D == 32 || D == 64 || D == 128 || D == 256, "head dim 16, 32, 64, 128 or 256 only");
+  kvstrata_cpu::with_head_dim(D, [](auto) {});   // an unserved head dim raises before any work
   TORCH_CHECK(slots.dim() == 2 && slots.scalar_type() == at::kLong && slots.is_contiguous(), "slots: [S, L] long");
   for (const at::Tensor* t : {&q_start, &prefix, &extend})
     TORCH_CHECK(t->scalar_type() == at::kLong && t->is_contiguous() && t->numel() == slots.size(0),
@@ -275,13 +265,9 @@ at::Tensor extend_attention(const at::Tensor& q, const at::Tensor& k_buf, const 
     });
     std::stable_sort(tasks.begin(), tasks.end(), [](const Task& a, const Task& b) { return a.cost > b.cost; });
     const uint32_t *kpk = kpack.data(), *vpk = vpack.data();
-    switch (D) {
-      case 16: attend_wave<16>(tasks, seqs, qp, d, kpk, vpk, scale_log2, op); break;
-      case 32: attend_wave<32>(tasks, seqs, qp, d, kpk, vpk, scale_log2, op); break;
-      case 64: attend_wave<64>(tasks, seqs, qp, d, kpk, vpk, scale_log2, op); break;
-      case 128: attend_wave<128>(tasks, seqs, qp, d, kpk, vpk, scale_log2, op); break;
-      default: attend_wave<256>(tasks, seqs, qp, d, kpk, vpk, scale_log2, op);
-    }
+    kvstrata_cpu::with_head_dim(D, [&](auto dim) {
+      attend_wave<decltype(dim)::value>(tasks, seqs, qp, d, kpk, vpk, scale_log2, op);
+    });
     first = last;
   }
   return out;

@@ -6,6 +6,12 @@
 // order. A row's result therefore depends only on its query, its keys and TILE: never on the batch it
 // runs in, on chunking, or on the thread count (what --enable-deterministic-inference needs).
 // Arithmetic is float32 throughout; bf16 inputs are widened exactly.
+//
+// decode_attention (CPUs with AVX-512 BF16, bf16 q/K/V; the engine's default mode) runs the same tiles and
+// merge with bf16 dot products (`vdpbf16ps`, float32 accumulation): each key's score is a dot product over
+// the head dim whose 16 partial lanes are summed with those of 15 other keys in one shuffle tree, and the
+// probabilities, rounded to bf16, weight V two keys at a time. About 3x fewer instructions per key than the
+// float32 tile, which matters once many decode rows stream their contexts at once.
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -13,10 +19,13 @@
 #include <c10/util/BFloat16.h>
 #include <torch/library.h>
 
+#include "vec_math.h"
+
 #ifdef __AVX512F__
 #include <immintrin.h>
 #endif
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -77,6 +86,11 @@ inline float dot(const float* a, const float* b, int64_t n) {
 struct Shape {
   int64_t heads, kv_heads, dim, group, row_stride, kv_stride, slot_stride;
 };
+
+Shape shape_of(const at::Tensor& q, const at::Tensor& k_buf, const at::Tensor& slots) {
+  return {q.size(1), k_buf.size(1), q.size(2), q.size(1) / k_buf.size(1), q.size(1) * q.size(2),
+          k_buf.size(1) * k_buf.size(2), slots.size(1)};
+}
 
 #ifdef __AVX512F__
 // attend_tile (below) with AVX-512 for head dims that are 16 * NC: q rows stay in registers, scores, max, exp and
@@ -216,12 +230,13 @@ void attend_tile(const T* q, const KV* k_buf, const KV* v_buf, const int64_t* sl
 template <typename T>
 inline void store(T* dst, float x) { *dst = static_cast<T>(x); }
 
-template <typename T, typename KV>
-void run(const at::Tensor& q, const at::Tensor& k_buf, const at::Tensor& v_buf, const at::Tensor& slots,
-         const at::Tensor& row_seq, const at::Tensor& lens, double scale, at::Tensor& out) {
+// Tiles every row's keys, runs `tile(q_row, slots_row, first, count, partial)` on each (row, tile) task and
+// merges each row's partials in tile order into out.
+template <typename T, typename Tile>
+void run(const at::Tensor& q, const at::Tensor& k_buf, const at::Tensor& slots, const at::Tensor& row_seq,
+         const at::Tensor& lens, at::Tensor& out, const Tile& tile) {
   const int64_t rows = q.size(0);
-  Shape s{q.size(1), k_buf.size(1), q.size(2), q.size(1) / k_buf.size(1), q.size(1) * q.size(2),
-          k_buf.size(1) * k_buf.size(2), slots.size(1)};
+  const Shape s = shape_of(q, k_buf, slots);
   const int64_t* seq = row_seq.data_ptr<int64_t>();
   const int64_t* len = lens.data_ptr<int64_t>();
   std::vector<int64_t> tile_start(rows + 1, 0);     // first task of row t, counted in (row, tile) pairs
@@ -233,16 +248,13 @@ void run(const at::Tensor& q, const at::Tensor& k_buf, const at::Tensor& v_buf, 
   for (int64_t t = 0; t < rows; ++t)
     for (int64_t i = tile_start[t]; i < tile_start[t + 1]; ++i) task_row[i] = t;
   const T* qp = q.data_ptr<T>();
-  const KV* kp = k_buf.data_ptr<KV>();
-  const KV* vp = v_buf.data_ptr<KV>();
   const int64_t* sp = slots.data_ptr<int64_t>();
   at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t tile = begin; tile < end; ++tile) {
-      const int64_t t = task_row[tile];
-      const int64_t first = (tile - tile_start[t]) * TILE;
-      const int64_t count = std::min(TILE, len[t] - first);
-      attend_tile<T, KV>(qp + t * s.row_stride, kp, vp, sp + seq[t] * s.slot_stride, first, count,
-                         static_cast<float>(scale), s, partials.data() + tile * part_size);
+    for (int64_t i = begin; i < end; ++i) {
+      const int64_t t = task_row[i];
+      const int64_t first = (i - tile_start[t]) * TILE;
+      tile(qp + t * s.row_stride, sp + seq[t] * s.slot_stride, first, std::min(TILE, len[t] - first),
+           partials.data() + i * part_size);
     }
   });
   T* op = out.data_ptr<T>();
@@ -268,9 +280,9 @@ void run(const at::Tensor& q, const at::Tensor& k_buf, const at::Tensor& v_buf, 
   });
 }
 
-at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_buf, const at::Tensor& v_buf,
-                           const at::Tensor& slots, const at::Tensor& row_seq, const at::Tensor& lens,
-                           double scale) {
+// Every index is checked before any is followed: a bad plan must raise, never read outside the pool.
+void check_plan(const at::Tensor& q, const at::Tensor& k_buf, const at::Tensor& v_buf, const at::Tensor& slots,
+                const at::Tensor& row_seq, const at::Tensor& lens) {
   TORCH_CHECK(q.dim() == 3 && k_buf.dim() == 3 && v_buf.dim() == 3, "q/k/v must be [T, H, D] / [N, KVH, D]");
   TORCH_CHECK(q.is_contiguous() && k_buf.is_contiguous() && v_buf.is_contiguous(), "inputs must be contiguous");
   TORCH_CHECK(slots.dim() == 2 && slots.scalar_type() == at::kLong && slots.is_contiguous(), "slots: [S, L] long");
@@ -278,7 +290,6 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_buf, const a
   TORCH_CHECK(row_seq.numel() == q.size(0) && lens.numel() == q.size(0), "one row_seq and len per query row");
   TORCH_CHECK(q.size(1) % k_buf.size(1) == 0 && q.size(2) == k_buf.size(2), "head shapes do not match");
   TORCH_CHECK(k_buf.scalar_type() == v_buf.scalar_type() && k_buf.sizes() == v_buf.sizes(), "K and V differ");
-  // Every index is checked before any is followed: a bad plan must raise, never read outside the pool.
   const int64_t* lp = lens.data_ptr<int64_t>();
   const int64_t* rs = row_seq.data_ptr<int64_t>();
   for (int64_t t = 0; t < q.size(0); ++t) {
@@ -288,16 +299,214 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_buf, const a
   const int64_t* sp = slots.data_ptr<int64_t>();
   for (int64_t i = 0; i < slots.numel(); ++i)
     TORCH_CHECK(sp[i] >= 0 && sp[i] < k_buf.size(0), "slot ", sp[i], " is outside the pool");
+}
+
+template <typename T, typename KV>
+void run_float32(const at::Tensor& q, const at::Tensor& k_buf, const at::Tensor& v_buf, const at::Tensor& slots,
+                 const at::Tensor& row_seq, const at::Tensor& lens, double scale, at::Tensor& out) {
+  const Shape s = shape_of(q, k_buf, slots);
+  const KV* kp = k_buf.data_ptr<KV>();
+  const KV* vp = v_buf.data_ptr<KV>();
+  run<T>(q, k_buf, slots, row_seq, lens, out,
+         [&](const T* qr, const int64_t* sr, int64_t first, int64_t count, float* partial) {
+           attend_tile<T, KV>(qr, kp, vp, sr, first, count, static_cast<float>(scale), s, partial);
+         });
+}
+
+at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_buf, const at::Tensor& v_buf,
+                           const at::Tensor& slots, const at::Tensor& row_seq, const at::Tensor& lens,
+                           double scale) {
+  check_plan(q, k_buf, v_buf, slots, row_seq, lens);
   at::Tensor out = at::empty_like(q);
   const bool q16 = q.scalar_type() == at::kBFloat16, kv16 = k_buf.scalar_type() == at::kBFloat16;
   TORCH_CHECK((q16 || q.scalar_type() == at::kFloat) && (kv16 || k_buf.scalar_type() == at::kFloat),
               "bfloat16 or float32 only");
-  if (q16 && kv16) run<c10::BFloat16, c10::BFloat16>(q, k_buf, v_buf, slots, row_seq, lens, scale, out);
-  else if (q16) run<c10::BFloat16, float>(q, k_buf, v_buf, slots, row_seq, lens, scale, out);
-  else if (kv16) run<float, c10::BFloat16>(q, k_buf, v_buf, slots, row_seq, lens, scale, out);
-  else run<float, float>(q, k_buf, v_buf, slots, row_seq, lens, scale, out);
+  if (q16 && kv16) run_float32<c10::BFloat16, c10::BFloat16>(q, k_buf, v_buf, slots, row_seq, lens, scale, out);
+  else if (q16) run_float32<c10::BFloat16, float>(q, k_buf, v_buf, slots, row_seq, lens, scale, out);
+  else if (kv16) run_float32<float, c10::BFloat16>(q, k_buf, v_buf, slots, row_seq, lens, scale, out);
+  else run_float32<float, float>(q, k_buf, v_buf, slots, row_seq, lens, scale, out);
   return out;
 }
+
+#ifdef __AVX512BF16__
+using kvstrata_cpu::dot_pairs;
+using kvstrata_cpu::exp2_nonpositive;
+
+// Lane j of the result = the sum of v[j]'s 16 lanes, for 16 vectors at once (45 shuffles and adds instead
+// of 16 separate horizontal sums). Halves, then quarters, then lane pairs are folded; the input order is
+// the 4x4 transpose of the output order, so the result needs no final permute.
+inline __m512 sum_lanes16(const __m512* v) {
+  __m512 w[8], x[4], y[2];
+  for (int i = 0; i < 8; ++i) {   // in w[i]: quarters 0-1 hold v[2i]'s halves summed, 2-3 v[2i+1]'s
+    const int a = 4 * ((2 * i) % 4) + (2 * i) / 4, b = 4 * ((2 * i + 1) % 4) + (2 * i + 1) / 4;
+    w[i] = _mm512_add_ps(_mm512_shuffle_f32x4(v[a], v[b], 0x44), _mm512_shuffle_f32x4(v[a], v[b], 0xEE));
+  }
+  for (int i = 0; i < 4; ++i)     // quarter k of x[i]: 4 partial lanes of input 4i + k
+    x[i] = _mm512_add_ps(_mm512_shuffle_f32x4(w[2 * i], w[2 * i + 1], 0x88),
+                         _mm512_shuffle_f32x4(w[2 * i], w[2 * i + 1], 0xDD));
+  for (int i = 0; i < 2; ++i)
+    y[i] = _mm512_add_ps(_mm512_unpacklo_ps(x[2 * i], x[2 * i + 1]), _mm512_unpackhi_ps(x[2 * i], x[2 * i + 1]));
+  const __m512d lo = _mm512_unpacklo_pd(_mm512_castps_pd(y[0]), _mm512_castps_pd(y[1]));
+  const __m512d hi = _mm512_unpackhi_pd(_mm512_castps_pd(y[0]), _mm512_castps_pd(y[1]));
+  return _mm512_add_ps(_mm512_castpd_ps(lo), _mm512_castpd_ps(hi));
+}
+
+alignas(64) const uint16_t kZeroRow[256] = {0};   // stands in for the keys past a tile's end
+
+// Chunk c (32 bf16) of a row of D: a head dim under 32 is loaded masked, its missing lanes zero.
+template <int64_t D>
+inline __m512i load_chunk(const uint16_t* row, int c) {
+  if constexpr (D < 32) return _mm512_maskz_loadu_epi16(static_cast<__mmask32>((1ull << D) - 1), row);
+  else return _mm512_loadu_si512(row + 32 * c);
+}
+
+// Every cache line of n rows' D bf16 each (one KV head of n pool rows).
+template <int64_t D>
+inline void prefetch_rows(const uint16_t* base, const int64_t* slots, int64_t n, int64_t W) {
+  for (int64_t j = 0; j < n; ++j)
+    for (int64_t off = 0; off < D; off += 32)
+      _mm_prefetch(reinterpret_cast<const char*>(base + slots[j] * W + off), _MM_HINT_T0);
+}
+
+// Scores of 16 keys (rows k[0..15]) against one head's query (chunks of 32 bf16), log2-scaled.
+template <int64_t D>
+inline __m512 score16(const __m512i* qv, const uint16_t* const* k, __m512 scale_log2) {
+  constexpr int NQ = (D + 31) / 32;
+  __m512 acc[16];
+  for (int j = 0; j < 16; ++j) {
+    acc[j] = _mm512_setzero_ps();
+    for (int c = 0; c < NQ; ++c) acc[j] = dot_pairs(acc[j], load_chunk<D>(k[j], c), qv[c]);
+  }
+  return _mm512_mul_ps(sum_lanes16(acc), scale_log2);
+}
+
+// o[r] = sum over the tile's keys of probs[r][j] * V[j] for RN heads (probability rows `stride` apart),
+// two keys per dot-product step; written to dst[r * D ..] in natural dim order.
+template <int64_t D, int RN>
+void weigh_values(const uint16_t* vbase, const int64_t* slots, int64_t first, int64_t count, int64_t W,
+                  const uint32_t* probs, int64_t stride, float* dst) {
+  constexpr int NQ = (D + 31) / 32, NC = 2 * NQ;
+  __m512 oa[RN][NC];
+  for (int r = 0; r < RN; ++r)
+    for (int c = 0; c < NC; ++c) oa[r][c] = _mm512_setzero_ps();
+  for (int64_t j = 0; j < count; j += 2) {
+    const uint16_t* v0 = vbase + slots[first + j] * W;
+    const uint16_t* v1 = j + 1 < count ? vbase + slots[first + j + 1] * W : kZeroRow;
+    __m512i vv[NC];
+#pragma GCC unroll 8
+    for (int c = 0; c < NQ; ++c) {
+      const __m512i a = load_chunk<D>(v0, c), b = load_chunk<D>(v1, c);
+      vv[2 * c] = _mm512_unpacklo_epi16(a, b);
+      vv[2 * c + 1] = _mm512_unpackhi_epi16(a, b);
+    }
+#pragma GCC unroll 8
+    for (int r = 0; r < RN; ++r) {
+      const __m512i pv = _mm512_set1_epi32(static_cast<int>(probs[r * stride + j / 2]));
+#pragma GCC unroll 16
+      for (int c = 0; c < NC; ++c) oa[r][c] = dot_pairs(oa[r][c], vv[c], pv);
+    }
+  }
+  // Lane 4l + i of vv[2c] is dim 32c + 8l + i, of vv[2c + 1] dim 32c + 8l + 4 + i (dims past D: padding).
+  alignas(64) float lanes[NC * 16];
+  for (int r = 0; r < RN; ++r) {
+    for (int c = 0; c < NC; ++c) _mm512_store_ps(lanes + 16 * c, oa[r][c]);
+    float* o = dst + r * D;
+    for (int c = 0; c < NQ; ++c)
+      for (int l = 0; l < 4 && 32 * c + 8 * l < D; ++l)
+        for (int i = 0; i < 4; ++i) {
+          o[32 * c + 8 * l + i] = lanes[16 * (2 * c) + 4 * l + i];
+          o[32 * c + 8 * l + 4 + i] = lanes[16 * (2 * c + 1) + 4 * l + i];
+        }
+  }
+}
+
+// One tile of keys for all H heads of one decode row (the contract of attend_tile, bf16 arithmetic).
+// Scores: per head, 16 keys at a time, D/32 dot-product steps per key, then one shuffle tree. Values: the
+// rows of keys 2i and 2i+1 interleaved (16-bit unpack) pair with their two bf16 probabilities, so one
+// dot-product step adds both keys' weighted values.
+template <int64_t D>
+void attend_tile_bf16(const uint16_t* q, const uint16_t* k_buf, const uint16_t* v_buf, const int64_t* slots,
+                      int64_t first, int64_t count, float scale_log2, const Shape& s, float* partial) {
+  constexpr int NQ = (D + 31) / 32, NC = 2 * NQ;
+  constexpr int RG = NC >= 16 ? 1 : 16 / NC;   // heads whose value accumulators fit 16 registers
+  constexpr int64_t STRIDE = TILE / 2 + 8;     // a row of probability pairs (an odd count's partner is 0)
+  const int64_t G = s.group, W = s.kv_stride, H = s.heads;
+  alignas(64) float scores[TILE];
+  std::vector<uint32_t> probs(G * STRIDE, 0);
+  const __m512 scale = _mm512_set1_ps(scale_log2);
+  for (int64_t kvh = 0; kvh < s.kv_heads; ++kvh) {
+    const uint16_t* kbase = k_buf + kvh * D;
+    const uint16_t* vbase = v_buf + kvh * D;
+    for (int64_t g = 0; g < G; ++g) {
+      const int64_t h = kvh * G + g;
+      __m512i qv[NQ];
+      for (int c = 0; c < NQ; ++c) qv[c] = load_chunk<D>(q + h * D, c);
+      __m512 m16 = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+      for (int64_t j0 = 0; j0 < count; j0 += 16) {
+        const uint16_t* k[16];
+        for (int j = 0; j < 16; ++j) k[j] = j0 + j < count ? kbase + slots[first + j0 + j] * W : kZeroRow;
+        // First head: fetch the next block's K rows while this one computes; second head (K now in cache):
+        // this block's V rows, for the value pass.
+        if (g == 0 && j0 + 16 < count) prefetch_rows<D>(kbase, slots + first + j0 + 16, std::min<int64_t>(16, count - j0 - 16), W);
+        if (g == std::min<int64_t>(1, G - 1)) prefetch_rows<D>(vbase, slots + first + j0, std::min<int64_t>(16, count - j0), W);
+        const __m512 sc = score16<D>(qv, k, scale);
+        _mm512_store_ps(scores + j0, sc);
+        const __mmask16 live = count - j0 >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (count - j0)) - 1);
+        m16 = _mm512_mask_max_ps(m16, live, m16, sc);
+      }
+      const float m = _mm512_reduce_max_ps(m16);
+      __m512 l16 = _mm512_setzero_ps();
+      uint32_t* pg = probs.data() + g * STRIDE;
+      for (int64_t j0 = 0; j0 < count; j0 += 16) {
+        const __mmask16 live = count - j0 >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (count - j0)) - 1);
+        const __m512 e = _mm512_maskz_mov_ps(
+            live, exp2_nonpositive(_mm512_sub_ps(_mm512_load_ps(scores + j0), _mm512_set1_ps(m))));
+        l16 = _mm512_add_ps(l16, e);
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(pg + j0 / 2),
+                            reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(e)));
+      }
+      partial[h] = m * 0.69314718055994531f;   // natural-log units, as the float32 tile's partials
+      partial[H + h] = _mm512_reduce_add_ps(l16);
+    }
+    for (int64_t g0 = 0; g0 < G; g0 += RG) {
+      const uint32_t* pr = probs.data() + g0 * STRIDE;
+      float* dst = partial + 2 * H + (kvh * G + g0) * D;
+      switch (std::min<int64_t>(RG, G - g0)) {   // the head count is a template argument: accumulators stay in registers
+#define KVSTRATA_WEIGH(n) case n: if constexpr (n <= RG) weigh_values<D, n>(vbase, slots, first, count, W, pr, STRIDE, dst); break;
+        KVSTRATA_WEIGH(1) KVSTRATA_WEIGH(2) KVSTRATA_WEIGH(3) KVSTRATA_WEIGH(4)
+        KVSTRATA_WEIGH(5) KVSTRATA_WEIGH(6) KVSTRATA_WEIGH(7) KVSTRATA_WEIGH(8)
+#undef KVSTRATA_WEIGH
+      }
+    }
+  }
+}
+
+template <int64_t D>
+void run_bf16(const at::Tensor& q, const at::Tensor& k_buf, const at::Tensor& v_buf, const at::Tensor& slots,
+              const at::Tensor& row_seq, const at::Tensor& lens, double scale, at::Tensor& out) {
+  const Shape s = shape_of(q, k_buf, slots);
+  const auto* kp = reinterpret_cast<const uint16_t*>(k_buf.data_ptr());
+  const auto* vp = reinterpret_cast<const uint16_t*>(v_buf.data_ptr());
+  const float scale_log2 = static_cast<float>(scale * 1.4426950408889634);
+  run<c10::BFloat16>(q, k_buf, slots, row_seq, lens, out,
+                     [&](const c10::BFloat16* qr, const int64_t* sr, int64_t first, int64_t count, float* partial) {
+                       attend_tile_bf16<D>(reinterpret_cast<const uint16_t*>(qr), kp, vp, sr, first, count,
+                                           scale_log2, s, partial);
+                     });
+}
+
+at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_buf, const at::Tensor& v_buf,
+                            const at::Tensor& slots, const at::Tensor& row_seq, const at::Tensor& lens,
+                            double scale) {
+  check_plan(q, k_buf, v_buf, slots, row_seq, lens);
+  TORCH_CHECK(q.scalar_type() == at::kBFloat16 && k_buf.scalar_type() == at::kBFloat16, "bfloat16 only");
+  at::Tensor out = at::empty_like(q);
+  kvstrata_cpu::with_head_dim(q.size(2), [&](auto dim) {
+    run_bf16<decltype(dim)::value>(q, k_buf, v_buf, slots, row_seq, lens, scale, out);
+  });
+  return out;
+}
+#endif  // __AVX512BF16__
 
 }  // namespace
 
@@ -305,4 +514,9 @@ TORCH_LIBRARY(kvstrata, m) {
   m.def("paged_attention(Tensor q, Tensor k_buf, Tensor v_buf, Tensor slots, Tensor row_seq, Tensor lens, "
         "float scale) -> Tensor");
   m.impl("paged_attention", c10::DispatchKey::CPU, TORCH_FN(paged_attention));
+#ifdef __AVX512BF16__
+  m.def("decode_attention(Tensor q, Tensor k_buf, Tensor v_buf, Tensor slots, Tensor row_seq, Tensor lens, "
+        "float scale) -> Tensor");
+  m.impl("decode_attention", c10::DispatchKey::CPU, TORCH_FN(decode_attention));
+#endif
 }

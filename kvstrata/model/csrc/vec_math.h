@@ -1,5 +1,28 @@
-// Vector math shared by the AVX-512 kernels of this folder.
+// Vector math shared by the AVX-512 kernels of this folder, and the head dims their templates serve.
 #pragma once
+
+#include <c10/util/Exception.h>
+
+#include <cstdint>
+#include <type_traits>
+
+namespace kvstrata_cpu {
+
+// f(std::integral_constant<int64_t, D>{}) for the head dims the bf16 attention kernels are instantiated for
+// (paged_kernels.py lists the same); any other raises.
+template <typename F>
+void with_head_dim(int64_t dim, F&& f) {
+  switch (dim) {
+    case 16: return f(std::integral_constant<int64_t, 16>{});
+    case 32: return f(std::integral_constant<int64_t, 32>{});
+    case 64: return f(std::integral_constant<int64_t, 64>{});
+    case 128: return f(std::integral_constant<int64_t, 128>{});
+    case 256: return f(std::integral_constant<int64_t, 256>{});
+    default: TORCH_CHECK(false, "head dim 16, 32, 64, 128 or 256 only, not ", dim);
+  }
+}
+
+}  // namespace kvstrata_cpu
 
 #ifdef __AVX512F__
 #include <immintrin.h>
@@ -17,6 +40,22 @@ inline __m512 exp_reduced(__m512 r) {
   p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
   return _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
 }
+
+// 2^x for x <= 0 (x = a log2-scaled score minus the running max): 2^n * e^(f ln 2), f in [-0.5, 0.5]
+// (relative error ~2e-7, far below the bf16 rounding the probabilities then get).
+inline __m512 exp2_nonpositive(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-126.0f));
+  const __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 t = _mm512_mul_ps(_mm512_sub_ps(x, n), _mm512_set1_ps(0.69314718055994531f));
+  return _mm512_scalef_ps(exp_reduced(t), n);
+}
+
+#ifdef __AVX512BF16__
+// acc + the products of a and b's bf16 pairs (lane i: a[2i] b[2i] + a[2i+1] b[2i+1], float32).
+inline __m512 dot_pairs(__m512 acc, __m512i a, __m512i b) {
+  return _mm512_dpbf16_ps(acc, reinterpret_cast<__m512bh>(a), reinterpret_cast<__m512bh>(b));
+}
+#endif
 
 }  // namespace kvstrata_cpu
 
