@@ -53,7 +53,7 @@ def test_gemv_matches_float32_product_up_to_rounding(k, n):
 @needs_gemv
 @pytest.mark.parametrize("n, k", [(3000, 512), (1001, 100)], ids=["n3000-k512", "n1001-k100-tails"])
 def test_gemv_row_bits_do_not_depend_on_row_count_or_threads(n, k):
-    """Few rows read the weight row by row, many in register blocks: the same sums, bit for bit."""
+    """One or two rows read the weight row by row, more in register blocks: the same sums, bit for bit."""
     g = torch.Generator().manual_seed(n)
     w = torch.randn(n, k, generator=g).bfloat16()
     bias = torch.randn(n, generator=g).bfloat16()
@@ -63,7 +63,7 @@ def test_gemv_row_bits_do_not_depend_on_row_count_or_threads(n, k):
     try:
         for count in (1, 2, 3):
             torch.set_num_threads(count)
-            for rows in sorted({1, 3, 5, 8, 9, 13, 16, 17, DECODE_LINEAR_MAX_ROWS, 2 * DECODE_LINEAR_MAX_ROWS}):
+            for rows in sorted({1, 2, 3, 5, 8, 13, 16, 17, DECODE_LINEAR_MAX_ROWS, 2 * DECODE_LINEAR_MAX_ROWS}):
                 pick = torch.randperm(x.shape[0], generator=g)[:rows]
                 assert torch.equal(LINEAR(x[pick], w, bias), full[pick]), (count, rows)
     finally:

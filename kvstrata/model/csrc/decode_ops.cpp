@@ -2,14 +2,15 @@
 // RMSNorm.
 //
 // decode_linear: y[m, n] = sum_k x[m, k] * w[n, k] (+ bias[n]) for bf16 x / w and up to a few dozen rows M
-// (callers choose: it beats oneDNN up to ~64 rows on 2 Zen 4 threads). For a few rows a projection is a
-// stream over the weight (oneDNN's bf16 GEMM reads it at ~5-14 GB/s, this kernel at ~35-45 GB/s); for more
-// it is compute-bound: register blocks of 4 weight rows x 4 input rows (16 accumulators, 8 loads per 16
-// vdpbf16ps) run near the dot-product peak while the weight of a block 4 ahead is prefetched. float32
-// accumulation (vdpbf16ps: exact products, fp32 sums), one rounding of the output. Row m's arithmetic does
-// not depend on M, on its place in a block or on the thread count (threads split the output columns), but
-// it differs from oneDNN's summation order: callers keep it out of batch-invariant mode, where a decode
-// row must match the same row computed in a larger (oneDNN) batch.
+// (callers choose: it beats oneDNN up to ~64 rows on 2 Zen 4 threads). For one or two rows a projection is
+// a stream over the weight (oneDNN's bf16 GEMM reads it at ~5-14 GB/s, this kernel, row after row, at
+// ~30-35 GB/s); for more it is compute-bound: register blocks of 4 weight rows x 4 input rows (16
+// accumulators, 8 loads per 16 vdpbf16ps, one transposed reduction) reach ~300 GFLOPS on 2 threads, ~2/3
+// of the dot-product peak, with the weight of a block 4 ahead prefetched. float32 accumulation (vdpbf16ps:
+// exact products, fp32 sums), one rounding of the output. Row m's arithmetic does not depend on M, on its
+// place in a block or on the thread count (threads split the output columns), but it differs from oneDNN's
+// summation order: callers keep it out of batch-invariant mode, where a decode row must match the same row
+// computed in a larger (oneDNN) batch.
 //
 // add_rms_norm: residual' = x + residual (rounded to the input dtype, as the unfused add), and
 // out = rms_norm(residual') with the arithmetic of transformers' LlamaRMSNorm: float32 inside, the
@@ -67,6 +68,7 @@ inline void store16(bf16* p, __m512 v) {   // round to nearest even, as c10::BFl
 
 constexpr int NR = 4;                   // weight rows per register block
 constexpr int MR = 4;                   // input rows per register block: NR x MR accumulators
+constexpr int64_t BY_ROW_MAX_ROWS = 2;  // products of up to this many rows read the weight row by row
 constexpr int64_t PREFETCH_AHEAD = 4;   // blocks between the one computed and the one fetched (>= DRAM latency)
 constexpr int64_t GRAIN = 16;           // blocks of NR weight rows per parallel task (>= 32 KB of weight at K=256)
 
@@ -83,7 +85,7 @@ using Acc = __m512[NR * MR];   // acc[n * MR + m]: weight row n times input row 
 
 // A later block's weight, fetched into L2 a few cache lines per step while this block computes: the memory
 // stream keeps going while later groups of input rows reuse this block from L1 (without it, 4 interleaved
-// weight rows are read at half the bandwidth of 1, and the others groups leave memory idle).
+// weight rows are read at half the bandwidth of one, and the later groups leave memory idle).
 struct Prefetch {
   const char* next;
   const char* end;
@@ -93,26 +95,26 @@ struct Prefetch {
   }
 };
 
-// One 32-element step of the chains acc[n, m] += w[n] . x[m], m < G (mask: the step's valid elements; K's
-// tail is one more step of the same chains).
-template <int G>
+// One 32-element step of the chains acc[n, m] += w[n] . x[m], n in [N0, N1), m < G (mask: the step's valid
+// elements; K's tail is one more step of the same chains).
+template <int G, int N0, int N1>
 [[gnu::always_inline]] inline void dot_step(const bf16* const* w, const bf16* x, int64_t K, int64_t k,
                                             __mmask32 mask, Acc& acc, Prefetch& pf) {
   pf.step();
   __m512bh wv[NR], xv[MR];
-  unroll<NR>([&](auto n) { wv[n] = (__m512bh)_mm512_maskz_loadu_epi16(mask, w[n] + k); });
+  unroll<N1 - N0>([&](auto n) { wv[N0 + n] = (__m512bh)_mm512_maskz_loadu_epi16(mask, w[N0 + n] + k); });
   unroll<G>([&](auto m) { xv[m] = (__m512bh)_mm512_maskz_loadu_epi16(mask, x + m * K + k); });
-  unroll<NR * G>([&](auto i) {
-    constexpr int n = i / G, m = i % G;
+  unroll<(N1 - N0) * G>([&](auto i) {
+    constexpr int n = N0 + i / G, m = i % G;
     acc[n * MR + m] = _mm512_dpbf16_ps(acc[n * MR + m], wv[n], xv[m]);
   });
 }
 
-template <int G>
+template <int G, int N0, int N1>
 [[gnu::always_inline]] inline void dots(const bf16* const* w, const bf16* x, int64_t K, Acc& acc, Prefetch& pf) {
   const int64_t full = K & ~int64_t{31};
-  for (int64_t k = 0; k < full; k += 32) dot_step<G>(w, x, K, k, ~0u, acc, pf);
-  if (full < K) dot_step<G>(w, x, K, full, (1u << (K - full)) - 1u, acc, pf);
+  for (int64_t k = 0; k < full; k += 32) dot_step<G, N0, N1>(w, x, K, k, ~0u, acc, pf);
+  if (full < K) dot_step<G, N0, N1>(w, x, K, full, (1u << (K - full)) - 1u, acc, pf);
 }
 
 // Lane by lane, v[i] + v[i + width] for a pair of vectors (a, b), a's sums packed next to b's. Four folds
@@ -143,17 +145,37 @@ inline __m512 fold_32(__m512 a, __m512 b) {
 }
 
 // out[m, n0 + n] = w[n] . x[m] + bias for NR weight rows (the first `rows` of them real) and G <= MR input
-// rows: one float32 accumulator per output, summed over K in steps of 32 whatever G or the block, so that
-// an output's bits do not depend on M. NR + G loads per NR * G products.
-template <int G>
+// rows: one float32 accumulator per output, summed over K in steps of 32 whatever G, the block or the loop
+// order, so that an output's bits do not depend on M. Interleaved: all NR rows per step, NR + G loads per
+// NR * G products (compute-bound products); BY_ROW: each weight row front to back, one after the other, a
+// single sequential stream that the hardware prefetcher follows (memory-bound ones: one or two rows).
+template <int G, bool BY_ROW>
 [[gnu::flatten]] void block(const bf16* const* w, const bf16* x, int64_t K, __m512 bias, bf16* out, int64_t N,
                            int64_t n0, int rows, Prefetch& pf) {
   Acc acc;
   unroll<NR * MR>([&](auto i) { acc[i] = _mm512_setzero_ps(); });
-  dots<G>(w, x, K, acc, pf);
+  if constexpr (BY_ROW)
+    unroll<NR>([&](auto n) { dots<G, n, n + 1>(w, x, K, acc, pf); });
+  else
+    dots<G, 0, NR>(w, x, K, acc, pf);
   alignas(64) bf16 y[NR * MR];
   store16(y, _mm512_add_ps(sum_lanes(acc), bias));
   for (int m = 0; m < G; ++m) std::memcpy(out + m * N + n0, y + m * NR, rows * sizeof(bf16));
+}
+
+template <bool BY_ROW>
+void row_groups(const bf16* const* w, const bf16* x, int64_t M, int64_t K, __m512 bias, bf16* out, int64_t N,
+                int64_t n0, int rows, Prefetch& pf) {
+  for (int64_t m = 0; m < M; m += MR) {
+    const bf16* xm = x + m * K;
+    bf16* om = out + m * N;
+    switch (std::min<int64_t>(MR, M - m)) {
+      case 1: block<1, BY_ROW>(w, xm, K, bias, om, N, n0, rows, pf); break;
+      case 2: block<2, BY_ROW>(w, xm, K, bias, om, N, n0, rows, pf); break;
+      case 3: block<3, BY_ROW>(w, xm, K, bias, om, N, n0, rows, pf); break;
+      default: block<4, BY_ROW>(w, xm, K, bias, om, N, n0, rows, pf); break;
+    }
+  }
 }
 
 // Weight rows [n0, n0 + rows) (rows <= NR: a block at the end of N repeats its last row) for every input
@@ -168,18 +190,13 @@ void linear_block(const bf16* x, const bf16* w, const bf16* bias, bf16* out, int
   }
   const __m512 bv = _mm512_load_ps(b);
   const auto row = [&](int64_t n) { return reinterpret_cast<const char*>(w + std::min(n, N) * K); };
-  const int64_t steps = std::max<int64_t>(1, (M + MR - 1) / MR * ((K + 31) / 32));
   Prefetch pf{row(n0 + PREFETCH_AHEAD * NR), row(n0 + (PREFETCH_AHEAD + 1) * NR), 0};
-  pf.lines_per_step = (pf.end - pf.next + 64 * steps - 1) / (64 * steps);
-  for (int64_t m = 0; m < M; m += MR) {
-    const bf16* xm = x + m * K;
-    bf16* om = out + m * N;
-    switch (std::min<int64_t>(MR, M - m)) {
-      case 1: block<1>(wr, xm, K, bv, om, N, n0, rows, pf); break;
-      case 2: block<2>(wr, xm, K, bv, om, N, n0, rows, pf); break;
-      case 3: block<3>(wr, xm, K, bv, om, N, n0, rows, pf); break;
-      default: block<4>(wr, xm, K, bv, om, N, n0, rows, pf); break;
-    }
+  if (M <= BY_ROW_MAX_ROWS) {   // the hardware prefetcher follows the one stream (faster than with pf here)
+    row_groups<true>(wr, x, M, K, bv, out, N, n0, rows, pf);
+  } else {
+    const int64_t steps = std::max<int64_t>(1, (M + MR - 1) / MR * ((K + 31) / 32));
+    pf.lines_per_step = (pf.end - pf.next + 64 * steps - 1) / (64 * steps);
+    row_groups<false>(wr, x, M, K, bv, out, N, n0, rows, pf);
   }
 }
 
