@@ -4,7 +4,7 @@
 // decode_linear: y[m, n] = sum_k x[m, k] * w[n, k] (+ bias[n]) for bf16 x / w and up to a few dozen rows M
 // (callers choose: it beats oneDNN up to ~64 rows on 2 Zen 4 threads). For one or two rows a projection is
 // a stream over the weight (oneDNN's bf16 GEMM reads it at ~5-14 GB/s, this kernel, row after row, at
-// ~30-35 GB/s); for more it is compute-bound: register blocks of 4 weight rows x 4 input rows (16
+// ~25-35 GB/s); for more it is compute-bound: register blocks of 4 weight rows x 4 input rows (16
 // accumulators, 8 loads per 16 vdpbf16ps, one transposed reduction) reach ~300 GFLOPS on 2 threads, ~2/3
 // of the dot-product peak, with the weight of a block 4 ahead prefetched. float32 accumulation (vdpbf16ps:
 // exact products, fp32 sums), one rounding of the output. Row m's arithmetic does not depend on M, on its
