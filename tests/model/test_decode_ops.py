@@ -34,33 +34,38 @@ def _hf_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Ten
 
 
 @needs_gemv
+@pytest.mark.parametrize("n", [777, 3], ids=["n777-tail", "n3-one-block"])
 @pytest.mark.parametrize("k", [512, 1536, 100, 16], ids=["k512", "k1536", "k100-tail", "k16-tail"])
-def test_gemv_matches_float32_product_up_to_rounding(k):
-    g = torch.Generator().manual_seed(k)
-    w = torch.randn(777, k, generator=g).bfloat16()
-    bias = torch.randn(777, generator=g).bfloat16()
+def test_gemv_matches_float32_product_up_to_rounding(k, n):
+    g = torch.Generator().manual_seed(k + n)
+    w = torch.randn(n, k, generator=g).bfloat16()
+    bias = torch.randn(n, generator=g).bfloat16()
     for rows in range(1, DECODE_LINEAR_MAX_ROWS + 1):
         x = torch.randn(rows, k, generator=g).bfloat16()
         ref = x.float() @ w.float().T + bias.float()
-        out = LINEAR(x, w, bias)
-        assert out.dtype == torch.bfloat16 and out.shape == (rows, 777)
-        # one rounding to bf16 (relative 2^-8) plus float32 summation-order differences
-        assert ((out.float() - ref).abs() <= ref.abs() * 2**-8 + 1e-3 * k ** 0.5).all(), rows
+        for b, expected in ((bias, ref), (None, ref - bias.float())):
+            out = LINEAR(x, w, b)
+            assert out.dtype == torch.bfloat16 and out.shape == (rows, n)
+            # one rounding to bf16 (relative 2^-8) plus float32 summation-order differences
+            assert ((out.float() - expected).abs() <= expected.abs() * 2**-8 + 1e-3 * k ** 0.5).all(), rows
 
 
 @needs_gemv
-def test_gemv_row_bits_do_not_depend_on_row_count_or_threads():
-    g = torch.Generator().manual_seed(1)
-    w = torch.randn(3000, 512, generator=g).bfloat16()
-    x = torch.randn(DECODE_LINEAR_MAX_ROWS * 2, 512, generator=g).bfloat16()
-    full = LINEAR(x, w, None)
+@pytest.mark.parametrize("n, k", [(3000, 512), (1001, 100)], ids=["n3000-k512", "n1001-k100-tails"])
+def test_gemv_row_bits_do_not_depend_on_row_count_or_threads(n, k):
+    """One or two rows read the weight row by row, more in register blocks: the same sums, bit for bit."""
+    g = torch.Generator().manual_seed(n)
+    w = torch.randn(n, k, generator=g).bfloat16()
+    bias = torch.randn(n, generator=g).bfloat16()
+    x = torch.randn(DECODE_LINEAR_MAX_ROWS * 2, k, generator=g).bfloat16()
+    full = LINEAR(x, w, bias)
     threads = torch.get_num_threads()
     try:
-        for count in (1, 2):
+        for count in (1, 2, 3):
             torch.set_num_threads(count)
-            for rows in (1, 3, 5, DECODE_LINEAR_MAX_ROWS, 2 * DECODE_LINEAR_MAX_ROWS):
+            for rows in sorted({1, 2, 3, 5, 8, 13, 16, 17, DECODE_LINEAR_MAX_ROWS, 2 * DECODE_LINEAR_MAX_ROWS}):
                 pick = torch.randperm(x.shape[0], generator=g)[:rows]
-                assert torch.equal(LINEAR(x[pick], w, None), full[pick]), (count, rows)
+                assert torch.equal(LINEAR(x[pick], w, bias), full[pick]), (count, rows)
     finally:
         torch.set_num_threads(threads)
 

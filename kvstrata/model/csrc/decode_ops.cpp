@@ -1,13 +1,16 @@
 // Decode-step kernels for CPU: a bf16 matrix-vector product for a few rows, and a fused residual-add +
 // RMSNorm.
 //
-// decode_linear: y[m, n] = sum_k x[m, k] * w[n, k] (+ bias[n]) for bf16 x / w and a few rows M (callers
-// choose: it beats oneDNN up to ~8-16 rows). There a projection is a stream over the weight: oneDNN's bf16
-// GEMM reads it at ~5-14 GB/s on 2 Zen 4 threads, this AVX-512 BF16 loop over whole weight rows at
-// ~25-35 GB/s. float32 accumulation (vdpbf16ps: exact products, fp32 sums), one rounding of the output.
-// Row m's arithmetic does not depend on M or on the thread count (threads split the output columns),
-// but it differs from oneDNN's summation order: callers keep it out of batch-invariant mode, where a
-// decode row must match the same row computed in a larger (oneDNN) batch.
+// decode_linear: y[m, n] = sum_k x[m, k] * w[n, k] (+ bias[n]) for bf16 x / w and up to a few dozen rows M
+// (callers choose: it beats oneDNN up to ~64 rows on 2 Zen 4 threads). For one or two rows a projection is
+// a stream over the weight (oneDNN's bf16 GEMM reads it at ~5-14 GB/s, this kernel, row after row, at
+// ~25-35 GB/s); for more it is compute-bound: register blocks of 4 weight rows x 4 input rows (16
+// accumulators, 8 loads per 16 vdpbf16ps, one transposed reduction) reach ~300 GFLOPS on 2 threads, ~2/3
+// of the dot-product peak, with the weight of a block 4 ahead prefetched. float32 accumulation (vdpbf16ps:
+// exact products, fp32 sums), one rounding of the output. Row m's arithmetic does not depend on M, on its
+// place in a block or on the thread count (threads split the output columns), but it differs from oneDNN's
+// summation order: callers keep it out of batch-invariant mode, where a decode row must match the same row
+// computed in a larger (oneDNN) batch.
 //
 // add_rms_norm: residual' = x + residual (rounded to the input dtype, as the unfused add), and
 // out = rms_norm(residual') with the arithmetic of transformers' LlamaRMSNorm: float32 inside, the
@@ -31,14 +34,12 @@
 #include <cstring>
 #include <tuple>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 namespace {
 
 using bf16 = c10::BFloat16;
-
-constexpr int UNROLL = 4;           // independent accumulators per dot product
-constexpr int64_t GRAIN = 64;       // weight rows per parallel task (>= 32 KB of weight at K=256)
 
 inline float to_float(float v) { return v; }
 inline float to_float(bf16 v) { return static_cast<float>(v); }
@@ -46,58 +47,156 @@ inline float to_float(bf16 v) { return static_cast<float>(v); }
 template <typename T>
 inline T from_float(float v) { return static_cast<T>(v); }   // c10::BFloat16: round to nearest even
 
+#ifdef __AVX512F__
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const bf16* p) {
+  const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+}
+inline void store16(float* p, __m512 v) { _mm512_storeu_ps(p, v); }
+inline void store16(bf16* p, __m512 v) {   // round to nearest even, as c10::BFloat16 (NaN kept quiet)
+  __m512i bits = _mm512_castps_si512(v);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+  __m512i rounded = _mm512_srli_epi32(_mm512_add_epi32(bits, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff))), 16);
+  const __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+  rounded = _mm512_mask_mov_epi32(rounded, nan, _mm512_set1_epi32(0x7fc0));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(rounded));
+}
+#endif
+
 #ifdef __AVX512BF16__
 
-inline __m512bh load_pairs(const bf16* p, int64_t k, int64_t K) {
-  if (k + 32 <= K) return (__m512bh)_mm512_loadu_si512(p + k);
-  const __mmask32 mask = (K - k) >= 32 ? ~0u : ((1u << (K - k)) - 1u);
-  return (__m512bh)_mm512_maskz_loadu_epi16(mask, p + k);
+constexpr int NR = 4;                   // weight rows per register block
+constexpr int MR = 4;                   // input rows per register block: NR x MR accumulators
+constexpr int64_t BY_ROW_MAX_ROWS = 2;  // products of up to this many rows read the weight row by row
+constexpr int64_t PREFETCH_AHEAD = 4;   // blocks between the one computed and the one fetched (>= DRAM latency)
+constexpr int64_t GRAIN = 16;           // blocks of NR weight rows per parallel task (>= 32 KB of weight at K=256)
+
+// f(integral_constant<int, i>) for i < Count, unrolled. An accumulator array stays in registers only where
+// it is indexed by constants in one inlined body: GCC keeps a loop-indexed or by-reference __m512 array in
+// memory and stores it on every iteration.
+template <int Count, typename F>
+inline void unroll(F&& f) {
+  [&]<int... I>(std::integer_sequence<int, I...>) { (f(std::integral_constant<int, I>{}), ...); }(
+      std::make_integer_sequence<int, Count>{});
 }
 
-// Row n of the weight times G input rows: out[m * N + n] for m < G. UNROLL accumulators per input row break
-// the dot product's dependency chain; input row m's arithmetic is the same whatever G is.
-template <int G>
-inline void dot_rows(const bf16* x, const bf16* wr, const bf16* bias, bf16* out, int64_t K, int64_t N, int64_t n) {
-  __m512 acc[UNROLL][G];
-  for (int u = 0; u < UNROLL; ++u)
-    for (int m = 0; m < G; ++m) acc[u][m] = _mm512_setzero_ps();
-  int64_t k = 0;
-  for (; k + 32 * UNROLL <= K; k += 32 * UNROLL) {
-    for (int u = 0; u < UNROLL; ++u) {
-      const __m512bh wv = (__m512bh)_mm512_loadu_si512(wr + k + 32 * u);
-      for (int m = 0; m < G; ++m)
-        acc[u][m] = _mm512_dpbf16_ps(acc[u][m], wv, (__m512bh)_mm512_loadu_si512(x + m * K + k + 32 * u));
+using Acc = __m512[NR * MR];   // acc[n * MR + m]: weight row n times input row m
+
+// A later block's weight, fetched into L2 a few cache lines per step while this block computes: the memory
+// stream keeps going while later groups of input rows reuse this block from L1 (without it, 4 interleaved
+// weight rows are read at half the bandwidth of one, and the later groups leave memory idle).
+struct Prefetch {
+  const char* next;
+  const char* end;
+  int64_t lines_per_step;
+  inline void step() {
+    for (int64_t i = 0; i < lines_per_step && next < end; ++i, next += 64) _mm_prefetch(next, _MM_HINT_T1);
+  }
+};
+
+// One 32-element step of the chains acc[n, m] += w[n] . x[m], n in [N0, N1), m < G (mask: the step's valid
+// elements; K's tail is one more step of the same chains).
+template <int G, int N0, int N1>
+[[gnu::always_inline]] inline void dot_step(const bf16* const* w, const bf16* x, int64_t K, int64_t k,
+                                            __mmask32 mask, Acc& acc, Prefetch& pf) {
+  pf.step();
+  __m512bh wv[NR], xv[MR];
+  unroll<N1 - N0>([&](auto n) { wv[N0 + n] = (__m512bh)_mm512_maskz_loadu_epi16(mask, w[N0 + n] + k); });
+  unroll<G>([&](auto m) { xv[m] = (__m512bh)_mm512_maskz_loadu_epi16(mask, x + m * K + k); });
+  unroll<(N1 - N0) * G>([&](auto i) {
+    constexpr int n = N0 + i / G, m = i % G;
+    acc[n * MR + m] = _mm512_dpbf16_ps(acc[n * MR + m], wv[n], xv[m]);
+  });
+}
+
+template <int G, int N0, int N1>
+[[gnu::always_inline]] inline void dots(const bf16* const* w, const bf16* x, int64_t K, Acc& acc, Prefetch& pf) {
+  const int64_t full = K & ~int64_t{31};
+  for (int64_t k = 0; k < full; k += 32) dot_step<G, N0, N1>(w, x, K, k, ~0u, acc, pf);
+  if (full < K) dot_step<G, N0, N1>(w, x, K, full, (1u << (K - full)) - 1u, acc, pf);
+}
+
+// Lane by lane, v[i] + v[i + width] for a pair of vectors (a, b), a's sums packed next to b's. Four folds
+// turn 16 vectors into one vector of their 16 sums, each summed in the pairs of a plain tree (lane i +
+// i+8, then i+4, i+2, i+1), whichever position it is in.
+inline __m512 fold_256(__m512 a, __m512 b) {
+  return _mm512_add_ps(_mm512_shuffle_f32x4(a, b, _MM_SHUFFLE(1, 0, 1, 0)),
+                       _mm512_shuffle_f32x4(a, b, _MM_SHUFFLE(3, 2, 3, 2)));
+}
+inline __m512 fold_128(__m512 a, __m512 b) {
+  return _mm512_add_ps(_mm512_shuffle_f32x4(a, b, _MM_SHUFFLE(2, 0, 2, 0)),
+                       _mm512_shuffle_f32x4(a, b, _MM_SHUFFLE(3, 1, 3, 1)));
+}
+inline __m512 fold_64(__m512 a, __m512 b) {
+  const __m512d ad = _mm512_castps_pd(a), bd = _mm512_castps_pd(b);
+  return _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(ad, bd)), _mm512_castpd_ps(_mm512_unpackhi_pd(ad, bd)));
+}
+inline __m512 fold_32(__m512 a, __m512 b) {
+  return _mm512_add_ps(_mm512_shuffle_ps(a, b, _MM_SHUFFLE(2, 0, 2, 0)), _mm512_shuffle_ps(a, b, _MM_SHUFFLE(3, 1, 3, 1)));
+}
+
+// Lane m * NR + n of the result: the sum of acc[n * MR + m]'s 16 lanes.
+[[gnu::always_inline]] inline __m512 sum_lanes(const Acc& acc) {
+  __m512 s[8], t[4];
+  unroll<8>([&](auto i) { s[i] = fold_256(acc[2 * i], acc[2 * i + 1]); });
+  unroll<4>([&](auto i) { t[i] = fold_128(s[2 * i], s[2 * i + 1]); });
+  return fold_32(fold_64(t[0], t[1]), fold_64(t[2], t[3]));
+}
+
+// out[m, n0 + n] = w[n] . x[m] + bias for NR weight rows (the first `rows` of them real) and G <= MR input
+// rows: one float32 accumulator per output, summed over K in steps of 32 whatever G, the block or the loop
+// order, so that an output's bits do not depend on M. Interleaved: all NR rows per step, NR + G loads per
+// NR * G products (compute-bound products); BY_ROW: each weight row front to back, one after the other, a
+// single sequential stream that the hardware prefetcher follows (memory-bound ones: one or two rows).
+template <int G, bool BY_ROW>
+[[gnu::flatten]] void block(const bf16* const* w, const bf16* x, int64_t K, __m512 bias, bf16* out, int64_t N,
+                           int64_t n0, int rows, Prefetch& pf) {
+  Acc acc;
+  unroll<NR * MR>([&](auto i) { acc[i] = _mm512_setzero_ps(); });
+  if constexpr (BY_ROW)
+    unroll<NR>([&](auto n) { dots<G, n, n + 1>(w, x, K, acc, pf); });
+  else
+    dots<G, 0, NR>(w, x, K, acc, pf);
+  alignas(64) bf16 y[NR * MR];
+  store16(y, _mm512_add_ps(sum_lanes(acc), bias));
+  for (int m = 0; m < G; ++m) std::memcpy(out + m * N + n0, y + m * NR, rows * sizeof(bf16));
+}
+
+template <bool BY_ROW>
+void row_groups(const bf16* const* w, const bf16* x, int64_t M, int64_t K, __m512 bias, bf16* out, int64_t N,
+                int64_t n0, int rows, Prefetch& pf) {
+  for (int64_t m = 0; m < M; m += MR) {
+    const bf16* xm = x + m * K;
+    bf16* om = out + m * N;
+    switch (std::min<int64_t>(MR, M - m)) {
+      case 1: block<1, BY_ROW>(w, xm, K, bias, om, N, n0, rows, pf); break;
+      case 2: block<2, BY_ROW>(w, xm, K, bias, om, N, n0, rows, pf); break;
+      case 3: block<3, BY_ROW>(w, xm, K, bias, om, N, n0, rows, pf); break;
+      default: block<4, BY_ROW>(w, xm, K, bias, om, N, n0, rows, pf); break;
     }
   }
-  for (; k < K; k += 32) {
-    const __m512bh wv = load_pairs(wr, k, K);
-    for (int m = 0; m < G; ++m) acc[0][m] = _mm512_dpbf16_ps(acc[0][m], wv, load_pairs(x + m * K, k, K));
-  }
-  const float b = bias ? static_cast<float>(bias[n]) : 0.0f;
-  for (int m = 0; m < G; ++m) {
-    __m512 total = acc[0][m];
-    for (int u = 1; u < UNROLL; ++u) total = _mm512_add_ps(total, acc[u][m]);
-    out[m * N + n] = from_float<bf16>(_mm512_reduce_add_ps(total) + b);
-  }
 }
 
-// Weight rows [n0, n1), each read front to back once (one sequential stream per thread: what the hardware
-// prefetcher follows best; interleaving several weight rows halved the bandwidth), then reused from L1 by
-// every group of up to 4 input rows.
+// Weight rows [n0, n0 + rows) (rows <= NR: a block at the end of N repeats its last row) for every input
+// row: read into L1 by the first group of input rows and reused by the others.
 void linear_block(const bf16* x, const bf16* w, const bf16* bias, bf16* out, int64_t M, int64_t K, int64_t N,
-                  int64_t n0, int64_t n1) {
-  for (int64_t n = n0; n < n1; ++n) {
-    const bf16* wr = w + n * K;
-    for (int64_t m = 0; m < M; m += 4) {
-      const bf16* xm = x + m * K;
-      bf16* om = out + m * N;
-      switch (std::min<int64_t>(4, M - m)) {
-        case 1: dot_rows<1>(xm, wr, bias, om, K, N, n); break;
-        case 2: dot_rows<2>(xm, wr, bias, om, K, N, n); break;
-        case 3: dot_rows<3>(xm, wr, bias, om, K, N, n); break;
-        default: dot_rows<4>(xm, wr, bias, om, K, N, n); break;
-      }
-    }
+                  int64_t n0, int rows) {
+  const bf16* wr[NR];
+  alignas(64) float b[NR * MR] = {};
+  for (int n = 0; n < NR; ++n) {
+    wr[n] = w + (n0 + std::min(n, rows - 1)) * K;
+    for (int m = 0; bias && n < rows && m < MR; ++m) b[m * NR + n] = static_cast<float>(bias[n0 + n]);
+  }
+  const __m512 bv = _mm512_load_ps(b);
+  const auto row = [&](int64_t n) { return reinterpret_cast<const char*>(w + std::min(n, N) * K); };
+  Prefetch pf{row(n0 + PREFETCH_AHEAD * NR), row(n0 + (PREFETCH_AHEAD + 1) * NR), 0};
+  if (M <= BY_ROW_MAX_ROWS) {   // the hardware prefetcher follows the one stream (faster than with pf here)
+    row_groups<true>(wr, x, M, K, bv, out, N, n0, rows, pf);
+  } else {
+    const int64_t steps = std::max<int64_t>(1, (M + MR - 1) / MR * ((K + 31) / 32));
+    pf.lines_per_step = (pf.end - pf.next + 64 * steps - 1) / (64 * steps);
+    row_groups<false>(wr, x, M, K, bv, out, N, n0, rows, pf);
   }
 }
 
@@ -115,7 +214,10 @@ at::Tensor decode_linear(const at::Tensor& x, const at::Tensor& weight, const c1
   const bf16* wp = weight.data_ptr<bf16>();
   const bf16* bp = b.defined() ? b.data_ptr<bf16>() : nullptr;
   bf16* op = out.data_ptr<bf16>();
-  at::parallel_for(0, N, GRAIN, [&](int64_t begin, int64_t end) { linear_block(xp, wp, bp, op, M, K, N, begin, end); });
+  at::parallel_for(0, (N + NR - 1) / NR, GRAIN, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i)
+      linear_block(xp, wp, bp, op, M, K, N, i * NR, static_cast<int>(std::min<int64_t>(NR, N - i * NR)));
+  });
   return out;
 }
 
@@ -145,20 +247,6 @@ void add_rms_norm_row(const T* x, const T* residual, const T* weight, T* out, T*
 }
 
 #ifdef __AVX512F__
-inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
-inline __m512 load16(const bf16* p) {
-  const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
-}
-inline void store16(float* p, __m512 v) { _mm512_storeu_ps(p, v); }
-inline void store16(bf16* p, __m512 v) {   // round to nearest even, as c10::BFloat16 (NaN kept quiet)
-  __m512i bits = _mm512_castps_si512(v);
-  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
-  __m512i rounded = _mm512_srli_epi32(_mm512_add_epi32(bits, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff))), 16);
-  const __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
-  rounded = _mm512_mask_mov_epi32(rounded, nan, _mm512_set1_epi32(0x7fc0));
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(rounded));
-}
 template <typename T>
 inline __m512 round16(__m512 v) {   // v rounded to T and widened back
   if constexpr (std::is_same_v<T, float>) {
