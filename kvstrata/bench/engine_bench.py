@@ -119,7 +119,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--profile", action="store_true",
                    help="per-step breakdown (prefill, decode with 1 and --streams streams) instead of the rates")
     p.add_argument("--attention", action="store_true",
-                   help="one layer's attention: the compiled extend kernel next to the torch path (gather + SDPA)")
+                   help="one layer's attention: the compiled extend and decode kernels next to the torch path "
+                        "(gather + SDPA); --streams decode rows at --context")
     p.add_argument("--enable-deterministic-inference", action="store_true",
                    help="also measure the batch-invariant mode, side by side")
     args = p.parse_args(argv)
