@@ -151,17 +151,14 @@ class StorageIO:
             return self.backend.batch_get(op.keys[:n], [self.host_pool.page_buffer(p) for p in op.host_pages[:n]])
         staging = [torch.empty(self.backend.page_bytes, dtype=torch.uint8) for _ in range(n)]
         got = self.backend.batch_get(op.keys[:n], staging)
-        pb = self.host_pool.page_bytes
         for i, buf in enumerate(staging[:got]):
-            for j, page in enumerate(self._group(op, i)):
-                self.host_pool.write_page_bytes(page, buf[j * pb:(j + 1) * pb])
+            self.host_pool.write_pages_bytes(self._group(op, i), buf)
         return got
 
     def _backup(self, op: StorageOp) -> int:
         if self.zero_copy:
             return self.backend.batch_set(op.keys, [self.host_pool.page_buffer(p) for p in op.host_pages])
-        copy = self.host_pool.page_tensor_copy
-        objects = [torch.cat([copy(p) for p in self._group(op, i)]) for i in range(len(op.keys))]
+        objects = [self.host_pool.pages_bytes(self._group(op, i)) for i in range(len(op.keys))]
         return self.backend.batch_set(op.keys, objects)
 
     def _group(self, op: StorageOp, i: int) -> list[int]:

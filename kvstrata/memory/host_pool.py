@@ -165,19 +165,33 @@ class HostKVPool:
 
     def page_tensor_copy(self, host_page: int) -> torch.Tensor:
         """A copy of one page as uint8 bytes in [layer, k/v, token, head, dim] order, whatever the layout."""
-        return self._page_canonical(self._check_page(host_page)).contiguous().view(-1).view(torch.uint8)
+        return self.pages_bytes([host_page])
+
+    def pages_bytes(self, host_pages: list[int]) -> torch.Tensor:
+        """A copy of several pages as uint8 bytes: page after page, each in page_tensor_copy's order (one
+        gather for all of them: the storage tier's objects are groups of pages)."""
+        idx = torch.tensor([self._check_page(p) for p in host_pages], dtype=torch.long)
+        return self._canonical(idx).contiguous().view(-1).view(torch.uint8)
 
     def write_page_bytes(self, host_page: int, data: torch.Tensor | bytes | bytearray | memoryview) -> None:
         """Overwrite one page from `page_bytes` bytes in page_tensor_copy's order."""
+        self.write_pages_bytes([host_page], data)
+
+    def write_pages_bytes(self, host_pages: list[int], data: torch.Tensor | bytes | bytearray | memoryview) -> None:
+        """Overwrite several pages from pages_bytes' byte order (len(host_pages) * page_bytes bytes), in one scatter."""
         if not isinstance(data, torch.Tensor):
             data = torch.frombuffer(bytearray(data), dtype=torch.uint8)
-        if data.numel() * data.element_size() != self.page_bytes:
-            raise ValueError(f"write_page_bytes: got {data.numel() * data.element_size()} bytes, "
-                             f"a page is {self.page_bytes}")
-        values = data.contiguous().view(-1).view(torch.uint8).view(self.dtype)
-        page = self._check_page(host_page)
+        expected = len(host_pages) * self.page_bytes
+        if data.numel() * data.element_size() != expected:
+            raise ValueError(f"write_page_bytes: got {data.numel() * data.element_size()} bytes for "
+                             f"{len(host_pages)} page(s) of {self.page_bytes}")
+        idx = torch.tensor([self._check_page(p) for p in host_pages], dtype=torch.long)
         L, P, H, D = self.num_layers, self.page_size, self.num_kv_heads, self.head_dim
-        self._page_canonical(page).copy_(values.view(L, 2, P, H, D))
+        values = data.contiguous().view(-1).view(torch.uint8).view(self.dtype).view(len(host_pages), L, 2, P, H, D)
+        if self.layout == "page_first":
+            self.buffer.index_copy_(0, idx, values)
+        else:   # [2, L, pages, P, H, D] <- [pages, L, 2, P, H, D]
+            self.buffer.view(2, L, self.num_pages, P, H, D).index_copy_(2, idx, values.permute(2, 1, 0, 3, 4, 5))
 
     def whole_buffer(self) -> torch.Tensor:
         """The single tensor behind every page (for zero-copy registration with a storage backend)."""
@@ -213,12 +227,12 @@ class HostKVPool:
         self._device_k[layer].index_copy_(0, dev_idx, native.select(self._kv_dim, 0))
         self._device_v[layer].index_copy_(0, dev_idx, native.select(self._kv_dim, 1))
 
-    def _page_canonical(self, page: int) -> torch.Tensor:
-        """A view of one page shaped [L, 2, P, H, D] (non-contiguous for layer_first)."""
+    def _canonical(self, pages: torch.Tensor) -> torch.Tensor:
+        """The pages `pages` (long) gathered as [pages, L, 2, P, H, D] (a permuted view for layer_first)."""
         if self.layout == "page_first":
-            return self.buffer[page]
-        P = self.page_size
-        return self.buffer[:, :, page * P:(page + 1) * P].transpose(0, 1)
+            return self.buffer.index_select(0, pages)
+        L, P, H, D = self.num_layers, self.page_size, self.num_kv_heads, self.head_dim
+        return self.buffer.view(2, L, self.num_pages, P, H, D).index_select(2, pages).permute(2, 1, 0, 3, 4, 5)
 
     def _layers(self, layer_id: int | None) -> list[int]:
         if layer_id is None:

@@ -145,6 +145,24 @@ def test_page_bytes_round_trip_in_the_same_order_for_both_layouts(layout):
         host.page_tensor_copy(0)                                    # page 0 is reserved
 
 
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_groups_of_pages_as_bytes_are_their_pages_in_order(layout):
+    # The storage tier's objects: one gather / scatter per group, the same bytes as page after page.
+    device = make_device_pool()
+    host = HostKVPool(device, 12, layout=layout, pin_memory=False)
+    host.backup_from_device(torch.arange(1, 12), torch.arange(1, 12))
+    group = [7, 2, 9]                                              # host pages of a group need not be in order
+    data = host.pages_bytes(group)
+    assert torch.equal(data, torch.cat([host.page_tensor_copy(p) for p in group]))
+    host.buffer.zero_()
+    host.write_pages_bytes([3, 10, 4], data)
+    for src, dst in zip(group, [3, 10, 4], strict=True):
+        assert torch.equal(host_page(host, dst), device_page(device, src))
+    assert torch.count_nonzero(host.page_tensor_copy(5)) == 0
+    with pytest.raises(ValueError, match="3 page"):
+        host.write_pages_bytes([3, 10, 4], data[:-1])
+
+
 def test_write_page_bytes_leaves_neighbours_alone():
     host = HostKVPool(make_device_pool(), 12, layout="layer_first", pin_memory=False)
     host.buffer.zero_()
