@@ -62,7 +62,7 @@ def attention_cases(args) -> list[dict]:
     heads, kv_heads, dim = config.num_heads, config.num_kv_heads, config.head_dim
     dtype = torch.bfloat16
     op = extend_attention_op()
-    streams = getattr(args, "streams", 16)
+    streams = args.streams
     pool = DeviceKVPool(max(args.context, streams * args.context) + 2, 1, 1, kv_heads, dim, dtype, torch.device("cpu"))
     g = torch.Generator().manual_seed(0)
 

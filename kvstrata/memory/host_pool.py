@@ -170,8 +170,7 @@ class HostKVPool:
     def pages_bytes(self, host_pages: list[int]) -> torch.Tensor:
         """A copy of several pages as uint8 bytes: page after page, each in page_tensor_copy's order (one
         gather for all of them: the storage tier's objects are groups of pages)."""
-        idx = torch.tensor([self._check_page(p) for p in host_pages], dtype=torch.long)
-        return self._canonical(idx).contiguous().view(-1).view(torch.uint8)
+        return self._canonical(self._page_index(host_pages)).contiguous().view(-1).view(torch.uint8)
 
     def write_page_bytes(self, host_page: int, data: torch.Tensor | bytes | bytearray | memoryview) -> None:
         """Overwrite one page from `page_bytes` bytes in page_tensor_copy's order."""
@@ -183,9 +182,9 @@ class HostKVPool:
             data = torch.frombuffer(bytearray(data), dtype=torch.uint8)
         expected = len(host_pages) * self.page_bytes
         if data.numel() * data.element_size() != expected:
-            raise ValueError(f"write_page_bytes: got {data.numel() * data.element_size()} bytes for "
+            raise ValueError(f"write_pages_bytes: got {data.numel() * data.element_size()} bytes for "
                              f"{len(host_pages)} page(s) of {self.page_bytes}")
-        idx = torch.tensor([self._check_page(p) for p in host_pages], dtype=torch.long)
+        idx = self._page_index(host_pages)
         L, P, H, D = self.num_layers, self.page_size, self.num_kv_heads, self.head_dim
         values = data.contiguous().view(-1).view(torch.uint8).view(self.dtype).view(len(host_pages), L, 2, P, H, D)
         if self.layout == "page_first":
@@ -249,6 +248,10 @@ class HostKVPool:
         if host_idx.numel() != dev_idx.numel():
             raise ValueError(f"{host_idx.numel()} host pages vs {dev_idx.numel()} device pages")
         return host_idx, dev_idx
+
+    def _page_index(self, host_pages: list[int]) -> torch.Tensor:
+        """`host_pages` as a long tensor, each checked (page 0 is reserved)."""
+        return torch.tensor([self._check_page(p) for p in host_pages], dtype=torch.long)
 
     def _check_page(self, host_page: int) -> int:
         page = int(host_page)

@@ -10,8 +10,8 @@
 // decode_attention (CPUs with AVX-512 BF16, bf16 q/K/V; the engine's default mode) runs the same tiles and
 // merge with bf16 dot products (`vdpbf16ps`, float32 accumulation): each key's score is a dot product over
 // the head dim whose 16 partial lanes are summed with those of 15 other keys in one shuffle tree, and the
-// probabilities, rounded to bf16, weight V two keys at a time. About 3x fewer instructions per key than the
-// float32 tile, which matters once many decode rows stream their contexts at once.
+// probabilities, rounded to bf16, weight V two keys at a time. In cache a key costs ~2/3 of the float32
+// tile's cycles; streaming many decode rows' contexts from DRAM it is 1.2-1.5x faster (docs/benchmarks.md).
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -447,8 +447,10 @@ void attend_tile_bf16(const uint16_t* q, const uint16_t* k_buf, const uint16_t* 
         for (int j = 0; j < 16; ++j) k[j] = j0 + j < count ? kbase + slots[first + j0 + j] * W : kZeroRow;
         // First head: fetch the next block's K rows while this one computes; second head (K now in cache):
         // this block's V rows, for the value pass.
-        if (g == 0 && j0 + 16 < count) prefetch_rows<D>(kbase, slots + first + j0 + 16, std::min<int64_t>(16, count - j0 - 16), W);
-        if (g == std::min<int64_t>(1, G - 1)) prefetch_rows<D>(vbase, slots + first + j0, std::min<int64_t>(16, count - j0), W);
+        if (g == 0 && j0 + 16 < count)
+          prefetch_rows<D>(kbase, slots + first + j0 + 16, std::min<int64_t>(16, count - j0 - 16), W);
+        if (g == std::min<int64_t>(1, G - 1))
+          prefetch_rows<D>(vbase, slots + first + j0, std::min<int64_t>(16, count - j0), W);
         const __m512 sc = score16<D>(qv, k, scale);
         _mm512_store_ps(scores + j0, sc);
         const __mmask16 live = count - j0 >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (count - j0)) - 1);
