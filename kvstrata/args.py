@@ -115,6 +115,11 @@ class ServerArgs:
         "default: fill the --chunked-prefill-size budget, as SGLang does). On CPU a step of ~256 tokens is "
         "already compute-bound, so a threshold there gives simultaneous long prompts their first tokens one "
         "step after another instead of all at the end of one big step."))
+    preempt_for_first_token: bool = field(default=True, metadata=_opt(
+        "When the device pool is full, let a request still waiting for its first token pause decoding "
+        "requests (those with the most tokens left): their KV stays in the radix tree and the host tier, "
+        "and they resume by load-back, not recompute. Needs --enable-hierarchical-cache; a paused request "
+        "never pauses another, and none is paused while one waits."))
     schedule_policy: str = field(default="fcfs", metadata=_opt(
         "Order of the waiting queue: fcfs, or lpm (longest cached prefix first).", SCHEDULE_POLICIES))
 

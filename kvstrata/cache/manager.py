@@ -358,6 +358,38 @@ class KVCacheManager:
         self.slot_table.free(h.row)
         h.clear()
 
+    def pages_freed_by_release(self, req: Req, keep: Iterable[Req]) -> int:
+        """Device pages that releasing req would give back while the requests in `keep` hold theirs (pure).
+
+        Its private pages and the part of its cached prefix that no request of `keep` uses (a waiting one
+        counts with the prefix it would match). Pages whose copy to a lower tier is in flight become
+        evictable when the copy is acknowledged, a step or so later.
+        """
+        h = self._handle(req)
+        if h.row is None:
+            return 0
+        kept: set[int] = set()
+        for other in keep:
+            node = self._handle(other).last_node
+            if self._handle(other).row is None:
+                match = self._lookup(other, record=False)
+                node = match.last_node if match is not None else None
+            for n in _path(node):
+                if n.id in kept:
+                    break
+                kept.add(n.id)
+        tokens = h.slot_len - h.tree_len
+        for n in _path(h.last_node):
+            if n.id in kept:
+                break
+            tokens += n.device_tokens
+        return tokens // self.page_size
+
+    def prefetch_settled(self, req: Req) -> bool:
+        """Whether req's L3 prefetch (if any) has landed in the host tier (pure, unlike prefetch_ready)."""
+        h = self._handle(req)
+        return not h.prefetch_retry and (h.prefetch_op is None or h.prefetch_op.applied)
+
     def private_pages(self, req: Req) -> list[int]:
         """Pages of req that are neither free nor the tree's."""
         h = self._handle(req)
@@ -445,6 +477,13 @@ class KVCacheManager:
     def tree_metrics(self) -> dict | None:
         """The radix tree's counters (None without a tree)."""
         return self.tree.metrics() if self.tree is not None else None
+
+
+def _path(node) -> Iterable:
+    """node, its parent, ... up to (not including) the root; nothing for None."""
+    while node is not None and not node.is_root:
+        yield node
+        node = node.parent
 
 
 def _unlocked_device_tokens(node) -> int:

@@ -49,6 +49,7 @@ class Req:
     kv: Any = None                  # the KV handle (kvstrata.cache.kv_handle): created and written by the cache
     cached_tokens: int = 0          # prompt tokens served from the cache at (first) admission
     retractions: int = 0
+    paused_for: Optional[Req] = None   # the waiting request this one was paused for (it resumes after it starts)
     # Sampling state
     generator: Optional[torch.Generator] = None
     token_counts: Optional[torch.Tensor] = None   # output token histogram (frequency/presence penalties)

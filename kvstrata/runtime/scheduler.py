@@ -3,7 +3,8 @@
 Every step builds one mixed batch — one decode token for each running request, plus prefill chunks of
 waiting (or partly prefilled) requests up to the chunked-prefill budget — runs it, and turns the sampled
 tokens into ReqOutputs. When the pool runs short, the newest running requests are retracted (their
-computed KV goes to the radix tree) and recomputed later, instead of failing.
+computed KV goes to the radix tree) and recomputed later, instead of failing. With a host tier, a request
+still waiting for its first token may pause decodes to start at once (`_preempt_for_first_token`).
 """
 
 from __future__ import annotations
@@ -55,7 +56,7 @@ class Scheduler:
         self.new_token_ratio = INIT_NEW_TOKEN_RATIO
         self.step_count = 0
         self.metrics = {"prompt_tokens": 0, "cached_tokens": 0, "generated_tokens": 0, "retractions": 0,
-                        "finished_requests": 0, "aborted_requests": 0}
+                        "preemptions": 0, "finished_requests": 0, "aborted_requests": 0}
         self.engine_meter = UtilizationMeter()   # share of wall clock spent in forwards
         self._grammar = None
         self.grammar_backend()   # built now: its vocabulary scan would otherwise stall the first request
@@ -182,12 +183,15 @@ class Scheduler:
                 outs.append(error_output(req.rid, len(req.prompt_ids), str(e)))
         return outs
 
+    def _prefill_budget(self) -> int:
+        budget = self.args.chunked_prefill_size
+        return self.args.max_prefill_tokens if budget == -1 else budget
+
     def _schedule(self) -> ScheduledBatch:
         entries: list[BatchEntry] = []
+        budget = self._prefill_budget()
+        self._preempt_for_first_token(budget)
         self._schedule_decodes(entries)
-        budget = self.args.chunked_prefill_size
-        if budget == -1:
-            budget = self.args.max_prefill_tokens
         left = self._continue_prefills(entries, budget)
         self._admit(entries, left, filled=budget - left)
         if not entries and self.running:
@@ -209,15 +213,57 @@ class Scheduler:
         self.new_token_ratio = max(MIN_NEW_TOKEN_RATIO, self.new_token_ratio - NEW_TOKEN_RATIO_DECAY)
 
     def _retract(self, req: Req) -> None:
+        """The pool ran out: requeue req first and reserve more decode room from now on."""
+        self._requeue(req, 0)
+        self.metrics["retractions"] += 1
+        self.new_token_ratio = INIT_NEW_TOKEN_RATIO
+        logger.debug("retracted %s (pool full)", req.rid)
+
+    def _requeue(self, req: Req, position: int) -> None:
+        """Send a running request back to the queue at `position`; its computed KV goes to the tree."""
         self.cache.release(req, cache=True)
         self.running.remove(req)
         req.state = ReqState.WAITING
         req.retractions += 1
         req.input_logprobs, req.input_top_logprobs = [], []
-        self.waiting.insert(0, req)
-        self.metrics["retractions"] += 1
-        self.new_token_ratio = INIT_NEW_TOKEN_RATIO
-        logger.debug("retracted %s (pool full)", req.rid)
+        self.waiting.insert(position, req)
+
+    def _preempt_for_first_token(self, budget: int) -> None:
+        """Pause decodes so that the request at the head of the queue gets its first token now.
+
+        Only where a paused request resumes cheaply (a host tier keeps its KV: load-back, not recompute),
+        only for a request that has produced nothing yet, and only for one request at a time: a paused
+        request never pauses another and nothing is paused while one waits. Victims are the decoding
+        requests with the most tokens left (they would hold the pool longest); they wait behind it.
+        """
+        if not self.args.preempt_for_first_token or self.cache.host is None or self.handoff is not None:
+            return
+        if not self.waiting or any(r.paused_for is not None for r in self.waiting):
+            return
+        self._order_waiting()
+        req = self.waiting[0]
+        if req.output_ids or req.retractions or req.grammar_future is not None or not self.cache.prefetch_settled(req):
+            return
+        plan = self.cache.plan_admit(req, budget)
+        headroom = self._decode_headroom_pages() + self._future_pages(req)
+        if plan is None or plan.fits(headroom):
+            return
+        short = plan.pages + headroom - plan.available_pages
+        decoding = [r for r in self.running if r.output_ids and r.kv_len == r.fill_len - 1]
+        victims = []
+        for victim in sorted(decoding, key=lambda r: (-r.remaining_new_tokens(), -r.admitted_at_step)):
+            if short <= 0:
+                break
+            victims.append(victim)
+            keep = [r for r in self.running if r is not victim] + [req]
+            short -= self.cache.pages_freed_by_release(victim, keep) + self._future_pages(victim) + 1
+        if short > 0:
+            return                  # pausing them all would not make room: wait, as without preemption
+        for victim in victims:
+            self._requeue(victim, 1)
+            victim.paused_for = req
+            self.metrics["preemptions"] += 1
+        logger.debug("paused %s for %s's first token", [v.rid for v in victims], req.rid)
 
     def _continue_prefills(self, entries: list[BatchEntry], budget: int) -> int:
         for req in self.running:
@@ -243,6 +289,8 @@ class Scheduler:
         for req in list(self.waiting):
             if budget <= 0 or len(self.running) >= self.args.max_running_requests or 0 < threshold <= filled:
                 break
+            if req.paused_for is not None and req.paused_for.state == ReqState.WAITING:
+                continue            # paused for a request that has not started yet
             if req.grammar_future is not None or not self.cache.prefetch_ready(req):
                 continue
             plan = self.cache.plan_admit(req, budget)
@@ -258,6 +306,7 @@ class Scheduler:
                 self.metrics["prompt_tokens"] += len(req.prompt_ids)
                 self.metrics["cached_tokens"] += req.kv_len
             req.admitted_at_step = self.step_count
+            req.paused_for = None
             self.waiting.remove(req)
             self.running.append(req)
             req.state = ReqState.RUNNING

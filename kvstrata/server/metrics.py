@@ -60,6 +60,8 @@ _TIER_COUNTERS = (
     ("copy_failed_ops", "Host copy operations (backup or load-back) that failed.", ("tree", "failed_ops")),
     ("retractions", "Running requests retracted (and recomputed later) because the device pool was full.",
      ("retractions",)),
+    ("preemptions", "Decoding requests paused so that a waiting request could start (--preempt-for-first-token).",
+     ("preemptions",)),
 )
 # Scheduler gauges exposed as kvstrata:<name>.
 _TIER_GAUGES = (
