@@ -358,32 +358,29 @@ class KVCacheManager:
         self.slot_table.free(h.row)
         h.clear()
 
-    def pages_freed_by_release(self, req: Req, keep: Iterable[Req]) -> int:
-        """Device pages that releasing req would give back while the requests in `keep` hold theirs (pure).
+    def pages_freed_by_release(self, running: list[Req], incoming: Req) -> list[int]:
+        """For each request of `running`, the device pages its release alone would give back (pure).
 
-        Its private pages and the part of its cached prefix that no request of `keep` uses (a waiting one
-        counts with the prefix it would match). Pages whose copy to a lower tier is in flight become
-        evictable when the copy is acknowledged, a step or so later.
+        That is its private pages plus the part of its cached prefix that no other running request, and
+        not the prefix `incoming` would match, uses. Pages whose copy to a lower tier is in flight become
+        evictable when the copy is acknowledged, a step or so later. One walk per request's path.
         """
-        h = self._handle(req)
-        if h.row is None:
-            return 0
-        kept: set[int] = set()
-        for other in keep:
-            node = self._handle(other).last_node
-            if self._handle(other).row is None:
-                match = self._lookup(other, record=False)
-                node = match.last_node if match is not None else None
-            for n in _path(node):
-                if n.id in kept:
+        users: dict[int, int] = {}      # node id -> requests whose path holds it
+        paths = [list(_path(self._handle(r).last_node)) for r in running]
+        match = self._lookup(incoming, record=False)
+        for path in paths + [list(_path(match.last_node if match is not None else None))]:
+            for node in path:
+                users[node.id] = users.get(node.id, 0) + 1
+        freed = []
+        for req, path in zip(running, paths):
+            h = self._handle(req)
+            tokens = h.slot_len - h.tree_len
+            for node in path:
+                if users[node.id] > 1:
                     break
-                kept.add(n.id)
-        tokens = h.slot_len - h.tree_len
-        for n in _path(h.last_node):
-            if n.id in kept:
-                break
-            tokens += n.device_tokens
-        return tokens // self.page_size
+                tokens += node.device_tokens
+            freed.append(tokens // self.page_size)
+        return freed
 
     def prefetch_settled(self, req: Req) -> bool:
         """Whether req's L3 prefetch (if any) has landed in the host tier (pure, unlike prefetch_ready)."""

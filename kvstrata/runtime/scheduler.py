@@ -249,14 +249,14 @@ class Scheduler:
         if plan is None or plan.fits(headroom):
             return
         short = plan.pages + headroom - plan.available_pages
+        freed = dict(zip(map(id, self.running), self.cache.pages_freed_by_release(self.running, req)))
         decoding = [r for r in self.running if r.output_ids and r.kv_len == r.fill_len - 1]
         victims = []
         for victim in sorted(decoding, key=lambda r: (-r.remaining_new_tokens(), -r.admitted_at_step)):
             if short <= 0:
                 break
             victims.append(victim)
-            keep = [r for r in self.running if r is not victim] + [req]
-            short -= self.cache.pages_freed_by_release(victim, keep) + self._future_pages(victim) + 1
+            short -= freed[id(victim)] + self._future_pages(victim) + 1
         if short > 0:
             return                  # pausing them all would not make room: wait, as without preemption
         for victim in victims:
