@@ -18,20 +18,33 @@ from kvstrata.model.layers import Linear, make_batch_invariant
 DTYPES = [torch.float32, torch.bfloat16]
 
 
+# (in, out) of the suite's models' projections: the tiny model's k/v (128 -> 64), o, gate_up and down, the
+# bench model's k/v (512 -> 128) and gate_up, and a generic shape. Small N and few rows are where a GEMM
+# library may split K across threads or switch kernels.
+SHAPES = [(256, 384), (128, 64), (128, 128), (128, 768), (384, 128), (512, 128), (512, 3072)]
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("shape", SHAPES, ids=[f"{k}x{n}" for k, n in SHAPES])
 @pytest.mark.parametrize("native_bf16", [True, False], ids=["native-bf16", "emulated-bf16"])
 @pytest.mark.parametrize("dtype", DTYPES, ids=["f32", "bf16"])
-def test_linear_row_does_not_depend_on_row_count_or_position(dtype, native_bf16, monkeypatch):
+def test_linear_row_does_not_depend_on_row_count_or_position(dtype, native_bf16, shape, threads, monkeypatch):
     # On CPUs without AVX-512 BF16 a bf16 Linear upcasts to a float32 GEMM: exercise that path on any CPU.
     monkeypatch.setattr(layers, "_CPU_NATIVE_LOW_PRECISION", native_bf16 and layers._CPU_NATIVE_LOW_PRECISION)
-    torch.manual_seed(0)
-    layer = Linear(256, 384).to(dtype)
-    make_batch_invariant(layer)
-    x = torch.randn(300, 256).to(dtype)
-    with torch.inference_mode():
-        ref = layer(x)
-        for rows in (1, 2, 3, 5, 7, 11, 13, 16, 31, 64, 129):
-            pick = torch.randperm(300)[:rows]
-            assert torch.equal(layer(x[pick]), ref[pick]), f"{rows} rows"
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        torch.manual_seed(0)
+        layer = Linear(*shape).to(dtype)
+        make_batch_invariant(layer)
+        x = torch.randn(300, shape[0]).to(dtype)
+        with torch.inference_mode():
+            ref = layer(x)
+            for rows in (1, 2, 3, 5, 7, 11, 13, 16, 31, 64, 129):
+                pick = torch.randperm(300)[:rows]
+                assert torch.equal(layer(x[pick]), ref[pick]), f"{rows} rows"
+    finally:
+        torch.set_num_threads(before)
 
 
 def _sequence(n: int, heads: int = 8, kv_heads: int = 2, dim: int = 64, dtype=torch.float32):
