@@ -486,9 +486,10 @@ def _path(node) -> Iterable:
 def _unlocked_device_tokens(node) -> int:
     """Device tokens on the path root..node that no lock protects yet."""
     tokens = 0
-    while node is not None and not node.is_root and node.lock_ref == 0:
-        tokens += node.device_tokens
-        node = node.parent
+    for n in _path(node):
+        if n.lock_ref:
+            break
+        tokens += n.device_tokens
     return tokens
 
 

@@ -190,6 +190,7 @@ class Scheduler:
     def _schedule(self) -> ScheduledBatch:
         entries: list[BatchEntry] = []
         budget = self._prefill_budget()
+        self._order_waiting()
         self._preempt_for_first_token(budget)
         self._schedule_decodes(entries)
         left = self._continue_prefills(entries, budget)
@@ -240,12 +241,13 @@ class Scheduler:
             return
         if not self.waiting or any(r.paused_for is not None for r in self.waiting):
             return
-        self._order_waiting()
         req = self.waiting[0]
         if req.output_ids or req.retractions or req.grammar_future is not None or not self.cache.prefetch_settled(req):
             return
-        plan = self.cache.plan_admit(req, budget)
         headroom = self._decode_headroom_pages() + self._future_pages(req)
+        if self.cache.available_pages() >= -(-req.fill_len // self.page_size) + headroom:
+            return                  # fits even with nothing cached: no tree walk on the common path
+        plan = self.cache.plan_admit(req, budget)
         if plan is None or plan.fits(headroom):
             return
         short = plan.pages + headroom - plan.available_pages
@@ -283,7 +285,6 @@ class Scheduler:
         if not self.waiting:
             return
         threshold = self.args.prefill_admit_threshold
-        self._order_waiting()
         reserved_decode = self._decode_headroom_pages()
         started: list[list[int]] = []
         for req in list(self.waiting):
