@@ -17,9 +17,10 @@ from kvstrata.args import cpu_has_fast_bf16
 # row (decode) is memory-bound and reads the half-size weight natively.
 UPCAST_MIN_ROWS = 4
 # Products of up to this many rows go through the compiled decode GEMV where one is set (`use_decode_linear`):
-# it streams the weight at the memory bandwidth for a few rows and runs near the bf16 dot-product peak for
-# more. On the bench model's shapes it beats oneDNN's bf16 GEMM 2.1-2.2x at 16 rows and 1.2-1.3x at 64, and
-# is about even at 96 (docs/benchmarks.md): larger products (prefill) stay with oneDNN.
+# it streams the weight at the memory bandwidth for a few rows and runs near the dot-product peak for more.
+# On the bench model's shapes, with AVX-512 BF16 it beats oneDNN's bf16 GEMM 2.1-2.2x at 16 rows and
+# 1.2-1.3x at 64, and is about even at 96; the AVX2 build (bf16 widened in registers) beats the float32
+# upcast 2-6x at 4-64 rows (docs/benchmarks.md). Larger products (prefill) stay with oneDNN.
 DECODE_LINEAR_MAX_ROWS = 64
 _CPU_NATIVE_LOW_PRECISION = cpu_has_fast_bf16()
 _LOW_PRECISION = (torch.bfloat16, torch.float16)

@@ -102,7 +102,7 @@ BF16_HEAD_DIMS = (16, 32, 64, 128, 256)
 
 
 def _bf16_op(name: str) -> Optional[Callable]:
-    """An op of the AVX-512 BF16 files, or None (not built, or compiled for a CPU without it: not registered)."""
+    """An op that only some CPUs' builds register (bf16 kernels), or None (not built, or not registered here)."""
     if not _loaded():
         return None
     try:
@@ -127,7 +127,7 @@ def silu_and_mul_op() -> Optional[Callable]:
 
 
 def decode_linear_op() -> Optional[Callable]:
-    """`op(x [M, K], w [N, K], bias [N] | None) -> x @ w.T + bias` (bf16, AVX-512 BF16 CPUs), or None."""
+    """`op(x [M, K], w [N, K], bias [N] | None) -> x @ w.T + bias` (bf16; AVX-512 BF16 or AVX2 CPUs), or None."""
     return _bf16_op("decode_linear")
 
 

@@ -23,7 +23,7 @@ from tests.model.test_llama_vs_hf import PROMPT_LENS, TOLERANCE, Pair, random_pr
 LINEAR = decode_linear_op()
 NORMS = norm_ops()
 pytestmark = pytest.mark.skipif(NORMS is None, reason="the CPU kernels do not build here (no C++ compiler?)")
-needs_gemv = pytest.mark.skipif(LINEAR is None, reason="no AVX-512 BF16 on this CPU: the GEMV is not built")
+needs_gemv = pytest.mark.skipif(LINEAR is None, reason="neither AVX-512 BF16 nor AVX2 on this CPU: the GEMV is not built")
 DTYPES = [torch.float32, torch.bfloat16]
 
 

@@ -1,9 +1,9 @@
 """The CPU kernels built for CPUs this machine may not be: AVX2 only (Zen 3) and AVX-512 without BF16.
 
-On such CPUs the bf16 ops are not registered and the float32 paged kernel and the norms take their
-portable or AVX-512F code; CI may run on a machine with AVX-512 BF16 only, so each build is compiled here
-for the older target (in a subprocess: one process can hold one build of the `kvstrata` op library) and
-checked against plain torch.
+On such CPUs the AVX-512 BF16 ops are not registered: the float32 paged kernel takes its AVX2 or AVX-512F
+tile, the decode GEMV its AVX2 build, and the norms their portable or AVX-512F code. CI may run on a machine
+with AVX-512 BF16, so each build is compiled here for the older target (in a subprocess: one process can
+hold one build of the `kvstrata` op library) and checked against plain torch.
 """
 
 from __future__ import annotations
@@ -34,20 +34,35 @@ CHECK = textwrap.dedent("""
     op = paged_kernels.paged_attention_op()
     assert op is not None, "the build failed"
     absent = [paged_kernels.decode_attention_op(), paged_kernels.extend_attention_op(),
-              paged_kernels.decode_linear_op(), paged_kernels.silu_and_mul_op()]
-    assert absent == [None] * 4, absent
+              paged_kernels.silu_and_mul_op()]
+    assert absent == [None] * 3, absent
     g = torch.Generator().manual_seed(0)
-    for dtype, dim in ((torch.float32, 64), (torch.bfloat16, 64), (torch.bfloat16, 32)):
-        k, v = (torch.randn(600, 2, dim, generator=g).to(dtype) for _ in range(2))
-        q = torch.randn(2, 8, dim, generator=g).to(dtype)
-        slots = torch.stack([torch.arange(1, 301), torch.arange(300, 600)])
-        lens = torch.tensor([300, 257])
-        out = op(q, k, v, slots, torch.arange(2), lens, dim ** -0.5).float()
-        for r in range(2):
+    # head dims of the SIMD tiles (AVX2: 32, 64, 128; AVX-512F: 64, 128) and of the portable loop (16, 96);
+    # query heads per KV head 4, 3 and 1; tiles cut at 256 keys, lengths not a multiple of 8
+    for dtype, dim, heads, kv_heads in ((torch.float32, 64, 8, 2), (torch.bfloat16, 64, 8, 2),
+                                        (torch.bfloat16, 32, 6, 2), (torch.float32, 128, 4, 4),
+                                        (torch.bfloat16, 128, 12, 2), (torch.bfloat16, 16, 8, 2),
+                                        (torch.float32, 96, 2, 1)):
+        k, v = (torch.randn(600, kv_heads, dim, generator=g).to(dtype) for _ in range(2))
+        q = torch.randn(3, heads, dim, generator=g).to(dtype)
+        slots = torch.stack([torch.arange(1, 301), torch.arange(300, 600), torch.randperm(599)[:300] + 1])
+        lens = torch.tensor([300, 257, 13])
+        out = op(q, k, v, slots, torch.arange(3), lens, dim ** -0.5).float()
+        for r in range(3):
             keys, values = (t[slots[r, :lens[r]]].float().transpose(0, 1) for t in (k, v))
-            ref = F.scaled_dot_product_attention(q[r].float()[:, None], keys.repeat_interleave(4, 0),
-                                                 values.repeat_interleave(4, 0))[:, 0]
+            ref = F.scaled_dot_product_attention(q[r].float()[:, None], keys.repeat_interleave(heads // kv_heads, 0),
+                                                 values.repeat_interleave(heads // kv_heads, 0))[:, 0]
             assert (out[r] - ref).abs().max() < (1e-5 if dtype == torch.float32 else 1e-2), (dtype, dim, r)
+    # the decode GEMV of CPUs without AVX-512 BF16 (decode_linear_avx2.cpp): float32 sums of bf16 products
+    linear = paged_kernels.decode_linear_op()
+    assert linear is not None
+    for rows, n, k in ((1, 777, 512), (2, 5, 100), (3, 64, 16), (17, 300, 1536), (64, 128, 8)):
+        x, w = torch.randn(rows, k, generator=g).bfloat16(), torch.randn(n, k, generator=g).bfloat16()
+        bias = torch.randn(n, generator=g).bfloat16()
+        ref = x.float() @ w.float().T + bias.float()
+        out = linear(x, w, bias).float()
+        assert ((out - ref).abs() <= ref.abs() * 2**-8 + 1e-3 * k ** 0.5).all(), (rows, n, k)
+        assert torch.equal(linear(x[-1:], w, bias), linear(x, w, bias)[-1:]), (rows, n, k)
     norms = paged_kernels.norm_ops()
     x, w = torch.randn(5, 512, generator=g).bfloat16(), torch.randn(512, generator=g).bfloat16()
     ref = (x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + 1e-6)).bfloat16() * w

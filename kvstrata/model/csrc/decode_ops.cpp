@@ -1,5 +1,5 @@
-// Decode-step kernels for CPU: a bf16 matrix-vector product for a few rows, and a fused residual-add +
-// RMSNorm.
+// Decode-step kernels for CPU: a bf16 matrix-vector product for a few rows (AVX-512 BF16; CPUs with only
+// AVX2 build decode_linear_avx2.cpp instead), and a fused residual-add + RMSNorm.
 //
 // decode_linear: y[m, n] = sum_k x[m, k] * w[n, k] (+ bias[n]) for bf16 x / w and up to a few dozen rows M
 // (callers choose: it beats oneDNN up to ~64 rows on 2 Zen 4 threads). For one or two rows a projection is
@@ -24,6 +24,9 @@
 #include <ATen/ops/empty_like.h>
 #include <c10/util/BFloat16.h>
 #include <torch/library.h>
+
+#include "decode_linear.h"
+#include "vec_math.h"
 
 #ifdef __AVX512F__
 #include <immintrin.h>
@@ -72,14 +75,7 @@ constexpr int64_t BY_ROW_MAX_ROWS = 2;  // products of up to this many rows read
 constexpr int64_t PREFETCH_AHEAD = 4;   // blocks between the one computed and the one fetched (>= DRAM latency)
 constexpr int64_t GRAIN = 16;           // blocks of NR weight rows per parallel task (>= 32 KB of weight at K=256)
 
-// f(integral_constant<int, i>) for i < Count, unrolled. An accumulator array stays in registers only where
-// it is indexed by constants in one inlined body: GCC keeps a loop-indexed or by-reference __m512 array in
-// memory and stores it on every iteration.
-template <int Count, typename F>
-inline void unroll(F&& f) {
-  [&]<int... I>(std::integer_sequence<int, I...>) { (f(std::integral_constant<int, I>{}), ...); }(
-      std::make_integer_sequence<int, Count>{});
-}
+using kvstrata_cpu::unroll;
 
 using Acc = __m512[NR * MR];   // acc[n * MR + m]: weight row n times input row m
 
@@ -201,13 +197,7 @@ void linear_block(const bf16* x, const bf16* w, const bf16* bias, bf16* out, int
 }
 
 at::Tensor decode_linear(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias) {
-  TORCH_CHECK(x.dim() == 2 && weight.dim() == 2 && x.size(1) == weight.size(1), "decode_linear: x [M, K], w [N, K]");
-  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && weight.scalar_type() == at::kBFloat16,
-              "decode_linear: bf16 inputs");
-  TORCH_CHECK(x.is_contiguous() && weight.is_contiguous(), "decode_linear: contiguous inputs");
-  const at::Tensor b = bias.has_value() ? bias->contiguous() : at::Tensor();
-  TORCH_CHECK(!b.defined() || (b.scalar_type() == at::kBFloat16 && b.numel() == weight.size(0)),
-              "decode_linear: bias [N] bf16");
+  const at::Tensor b = kvstrata_cpu::check_decode_linear_args(x, weight, bias);
   const int64_t M = x.size(0), K = x.size(1), N = weight.size(0);
   at::Tensor out = at::empty({M, N}, x.options());
   const bf16* xp = x.data_ptr<bf16>();

@@ -5,7 +5,8 @@
 // independent task giving a partial (max, sum, weighted values), and a row's partials are merged in tile
 // order. A row's result therefore depends only on its query, its keys and TILE: never on the batch it
 // runs in, on chunking, or on the thread count (what --enable-deterministic-inference needs).
-// Arithmetic is float32 throughout; bf16 inputs are widened exactly.
+// Arithmetic is float32 throughout; bf16 inputs are widened exactly. Head dims 64 and 128 take an AVX-512
+// tile where the CPU has it, 32, 64 and 128 an AVX2 one (attend_tile_avx2.h) on CPUs with only AVX2.
 //
 // decode_attention (CPUs with AVX-512 BF16, bf16 q/K/V; the engine's default mode) runs the same tiles and
 // merge with bf16 dot products (`vdpbf16ps`, float32 accumulation): each key's score is a dot product over
@@ -19,6 +20,7 @@
 #include <c10/util/BFloat16.h>
 #include <torch/library.h>
 
+#include "attend_tile_avx2.h"
 #include "vec_math.h"
 
 #ifdef __AVX512F__
@@ -194,6 +196,14 @@ void attend_tile(const T* q, const KV* k_buf, const KV* v_buf, const int64_t* sl
 #ifdef __AVX512F__
   if (D == 64) return attend_tile_avx512<4, KV>(qf.data(), k_buf, v_buf, slots, first, count, s, scores.data(), partial);
   if (D == 128) return attend_tile_avx512<8, KV>(qf.data(), k_buf, v_buf, slots, first, count, s, scores.data(), partial);
+#elif defined(__AVX2__) && defined(__FMA__)
+  const auto avx2 = [&](auto nc) {
+    kvstrata_cpu::attend_tile_avx2<decltype(nc)::value, KV>(qf.data(), k_buf, v_buf, slots, first, count, H,
+                                                            s.kv_heads, TILE, scores.data(), partial);
+  };
+  if (D == 32) return avx2(std::integral_constant<int, 4>{});
+  if (D == 64) return avx2(std::integral_constant<int, 8>{});
+  if (D == 128) return avx2(std::integral_constant<int, 16>{});
 #endif
   for (int64_t j = 0; j < count; ++j) {
     widen_row(k_buf + slots[first + j] * W, row.data(), W);

@@ -1,10 +1,11 @@
-// Vector math shared by the AVX-512 kernels of this folder, and the head dims their templates serve.
+// Vector math shared by the SIMD kernels of this folder, and the head dims their templates serve.
 #pragma once
 
 #include <c10/util/Exception.h>
 
 #include <cstdint>
 #include <type_traits>
+#include <utility>
 
 namespace kvstrata_cpu {
 
@@ -20,6 +21,15 @@ void with_head_dim(int64_t dim, F&& f) {
     case 256: return f(std::integral_constant<int64_t, 256>{});
     default: TORCH_CHECK(false, "head dim 16, 32, 64, 128 or 256 only, not ", dim);
   }
+}
+
+// f(integral_constant<int, i>) for i < Count, unrolled. An accumulator array stays in registers only where
+// it is indexed by constants in one inlined body: GCC keeps a loop-indexed or by-reference vector array in
+// memory and stores it on every iteration.
+template <int Count, typename F>
+[[gnu::always_inline]] inline void unroll(F&& f) {
+  [&]<int... I>(std::integer_sequence<int, I...>) { (f(std::integral_constant<int, I>{}), ...); }(
+      std::make_integer_sequence<int, Count>{});
 }
 
 }  // namespace kvstrata_cpu

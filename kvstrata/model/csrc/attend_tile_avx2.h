@@ -1,0 +1,189 @@
+// The float32 paged-attention tile (paged_attention.cpp's attend_tile) with AVX2 + FMA, for CPUs without
+// AVX-512 (e.g. Zen 3), head dims 8 * NC.
+//
+// Scores: 8 keys at a time, their rows widened once into a small float32 block that every query head of
+// their KV head then reads from L1; the 8 dot products of a head end in one horizontal-add tree that
+// leaves the 8 scores in one vector. Values: the tile's keys are swept once per 16 dims, 16 dims of up to
+// four heads accumulating in 8 registers, so each value element is widened once per four heads. Every
+// key takes the same lanes and operations whatever the row's length or tile count, so a row's result
+// depends only on its query, its keys and the tile size (batch-invariant, as the portable loop).
+#pragma once
+
+#if defined(__AVX2__) && defined(__FMA__)
+#include <c10/util/BFloat16.h>
+#include <immintrin.h>
+
+#include "vec_math.h"
+
+#include <algorithm>
+#include <cstdint>
+#include <limits>
+
+namespace kvstrata_cpu {
+
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const c10::BFloat16* p) {   // exact: a bf16 is the high half of a float32
+  const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(raw), 16));
+}
+
+template <int Hint, typename KV>
+inline void prefetch_row(const KV* row, int64_t n) {   // every cache line of n elements
+  const char* p = reinterpret_cast<const char*>(row);
+  for (int64_t off = 0; off < n * static_cast<int64_t>(sizeof(KV)); off += 64) _mm_prefetch(p + off, _mm_hint(Hint));
+}
+
+// exp(x) for x <= 0, 8 lanes: the portable exp_nonpositive's range reduction and polynomial.
+inline __m256 exp8(__m256 x) {
+  x = _mm256_max_ps(x, _mm256_set1_ps(-87.0f));
+  const __m256 fx = _mm256_floor_ps(_mm256_fmadd_ps(x, _mm256_set1_ps(1.44269504088896341f), _mm256_set1_ps(0.5f)));
+  __m256 r = _mm256_fnmadd_ps(fx, _mm256_set1_ps(0.693359375f), x);
+  r = _mm256_fnmadd_ps(fx, _mm256_set1_ps(-2.12194440e-4f), r);
+  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+  p = _mm256_fmadd_ps(_mm256_mul_ps(p, r), r, _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
+  const __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(fx), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(p, _mm256_castsi256_ps(bits));
+}
+
+inline float sum_lanes8(__m256 v) {   // a fixed tree: halves, then pairs, then the last two
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+// Lane j of the result: the sum of a[j]'s 8 lanes (two horizontal-add levels, then the 128-bit halves).
+inline __m256 sum_lanes8x8(const __m256* a) {
+  const __m256 ab = _mm256_hadd_ps(a[0], a[1]), cd = _mm256_hadd_ps(a[2], a[3]);
+  const __m256 ef = _mm256_hadd_ps(a[4], a[5]), gh = _mm256_hadd_ps(a[6], a[7]);
+  const __m256 abcd = _mm256_hadd_ps(ab, cd), efgh = _mm256_hadd_ps(ef, gh);
+  return _mm256_add_ps(_mm256_permute2f128_ps(abcd, efgh, 0x20), _mm256_permute2f128_ps(abcd, efgh, 0x31));
+}
+
+// Adds to out[g * D + d0 ..][16] the weighted values of 16 dims [d0, d0 + 16) for GN <= 4 heads whose
+// probabilities are rows of `probs` (tile_stride apart), over keys [0, count).
+template <int GN, typename KV>
+inline void weigh_values16(const KV* v_head, const int64_t* slots, int64_t count, int64_t W, int64_t d0,
+                           const float* probs, int64_t tile_stride, float* out, int64_t D) {
+  __m256 acc[2 * GN];
+  unroll<GN>([&](auto g) {
+    acc[2 * g] = _mm256_loadu_ps(out + g * D + d0);
+    acc[2 * g + 1] = _mm256_loadu_ps(out + g * D + d0 + 8);
+  });
+  for (int64_t j = 0; j < count; ++j) {
+    const KV* v = v_head + slots[j] * W + d0;
+    const __m256 v0 = load8(v), v1 = load8(v + 8);
+    unroll<GN>([&](auto g) {
+      const __m256 p = _mm256_broadcast_ss(probs + g * tile_stride + j);
+      acc[2 * g] = _mm256_fmadd_ps(p, v0, acc[2 * g]);
+      acc[2 * g + 1] = _mm256_fmadd_ps(p, v1, acc[2 * g + 1]);
+    });
+  }
+  unroll<GN>([&](auto g) {
+    _mm256_storeu_ps(out + g * D + d0, acc[2 * g]);
+    _mm256_storeu_ps(out + g * D + d0 + 8, acc[2 * g + 1]);
+  });
+}
+
+// The scores of 8 keys (float32 rows of `keys`, D apart) against one head's query.
+template <int NC>
+inline __m256 score8(const float* q, const float* keys) {
+  constexpr int64_t D = 8 * NC;
+  __m256 acc[8];
+#pragma GCC unroll 8
+  for (int j = 0; j < 8; ++j) acc[j] = _mm256_setzero_ps();
+#pragma GCC unroll 16
+  for (int c = 0; c < NC; ++c) {
+    const __m256 qv = _mm256_loadu_ps(q + 8 * c);
+#pragma GCC unroll 8
+    for (int j = 0; j < 8; ++j) acc[j] = _mm256_fmadd_ps(_mm256_load_ps(keys + j * D + 8 * c), qv, acc[j]);
+  }
+  return sum_lanes8x8(acc);
+}
+
+// One tile (keys slots[first .. first + count), count <= tile_stride) for every head of one query row:
+// partial = [H] max, [H] sum of exp, [H, D] weighted values, as the portable attend_tile. `qf`: the row's
+// queries in float32, scaled; `scores`: H * tile_stride floats of scratch (tile_stride a multiple of 8).
+template <int NC, typename KV>
+[[gnu::flatten]] void attend_tile_avx2(const float* qf, const KV* k_buf, const KV* v_buf, const int64_t* slots,
+                                       int64_t first, int64_t count, int64_t heads, int64_t kv_heads,
+                                       int64_t tile_stride, float* scores, float* partial) {
+  constexpr int64_t D = 8 * NC;
+  const int64_t G = heads / kv_heads, W = kv_heads * D;
+  const int64_t padded = (count + 7) / 8 * 8;
+  alignas(32) float keys[8 * D];
+  for (int64_t j0 = 0; j0 < count; j0 += 8) {   // both KV heads of a key block: its rows read front to back
+    const int64_t n = std::min<int64_t>(8, count - j0);
+    const KV* rows[8];
+    for (int64_t j = 0; j < 8; ++j)   // keys past the tile's end repeat its last key; masked below
+      rows[j] = k_buf + slots[first + j0 + std::min(j, n - 1)] * W;
+    // The next block's K rows into L1, this block's V rows into L2 for the value pass (the rows' pages
+    // are scattered in the pool: the hardware prefetcher sees no stream across them).
+    for (int64_t j = j0 + 8; j < std::min(j0 + 16, count); ++j)
+      prefetch_row<_MM_HINT_T0>(k_buf + slots[first + j] * W, W);
+    for (int64_t j = j0; j < j0 + n; ++j) prefetch_row<_MM_HINT_T1>(v_buf + slots[first + j] * W, W);
+    for (int64_t kvh = 0; kvh < kv_heads; ++kvh) {
+      unroll<8>([&](auto j) {
+        unroll<NC>([&](auto c) { _mm256_store_ps(keys + j * D + 8 * c, load8(rows[j] + kvh * D + 8 * c)); });
+      });
+      for (int64_t g = 0; g < G; ++g) {
+        const int64_t h = kvh * G + g;
+        _mm256_storeu_ps(scores + h * tile_stride + j0, score8<NC>(qf + h * D, keys));
+      }
+    }
+  }
+  const float neg_inf = -std::numeric_limits<float>::infinity();
+  for (int64_t h = 0; h < heads; ++h) {
+    float* sc = scores + h * tile_stride;
+    std::fill(sc + count, sc + padded, neg_inf);
+    __m256 m8 = _mm256_set1_ps(neg_inf);
+    for (int64_t j = 0; j < padded; j += 8) m8 = _mm256_max_ps(m8, _mm256_loadu_ps(sc + j));
+    alignas(32) float lanes[8];
+    _mm256_store_ps(lanes, m8);
+    const float m = *std::max_element(lanes, lanes + 8);
+    __m256 l8 = _mm256_setzero_ps();
+    for (int64_t j = 0; j < padded; j += 8) {
+      const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(sc + j), _mm256_set1_ps(m)));
+      _mm256_storeu_ps(sc + j, e);
+      if (j + 8 <= count) l8 = _mm256_add_ps(l8, e);
+    }
+    std::fill(sc + count, sc + padded, 0.0f);   // exp8 clamps -inf to a tiny positive, not 0
+    if (count % 8) l8 = _mm256_add_ps(l8, _mm256_loadu_ps(sc + count / 8 * 8));
+    partial[h] = m;
+    partial[heads + h] = sum_lanes8(l8);
+  }
+  // Values: blocks of VALUE_BLOCK keys, whose V rows (one KV head) stay in L1 while the block is swept once
+  // per 16 dims. The sums carry over from block to block in `partial` (stored and reloaded exactly).
+  constexpr int64_t VALUE_BLOCK = 64;
+  float* acc_out = partial + 2 * heads;
+  std::fill(acc_out, acc_out + heads * D, 0.0f);
+  for (int64_t kvh = 0; kvh < kv_heads; ++kvh) {
+    const KV* v_head = v_buf + kvh * D;
+    for (int64_t g0 = 0; g0 < G; g0 += 4) {
+      const int64_t h0 = kvh * G + g0;
+      float* out = acc_out + h0 * D;
+      for (int64_t j0 = 0; j0 < count; j0 += VALUE_BLOCK) {
+        const int64_t n = std::min(VALUE_BLOCK, count - j0);
+        const float* probs = scores + h0 * tile_stride + j0;
+        const int64_t* sl = slots + first + j0;
+        for (int64_t d0 = 0; d0 < D; d0 += 16) {
+          switch (std::min<int64_t>(4, G - g0)) {
+            case 1: weigh_values16<1>(v_head, sl, n, W, d0, probs, tile_stride, out, D); break;
+            case 2: weigh_values16<2>(v_head, sl, n, W, d0, probs, tile_stride, out, D); break;
+            case 3: weigh_values16<3>(v_head, sl, n, W, d0, probs, tile_stride, out, D); break;
+            default: weigh_values16<4>(v_head, sl, n, W, d0, probs, tile_stride, out, D); break;
+          }
+        }
+      }
+    }
+  }
+}
+
+}  // namespace kvstrata_cpu
+
+#endif  // AVX2 + FMA
