@@ -2,7 +2,8 @@
 
 Flag names follow SGLang (`--model-path`, `--page-size`, `--hicache-ratio`, ...) so that existing launch
 scripts work unchanged. `resolve()` returns a copy with derived values filled in (device, dtype, seed);
-nothing mutates a ServerArgs after start-up.
+nothing mutates a ServerArgs after start-up. The HTTP server resolves all but the device-dependent values
+(no torch there); its scheduler process resolves the rest and sends that copy back when it is ready.
 """
 
 from __future__ import annotations
@@ -340,8 +341,23 @@ class ServerArgs:
         return notes
 
     # ------------------------------------------------------------------ derived values
-    def resolve(self) -> ServerArgs:
-        """Return a copy with every 'auto'/None that has a derived value filled in."""
+    def resolve(self, with_device: bool = True) -> ServerArgs:
+        """Return a copy with every 'auto'/None that has a derived value filled in.
+
+        Device, dtype and chunked_prefill_size depend on CUDA being available, which needs torch: with
+        `with_device=False` they stay as given, for the HTTP process, which never imports torch; the
+        scheduler process resolves them (resolving twice changes nothing) and reports its copy back.
+        """
+        args = dataclasses.replace(
+            self,
+            tokenizer_path=self.tokenizer_path or self.model_path,
+            served_model_name=self.served_model_name or self.model_path,
+            random_seed=self.random_seed if self.random_seed is not None else random.randrange(1 << 30),
+            max_running_requests=self.max_running_requests or 256,
+        )
+        return args._resolve_device() if with_device else args
+
+    def _resolve_device(self) -> ServerArgs:
         import torch
 
         device = self.device
@@ -356,16 +372,7 @@ class ServerArgs:
         if chunk is None:
             chunk = 8192 if device == "cuda" else 2048
             chunk -= chunk % self.page_size
-        return dataclasses.replace(
-            self,
-            device=device,
-            dtype=dtype,
-            tokenizer_path=self.tokenizer_path or self.model_path,
-            served_model_name=self.served_model_name or self.model_path,
-            random_seed=self.random_seed if self.random_seed is not None else random.randrange(1 << 30),
-            max_running_requests=self.max_running_requests or 256,
-            chunked_prefill_size=chunk,
-        )
+        return dataclasses.replace(self, device=device, dtype=dtype, chunked_prefill_size=chunk)
 
     def storage_group_pages(self) -> int:
         """Pages per storage (L3) object: --hicache-storage-page-tokens in pages, at least one."""

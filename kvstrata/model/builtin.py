@@ -100,15 +100,32 @@ def resolve_model_path(name_or_path: str, cache_dir: str | None = None) -> str:
     Safe when several processes resolve the same built-in at once: each builds in its own temporary
     folder and renames it into place; whoever loses the race discards its copy and uses the winner's.
     """
-    models_dir = os.path.join(cache_dir or default_cache_dir(), "models")
+    models_dir = _models_dir(cache_dir)
     from kvstrata.model.gguf import gguf_model_folder, is_gguf
 
     if is_gguf(name_or_path):
         return gguf_model_folder(name_or_path, models_dir)
     if name_or_path not in BUILTIN_MODELS:
         return name_or_path
-    target = os.path.join(models_dir, f"{name_or_path}-{BUILD_VERSION}")
-    return build_once(target, lambda out_dir: build_builtin(name_or_path, out_dir))
+    return build_once(_builtin_folder(name_or_path, models_dir), lambda out_dir: build_builtin(name_or_path, out_dir))
+
+
+def is_model_folder_ready(name_or_path: str, cache_dir: str | None = None) -> bool:
+    """False when resolve_model_path would first build the folder (a built-in) or convert it (a GGUF file)."""
+    models_dir = _models_dir(cache_dir)
+    from kvstrata.model.gguf import gguf_folder, is_gguf
+
+    if is_gguf(name_or_path):
+        return os.path.isdir(gguf_folder(name_or_path, models_dir))
+    return name_or_path not in BUILTIN_MODELS or os.path.isdir(_builtin_folder(name_or_path, models_dir))
+
+
+def _models_dir(cache_dir: str | None) -> str:
+    return os.path.join(cache_dir or default_cache_dir(), "models")
+
+
+def _builtin_folder(name: str, models_dir: str) -> str:
+    return os.path.join(models_dir, f"{name}-{BUILD_VERSION}")
 
 
 def build_once(target: str, build: Callable[[str], None]) -> str:

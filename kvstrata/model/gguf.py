@@ -28,10 +28,20 @@ def is_gguf(name_or_path: str) -> bool:
 
 def gguf_model_folder(name_or_path: str, models_dir: str) -> str:
     """The cached HF folder of a GGUF file (converted on first use; safe when processes race)."""
+    path = _gguf_file(name_or_path)
+    return build_once(gguf_folder(name_or_path, models_dir), lambda out: convert_gguf(path, out))
+
+
+def gguf_folder(name_or_path: str, models_dir: str) -> str:
+    """Where gguf_model_folder keeps the converted folder of a GGUF file (whether converted yet or not)."""
+    return os.path.join(models_dir, f"gguf-{_file_key(_gguf_file(name_or_path))}")
+
+
+def _gguf_file(name_or_path: str) -> str:
     path = packaged_gguf_path(name_or_path) if name_or_path in PACKAGED_GGUF else name_or_path
     if not os.path.isfile(path):
         raise ModelLoadError(f"GGUF file {path!r} does not exist")
-    return build_once(os.path.join(models_dir, f"gguf-{_file_key(path)}"), lambda out: convert_gguf(path, out))
+    return path
 
 
 def packaged_gguf_path(name: str) -> str:

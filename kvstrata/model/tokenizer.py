@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import logging
 import os
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
+
+logger = logging.getLogger(__name__)
 
 # Files of which at least one must be present for a folder to hold a tokenizer.
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
@@ -30,6 +33,43 @@ def load_tokenizer(path: str, chat_template: str | None = None) -> PreTrainedTok
     """
     from transformers import AutoTokenizer
 
+    folder = _tokenizer_folder(path)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(folder, local_files_only=True, trust_remote_code=False)
+    except Exception as e:  # transformers raises many types (OSError, ValueError, JSON and Rust errors)
+        raise TokenizerLoadError(f"cannot load the tokenizer in {folder!r}: {type(e).__name__}: {e}") from e
+    return _with_chat_template(tokenizer, chat_template)
+
+
+def load_light_tokenizer(path: str, chat_template: str | None = None) -> Any:
+    """Like load_tokenizer, for a process that should not import torch: a LightTokenizer (transformers' results,
+    without transformers) when the folder has a tokenizer.json, else transformers' tokenizer (imports torch)."""
+    from kvstrata.model.light_tokenizer import LightTokenizer
+
+    folder = _tokenizer_folder(path)
+    if not LightTokenizer.can_load(folder):
+        return load_tokenizer(folder, chat_template)
+    try:
+        tokenizer = LightTokenizer.from_folder(folder)
+    except Exception as e:  # JSON, Rust and file errors
+        raise TokenizerLoadError(f"cannot load the tokenizer in {folder!r}: {type(e).__name__}: {e}") from e
+    return _with_chat_template(tokenizer, chat_template)
+
+
+def confirm_light_tokenizer(tokenizer: Any, fingerprint: str, path: str, chat_template: str | None = None) -> Any:
+    """`tokenizer`, unless it is a LightTokenizer whose fingerprint differs from `fingerprint` (that of
+    transformers' tokenizer for the same folder, e.g. a model-specific class): then transformers' tokenizer."""
+    from kvstrata.model.light_tokenizer import LightTokenizer
+    from kvstrata.model.light_tokenizer import fingerprint as fingerprint_of
+
+    if not isinstance(tokenizer, LightTokenizer) or fingerprint_of(tokenizer) == fingerprint:
+        return tokenizer
+    logger.warning("transformers loads the tokenizer in %r differently from tokenizer.json (a model-specific "
+                   "class?): using transformers' tokenizer, which loads torch into this process", path)
+    return load_tokenizer(path, chat_template)
+
+
+def _tokenizer_folder(path: str) -> str:
     from kvstrata.model.builtin import resolve_model_path
 
     folder = resolve_model_path(path)
@@ -37,10 +77,10 @@ def load_tokenizer(path: str, chat_template: str | None = None) -> PreTrainedTok
         raise TokenizerLoadError(f"tokenizer folder {folder!r} does not exist (only local folders are supported)")
     if not any(os.path.isfile(os.path.join(folder, name)) for name in _TOKENIZER_FILES):
         raise TokenizerLoadError(f"no tokenizer files ({', '.join(_TOKENIZER_FILES)}) in {folder!r}")
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(folder, local_files_only=True, trust_remote_code=False)
-    except Exception as e:  # transformers raises many types (OSError, ValueError, JSON and Rust errors)
-        raise TokenizerLoadError(f"cannot load the tokenizer in {folder!r}: {type(e).__name__}: {e}") from e
+    return folder
+
+
+def _with_chat_template(tokenizer: Any, chat_template: str | None) -> Any:
     if chat_template is not None:
         from kvstrata.model.chat_template_flag import resolve_chat_template
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
+from kvstrata.args import ServerArgs
 from kvstrata.runtime.sampling_params import SamplingParams
 
 
@@ -90,6 +91,8 @@ class SchedulerReady:
     eos_token_ids: list[int]
     max_running_requests: int
     page_size: int
+    server_args: ServerArgs = field(repr=False)   # resolved here: device, dtype and chunk size need torch
+    tokenizer_fingerprint: str          # of transformers' tokenizer (light_tokenizer.fingerprint)
 
 
 @dataclass

@@ -1,8 +1,8 @@
 """The scheduler/model process of the HTTP server: a SchedulerLoop over ZMQ sockets.
 
 The frontend PUSHes messages (runtime/messages.py) to `recv_addr` and PULLs outputs from `send_addr`;
-this process binds both. Start-up result goes through `ready_conn`: a SchedulerReady, or an error string
-(and a non-zero exit).
+this process binds both. Start-up result goes through `ready_conn`: a SchedulerReady (with the ServerArgs
+resolved here, where torch is), a ConfigError, or an error string (and a non-zero exit).
 """
 
 from __future__ import annotations
@@ -16,7 +16,8 @@ from typing import TYPE_CHECKING
 
 import zmq
 
-from kvstrata.args import ServerArgs
+from kvstrata.args import ConfigError, ServerArgs
+from kvstrata.model.light_tokenizer import fingerprint
 from kvstrata.runtime.loop import SchedulerLoop
 from kvstrata.runtime.messages import SchedulerReady
 
@@ -31,6 +32,12 @@ def run_scheduler_process(server_args: ServerArgs, recv_addr: str, send_addr: st
     logging.basicConfig(level=server_args.log_level.upper(),
                         format="[%(asctime)s scheduler] %(levelname)s %(name)s: %(message)s")
     signal.signal(signal.SIGINT, signal.SIG_IGN)   # the frontend decides when we stop (SIGTERM)
+    try:
+        server_args = server_args.resolve()
+    except ConfigError as e:     # e.g. --device cuda without CUDA: the frontend reports it as a flag error
+        ready_conn.send(e)
+        ready_conn.close()
+        sys.exit(1)
     ctx = zmq.Context()
     try:
         from kvstrata.runtime.scheduler import Scheduler
@@ -74,9 +81,10 @@ def run_scheduler_process(server_args: ServerArgs, recv_addr: str, send_addr: st
 
 
 def ready_message(scheduler: Scheduler) -> SchedulerReady:
-    """What a frontend needs to know about a started scheduler (limits, vocabulary, eos ids)."""
+    """What a frontend needs to know about a started scheduler (limits, vocabulary, eos ids, resolved args)."""
     runner, args = scheduler.runner, scheduler.args
     return SchedulerReady(
         max_total_tokens=runner.max_total_tokens, context_length=runner.context_len,
         vocab_size=runner.vocab_size, eos_token_ids=list(runner.config.eos_token_ids),
-        max_running_requests=args.max_running_requests, page_size=args.page_size)
+        max_running_requests=args.max_running_requests, page_size=args.page_size, server_args=args,
+        tokenizer_fingerprint=fingerprint(scheduler.stop.tokenizer))

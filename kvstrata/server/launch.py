@@ -41,7 +41,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     ServerArgs.add_cli_args(parser)
     ns = parser.parse_args(argv)
     try:
-        args = ServerArgs.from_cli_args(ns).resolve()
+        args = ServerArgs.from_cli_args(ns).resolve(with_device=False)   # the scheduler resolves the device
     except ConfigError as e:
         parser.error(str(e))
     logging.basicConfig(level=args.log_level.upper(), format="[%(asctime)s] %(levelname)s %(name)s: %(message)s")
@@ -50,6 +50,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     signal.signal(signal.SIGTERM, _raise_shutdown)
     try:
         return serve(args)
+    except ConfigError as e:       # found by the scheduler process (device settings)
+        parser.error(str(e))
     except _Shutdown:
         return 0
     except KeyboardInterrupt:
@@ -67,7 +69,7 @@ def serve(args: ServerArgs) -> int:
 
     from kvstrata.model.builtin import resolve_model_path
     from kvstrata.model.config import ModelLoadError
-    from kvstrata.model.tokenizer import TokenizerLoadError, load_tokenizer
+    from kvstrata.model.tokenizer import TokenizerLoadError, confirm_light_tokenizer, load_light_tokenizer
     from kvstrata.server.app import create_app
     from kvstrata.server.drain import DrainingServer, drain
     from kvstrata.server.tokenizer_manager import TokenizerManager
@@ -78,12 +80,14 @@ def serve(args: ServerArgs) -> int:
     recv_addr, send_addr = f"ipc://{ipc_dir}/to-scheduler", f"ipc://{ipc_dir}/from-scheduler"
     proc = None
     try:
-        # Build a built-in model here first, so that two processes never race to create it.
+        prepare_model_folders(args)
         tokenizer_dir = resolve_model_path(args.tokenizer_path or args.model_path)
-        resolve_model_path(args.model_path)
         proc, ready_conn = spawn_scheduler(args, recv_addr, send_addr)
-        tokenizer = load_tokenizer(tokenizer_dir, args.chat_template)   # while the scheduler loads the model
+        # While the scheduler loads the model; no transformers (and so no torch) in this process.
+        tokenizer = load_light_tokenizer(tokenizer_dir, args.chat_template)
         info = wait_scheduler_ready(proc, ready_conn)
+        args = info.server_args       # with device, dtype and chunk size resolved
+        tokenizer = confirm_light_tokenizer(tokenizer, info.tokenizer_fingerprint, tokenizer_dir, args.chat_template)
         tm = TokenizerManager(args, tokenizer, info, recv_addr, send_addr)
         exit_code = {"value": 0}
         server: Any = None
@@ -106,6 +110,21 @@ def serve(args: ServerArgs) -> int:
         if proc is not None:
             stop_scheduler(proc, SNAPSHOT_STOP_TIMEOUT_S if args.hicache_snapshot_path else STOP_TIMEOUT_S)
         shutil.rmtree(ipc_dir, ignore_errors=True)
+
+
+def prepare_model_folders(args: ServerArgs) -> None:
+    """Build the built-in models and convert the GGUF files that `args` names, once, in a child process.
+
+    Building needs torch (weights) and transformers (GGUF), which this process should never import. Doing it
+    here, before the scheduler starts, also keeps two processes from building the same folder at once.
+    """
+    from kvstrata.model.builtin import is_model_folder_ready, resolve_model_path
+
+    names = list(dict.fromkeys([args.tokenizer_path or args.model_path, args.model_path]))
+    if all(is_model_folder_ready(name) for name in names):
+        return
+    with multiprocessing.get_context("spawn").Pool(1) as pool:
+        pool.map(resolve_model_path, names)
 
 
 def remove_stale_ipc_dirs(tmp_dir: Optional[str] = None) -> list[str]:
@@ -148,7 +167,8 @@ def spawn_scheduler(args: ServerArgs, recv_addr: str, send_addr: str) -> tuple[A
 
 
 def wait_scheduler_ready(proc: Any, reader: Any) -> Any:
-    """Wait for the scheduler's SchedulerReady; raises SchedulerStartError if it fails or exits first."""
+    """Wait for the scheduler's SchedulerReady; raises ConfigError for settings the scheduler refused, and
+    SchedulerStartError if it fails otherwise or exits first."""
     from kvstrata.runtime.messages import SchedulerReady
 
     try:
@@ -163,6 +183,8 @@ def wait_scheduler_ready(proc: Any, reader: Any) -> Any:
                                   f"ready") from None
     finally:
         reader.close()
+    if isinstance(msg, ConfigError):
+        raise msg
     if not isinstance(msg, SchedulerReady):
         raise SchedulerStartError(str(msg))
     logger.info("scheduler ready (pid %d): %s", proc.pid, msg)

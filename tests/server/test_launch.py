@@ -1,4 +1,5 @@
-"""Launch and life cycle: API key, clean shutdown without orphans, /health 503 when the scheduler dies."""
+"""Launch and life cycle: API key, no torch in the HTTP process, clean shutdown without orphans, /health 503
+when the scheduler dies."""
 
 from __future__ import annotations
 
@@ -11,7 +12,15 @@ import time
 import pytest
 import requests
 
+from kvstrata.net import free_port
 from tests.server.conftest import launch_server, pid_alive, stop_server
+
+
+def torch_has_cuda() -> bool:
+    """Whether this machine has CUDA (the test process has torch anyway)."""
+    import torch
+
+    return torch.cuda.is_available()
 
 
 def test_api_key_is_enforced(server):
@@ -23,6 +32,27 @@ def test_api_key_is_enforced(server):
     assert r.status_code == 401
     assert requests.get(url + "/health", timeout=30).status_code == 200      # open for probes
     assert server.get("/v1/models").status_code == 200
+
+
+def test_http_process_has_no_torch_and_serves_resolved_args(server):
+    # torch is ~220 MB of RSS: only the scheduler process may load it (tokenizer: LightTokenizer, device: scheduler).
+    with open(f"/proc/{server.proc.pid}/maps") as fh:
+        maps = fh.read()
+    assert "libtorch" not in maps and "libc10" not in maps
+    assert server.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}],
+                                                     "max_tokens": 2}).status_code == 200
+    info = server.server_info()
+    assert info["device"] in ("cpu", "cuda") and info["dtype"] in ("float32", "bfloat16", "float16")
+    assert info["chunked_prefill_size"] > 0
+    with open(f"/proc/{server.proc.pid}/maps") as fh:
+        assert "libtorch" not in fh.read()
+
+
+@pytest.mark.skipif(torch_has_cuda(), reason="needs a machine without CUDA")
+def test_cuda_without_cuda_is_a_flag_error():
+    r = subprocess.run([sys.executable, "-m", "kvstrata.launch_server", "--device", "cuda", "--port", str(free_port())],
+                       capture_output=True, text=True, timeout=180)
+    assert r.returncode == 2 and "--device cuda requested but CUDA is not available" in r.stderr, r.stderr
 
 
 def test_invalid_flags_fail_with_a_message():
