@@ -21,12 +21,6 @@
 
 namespace kvstrata_cpu {
 
-inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
-inline __m256 load8(const c10::BFloat16* p) {   // exact: a bf16 is the high half of a float32
-  const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(raw), 16));
-}
-
 template <int Hint, typename KV>
 inline void prefetch_row(const KV* row, int64_t n) {   // every cache line of n elements
   const char* p = reinterpret_cast<const char*>(row);
@@ -48,13 +42,6 @@ inline __m256 exp8(__m256 x) {
   p = _mm256_fmadd_ps(_mm256_mul_ps(p, r), r, _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
   const __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(fx), _mm256_set1_epi32(127)), 23);
   return _mm256_mul_ps(p, _mm256_castsi256_ps(bits));
-}
-
-inline float sum_lanes8(__m256 v) {   // a fixed tree: halves, then pairs, then the last two
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
 }
 
 // Lane j of the result: the sum of a[j]'s 8 lanes (two horizontal-add levels, then the 128-bit halves).

@@ -39,19 +39,9 @@ constexpr int64_t GRAIN = 16;   // blocks of NR weight rows per parallel task
 constexpr int BY_ROW_MAX_ROWS = 2;     // products of up to this many rows read the weight row after row
 constexpr int64_t PREFETCH_BYTES = 512;   // how far ahead in each weight row the interleaved loop fetches
 
+using kvstrata_cpu::load8;
+using kvstrata_cpu::sum_lanes8;
 using kvstrata_cpu::unroll;
-
-inline __m256 widen8(const uint16_t* p) {   // 8 bf16 -> 8 float32, exactly
-  const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(raw), 16));
-}
-
-inline float sum8(__m256 v) {   // lanes (0+4, 1+5, 2+6, 3+7), then pairs, then the last two: a fixed tree
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
-}
 
 // out[m, n0 + n] for NR weight rows (pointers; a short last block repeats a row) and G <= MR input rows
 // (float32, K8 long, zero past K). The weights are read up to K8 too: the caller pads a tail of K.
@@ -65,7 +55,7 @@ template <int G>
     // that the hardware prefetcher follows). Same sums in the same order as the interleaved loop.
     unroll<NR>([&](auto n) {
       for (int64_t k = 0; k < K8; k += 8) {
-        const __m256 wv = widen8(w[n] + k);
+        const __m256 wv = load8(w[n] + k);
         unroll<G>([&](auto m) {
           acc[n * MR + m] = _mm256_fmadd_ps(wv, _mm256_loadu_ps(x + m * K8 + k), acc[n * MR + m]);
         });
@@ -76,7 +66,7 @@ template <int G>
       __m256 wv[NR];
       unroll<NR>([&](auto n) {
         _mm_prefetch(reinterpret_cast<const char*>(w[n] + k) + PREFETCH_BYTES, _MM_HINT_T0);
-        wv[n] = widen8(w[n] + k);
+        wv[n] = load8(w[n] + k);
       });
       unroll<G>([&](auto m) {
         const __m256 xv = _mm256_loadu_ps(x + m * K8 + k);
@@ -86,7 +76,7 @@ template <int G>
   }
   for (int m = 0; m < G; ++m)
     for (int n = 0; n < rows; ++n)
-      out[m * N + n0 + n] = static_cast<bf16>(sum8(acc[n * MR + m]) + (bias ? bias[n] : 0.0f));
+      out[m * N + n0 + n] = static_cast<bf16>(sum_lanes8(acc[n * MR + m]) + (bias ? bias[n] : 0.0f));
 }
 
 // Weight rows [n0, n0 + rows) for every input row: the first group of input rows reads them into cache,

@@ -1,6 +1,7 @@
 // Vector math shared by the SIMD kernels of this folder, and the head dims their templates serve.
 #pragma once
 
+#include <c10/util/BFloat16.h>
 #include <c10/util/Exception.h>
 
 #include <cstdint>
@@ -70,3 +71,27 @@ inline __m512 dot_pairs(__m512 acc, __m512i a, __m512i b) {
 }  // namespace kvstrata_cpu
 
 #endif  // __AVX512F__
+
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+
+namespace kvstrata_cpu {
+
+// 8 float32 from float32, or from bf16 exactly (a bf16 is the high half of a float32: zero-extend, shift 16).
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const uint16_t* p) {
+  const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(raw), 16));
+}
+inline __m256 load8(const c10::BFloat16* p) { return load8(reinterpret_cast<const uint16_t*>(p)); }
+
+inline float sum_lanes8(__m256 v) {   // a fixed tree: halves, then pairs, then the last two
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+}  // namespace kvstrata_cpu
+
+#endif  // AVX2 + FMA
