@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import NamedTuple, Optional
+from typing import TYPE_CHECKING, NamedTuple, Optional
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from kvstrata.args import cpu_has_fast_bf16
+
+if TYPE_CHECKING:
+    from kvstrata.model.paged_kernels import DecodeLinear
 
 # On a CPU without native bf16/fp16 matmul (no AVX-512 BF16 / AMX), oneDNN emulates low-precision GEMMs
 # several times slower than float32 ones once more than a row or two is multiplied; converting the
@@ -39,13 +42,14 @@ class Linear(nn.Linear):
         super().__init__(in_features, out_features, bias=bias)
         self.upcast_min_rows = upcast_min_rows
         self.min_rows = 1   # inputs with fewer rows are zero-padded (batch-invariant mode)
-        self.decode_op: Optional[Callable] = None   # compiled bf16 GEMV for decode-sized inputs
+        self.decode_gemv: Optional[DecodeLinear] = None   # compiled bf16 GEMV for decode-sized inputs
+        self.decode_weight: Optional[torch.Tensor] = None   # the weight as decode_gemv reads it (packed)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x `[T, in]` -> `[T, out]` (in the weight's dtype when a float32 weight serves a bf16 model)."""
         rows = x.shape[0]
-        if self.decode_op is not None and rows <= DECODE_LINEAR_MAX_ROWS and x.dtype == self.weight.dtype:
-            return self.decode_op(x.contiguous(), self.weight, self.bias)
+        if self.decode_gemv is not None and rows <= DECODE_LINEAR_MAX_ROWS and x.dtype == self.weight.dtype:
+            return self.decode_gemv.run(x.contiguous(), self.decode_weight, self.bias, self.out_features)
         if rows < self.min_rows:
             return self._forward(F.pad(x, (0, 0, 0, self.min_rows - rows)))[:rows]
         return self._forward(x)
@@ -82,18 +86,21 @@ def make_batch_invariant(model: nn.Module) -> None:
             module.upcast_min_rows = 1
 
 
-def use_decode_linear(model: nn.Module, op: Optional[Callable]) -> None:
-    """Route `model`'s decode-sized bf16 products through `op` (paged_kernels.decode_linear_op()).
+def use_decode_linear(model: nn.Module, gemv: Optional[DecodeLinear]) -> None:
+    """Route `model`'s decode-sized bf16 products through `gemv` (paged_kernels.decode_linear_op()), or stop.
 
-    Only Linears whose weight the op can read (bf16, contiguous row-major, on CPU) take it. Not for
-    batch-invariant mode: its rows are invariant among themselves but summed in another order than
+    Only Linears whose weight the GEMV can read (bf16, contiguous row-major, on CPU) take it; each keeps the
+    weight as the GEMV reads it (on AVX2 CPUs a packed copy: the row-major weight still serves prefill).
+    Not for batch-invariant mode: its rows are invariant among themselves but summed in another order than
     oneDNN's, which serves the same row in a larger batch.
     """
     for module in model.modules():
         if isinstance(module, Linear):
             w = module.weight
             readable = w.device.type == "cpu" and w.dtype == torch.bfloat16 and w.is_contiguous()
-            module.decode_op = op if readable else None
+            module.decode_gemv = gemv if readable else None
+            with torch.no_grad():
+                module.decode_weight = gemv.pack(w.detach()) if module.decode_gemv is not None else None
 
 
 def use_fused_norms(model: nn.Module, ops: Optional[NormOps]) -> None:

@@ -108,10 +108,11 @@ class LlamaForCausalLM(nn.Module):
         step reads. A bf16 model's untied lm_head is widened to float32 when the CPU has no native bf16
         (emulated bf16 GEMMs of several rows are several times slower; logits are float32 anyway). A tied
         bf16 matrix stays as it is (the embedding must stay bf16); tied float32 embedding lookups then
-        gather strided rows, a small cost at prefill.
+        gather strided rows, a small cost at prefill. A bf16 lm_head that the compiled decode GEMV serves
+        (`use_decode_linear`) stays bf16 too: the GEMV reads it faster than MKL the float32 matrix.
         """
         weight = self.lm_head.weight
-        if weight.device.type != "cpu" or not weight.is_contiguous():
+        if weight.device.type != "cpu" or not weight.is_contiguous() or self.lm_head.decode_gemv is not None:
             return
         tied = weight is self.model.embed_tokens.weight
         if weight.dtype != torch.float32 and (tied or not upcasts_on_cpu(weight.dtype)):

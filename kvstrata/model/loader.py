@@ -24,8 +24,12 @@ LM_HEAD = "lm_head.weight"
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq", "rotary_emb.cos_cached", "rotary_emb.sin_cached")
 
 
-def load_model(path: str, config: ModelConfig, dtype: torch.dtype, device: torch.device) -> torch.nn.Module:
-    """Build the model for `config` and fill it from the safetensors files in `path`."""
+def load_model(path: str, config: ModelConfig, dtype: torch.dtype, device: torch.device,
+               relayout: bool = True) -> torch.nn.Module:
+    """Build the model for `config` and fill it from the safetensors files in `path`.
+
+    `relayout`: end with `optimize_layout()` (a caller that first sets the layer kernels calls it itself).
+    """
     device = torch.device(device)
     files = checkpoint_files(path)
     with torch.device("meta"):
@@ -52,7 +56,8 @@ def load_model(path: str, config: ModelConfig, dtype: torch.dtype, device: torch
     if missing:
         shown = ", ".join(missing[:5]) + (f" (+{len(missing) - 5} more)" if len(missing) > 5 else "")
         raise ModelLoadError(f"{path}: checkpoint is missing tensor(s) {shown}")
-    model.optimize_layout()
+    if relayout:
+        model.optimize_layout()
     return model.eval()
 
 

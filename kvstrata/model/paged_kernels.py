@@ -18,7 +18,7 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import torch
 
@@ -126,9 +126,26 @@ def silu_and_mul_op() -> Optional[Callable]:
     return _bf16_op("silu_and_mul")
 
 
-def decode_linear_op() -> Optional[Callable]:
-    """`op(x [M, K], w [N, K], bias [N] | None) -> x @ w.T + bias` (bf16; AVX-512 BF16 or AVX2 CPUs), or None."""
-    return _bf16_op("decode_linear")
+class DecodeLinear(NamedTuple):
+    """The compiled decode GEMV: `pack(w [N, K])` once per weight, then `run(x [M, K], packed, bias | None, N)`
+    -> `x @ w.T + bias` (bf16). AVX-512 BF16 builds read the row-major weight as it is (`pack` returns it);
+    AVX2 builds read a copy in 16-row blocks (decode_linear_avx2.cpp)."""
+
+    pack: Callable[[torch.Tensor], torch.Tensor]
+    run: Callable[[torch.Tensor, torch.Tensor, Optional[torch.Tensor], int], torch.Tensor]
+
+
+def _row_major(weight: torch.Tensor) -> torch.Tensor:
+    return weight
+
+
+def decode_linear_op() -> Optional[DecodeLinear]:
+    """The decode GEMV of this CPU's build (AVX-512 BF16 or AVX2), or None."""
+    row_major = _bf16_op("decode_linear")
+    if row_major is not None:
+        return DecodeLinear(_row_major, lambda x, weight, bias, n: row_major(x, weight, bias))
+    pack, packed = _bf16_op("decode_linear_pack"), _bf16_op("decode_linear_packed")
+    return DecodeLinear(pack, packed) if pack is not None and packed is not None else None
 
 
 def norm_ops():

@@ -54,7 +54,7 @@ class ModelRunner:
             torch.set_num_threads(args.num_threads)
         self.model_path = resolve_model_path(args.model_path)
         self.config = ModelConfig.from_path(self.model_path)
-        self.model = load_model(self.model_path, self.config, self.dtype, self.device)
+        self.model = load_model(self.model_path, self.config, self.dtype, self.device, relayout=False)
         if args.enable_deterministic_inference:
             make_batch_invariant(self.model)
         self.context_len = args.context_length or self.config.max_position_embeddings
@@ -66,6 +66,7 @@ class ModelRunner:
         self.paged_kernel = self._paged_kernel()
         self.extend_kernel = self._extend_kernel()
         self._use_layer_kernels()
+        self.model.optimize_layout()   # after the kernels: an lm_head that the decode GEMV reads keeps its layout
         self.grammar_backend = None   # set by the scheduler when structured output is enabled
         logger.info("KV pool: %d tokens (%d pages of %d), %.1f MB", self.max_total_tokens, num_pages - 1,
                     args.page_size, self.pool.bytes_per_token * self.pool.num_slots / 2**20)

@@ -27,6 +27,11 @@ needs_gemv = pytest.mark.skipif(LINEAR is None, reason="neither AVX-512 BF16 nor
 DTYPES = [torch.float32, torch.bfloat16]
 
 
+def gemv(x: torch.Tensor, w: torch.Tensor, bias):
+    """The compiled GEMV on a row-major weight, packed the way this CPU's build reads it."""
+    return LINEAR.run(x, LINEAR.pack(w), bias, w.shape[0])
+
+
 def _hf_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """transformers' LlamaRMSNorm: float32 inside, normalized row rounded, then times the weight."""
     xf = x.float()
@@ -44,7 +49,7 @@ def test_gemv_matches_float32_product_up_to_rounding(k, n):
         x = torch.randn(rows, k, generator=g).bfloat16()
         ref = x.float() @ w.float().T + bias.float()
         for b, expected in ((bias, ref), (None, ref - bias.float())):
-            out = LINEAR(x, w, b)
+            out = gemv(x, w, b)
             assert out.dtype == torch.bfloat16 and out.shape == (rows, n)
             # one rounding to bf16 (relative 2^-8) plus float32 summation-order differences
             assert ((out.float() - expected).abs() <= expected.abs() * 2**-8 + 1e-3 * k ** 0.5).all(), rows
@@ -53,19 +58,20 @@ def test_gemv_matches_float32_product_up_to_rounding(k, n):
 @needs_gemv
 @pytest.mark.parametrize("n, k", [(3000, 512), (1001, 100)], ids=["n3000-k512", "n1001-k100-tails"])
 def test_gemv_row_bits_do_not_depend_on_row_count_or_threads(n, k):
-    """One or two rows read the weight row by row, more in register blocks: the same sums, bit for bit."""
+    """Rows go through register tiles of different shapes by row count: the same sums, bit for bit."""
     g = torch.Generator().manual_seed(n)
     w = torch.randn(n, k, generator=g).bfloat16()
     bias = torch.randn(n, generator=g).bfloat16()
     x = torch.randn(DECODE_LINEAR_MAX_ROWS * 2, k, generator=g).bfloat16()
-    full = LINEAR(x, w, bias)
+    packed = LINEAR.pack(w)
+    full = LINEAR.run(x, packed, bias, n)
     threads = torch.get_num_threads()
     try:
         for count in (1, 2, 3):
             torch.set_num_threads(count)
             for rows in sorted({1, 2, 3, 5, 8, 13, 16, 17, DECODE_LINEAR_MAX_ROWS, 2 * DECODE_LINEAR_MAX_ROWS}):
                 pick = torch.randperm(x.shape[0], generator=g)[:rows]
-                assert torch.equal(LINEAR(x[pick], w, bias), full[pick]), (count, rows)
+                assert torch.equal(LINEAR.run(x[pick], packed, bias, n), full[pick]), (count, rows)
     finally:
         torch.set_num_threads(threads)
 
@@ -74,11 +80,13 @@ def test_gemv_row_bits_do_not_depend_on_row_count_or_threads(n, k):
 def test_gemv_rejects_what_it_cannot_read():
     w = torch.randn(8, 16).bfloat16()
     with pytest.raises(RuntimeError, match="bf16"):
-        LINEAR(torch.randn(1, 16), w, None)
+        gemv(torch.randn(1, 16), w, None)
     with pytest.raises(RuntimeError, match=r"x \[M, K\]"):
-        LINEAR(torch.randn(1, 8).bfloat16(), w, None)
+        gemv(torch.randn(1, 8).bfloat16(), w, None)
     with pytest.raises(RuntimeError, match="contiguous"):
-        LINEAR(torch.randn(1, 16).bfloat16(), torch.randn(16, 8).bfloat16().T, None)
+        gemv(torch.randn(1, 16).bfloat16(), torch.randn(16, 8).bfloat16().T, None)
+    with pytest.raises(RuntimeError, match="bias"):
+        gemv(torch.randn(1, 16).bfloat16(), w, torch.randn(7).bfloat16())
 
 
 @pytest.mark.parametrize("hidden", [512, 100], ids=["vector", "scalar-tail"])
@@ -147,7 +155,7 @@ def test_lm_head_and_layers_take_the_gemv_only_where_it_reads_the_weight():
     column_major.weight.data = column_major.weight.data.T.contiguous().T
     for module in (layer, column_major, Linear(64, 32)):
         use_decode_linear(module, LINEAR)
-    assert layer.decode_op is LINEAR and column_major.decode_op is None
+    assert layer.decode_gemv is LINEAR and column_major.decode_gemv is None and column_major.decode_weight is None
     x = torch.randn(2, 64).bfloat16()
     with torch.inference_mode():
         assert relative_error(layer(x), F.linear(x.float(), layer.weight.float(), layer.bias.float())) < 1e-2
@@ -164,5 +172,9 @@ def test_runner_uses_the_kernels_where_they_apply(flags, linear, norms):
     runner = ModelRunner(args)
     layer = runner.model.model.layers[0]
     assert (layer.input_layernorm.ops is not None) == norms
-    assert (layer.mlp.down_proj.decode_op is not None) == (linear and LINEAR is not None)
-    assert (runner.model.lm_head.decode_op is not None) == (linear and LINEAR is not None)
+    gemv_here = linear and LINEAR is not None
+    assert (layer.mlp.down_proj.decode_gemv is not None) == gemv_here
+    lm_head = runner.model.lm_head
+    assert (lm_head.decode_gemv is not None) == gemv_here
+    if gemv_here:   # the GEMV reads lm_head in bf16: optimize_layout leaves it so
+        assert lm_head.weight.dtype == torch.bfloat16 and lm_head.decode_weight is not None

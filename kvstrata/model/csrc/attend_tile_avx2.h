@@ -18,13 +18,14 @@
 #include <algorithm>
 #include <cstdint>
 #include <limits>
+#include <type_traits>
 
 namespace kvstrata_cpu {
 
-template <int Hint, typename KV>
-inline void prefetch_row(const KV* row, int64_t n) {   // every cache line of n elements
+template <typename KV>
+inline void prefetch_row(const KV* row, int64_t n) {   // every cache line of n elements, into L1
   const char* p = reinterpret_cast<const char*>(row);
-  for (int64_t off = 0; off < n * static_cast<int64_t>(sizeof(KV)); off += 64) _mm_prefetch(p + off, _mm_hint(Hint));
+  for (int64_t off = 0; off < n * static_cast<int64_t>(sizeof(KV)); off += 64) _mm_prefetch(p + off, _MM_HINT_T0);
 }
 
 // exp(x) for x <= 0, 8 lanes: the portable exp_nonpositive's range reduction and polynomial.
@@ -52,29 +53,59 @@ inline __m256 sum_lanes8x8(const __m256* a) {
   return _mm256_add_ps(_mm256_permute2f128_ps(abcd, efgh, 0x20), _mm256_permute2f128_ps(abcd, efgh, 0x31));
 }
 
+// 16 values from p as two 8-lane vectors: float32 in order; bf16 split into the even dims (0, 2, .., 14) and
+// the odd ones (1, 3, .., 15): one 32-byte load, a shift and a mask (a bf16 is the high half of a float32).
+inline void load16_split(const float* p, __m256& a, __m256& b) {
+  a = _mm256_loadu_ps(p);
+  b = _mm256_loadu_ps(p + 8);
+}
+inline void load16_split(const c10::BFloat16* p, __m256& a, __m256& b) {
+  const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  a = _mm256_castsi256_ps(_mm256_slli_epi32(raw, 16));
+  b = _mm256_castsi256_ps(_mm256_and_si256(raw, _mm256_set1_epi32(static_cast<int>(0xFFFF0000u))));
+}
+
+// 16 dims of `out` in load16_split's order for KV, and back.
+template <typename KV>
+inline void split16(const float* out, __m256& a, __m256& b) {
+  a = _mm256_loadu_ps(out);
+  b = _mm256_loadu_ps(out + 8);
+  if constexpr (!std::is_same_v<KV, float>) {
+    const __m256 even = _mm256_shuffle_ps(a, b, _MM_SHUFFLE(2, 0, 2, 0));   // 0 2 8 10 | 4 6 12 14
+    const __m256 odd = _mm256_shuffle_ps(a, b, _MM_SHUFFLE(3, 1, 3, 1));
+    a = _mm256_castpd_ps(_mm256_permute4x64_pd(_mm256_castps_pd(even), 0xD8));
+    b = _mm256_castpd_ps(_mm256_permute4x64_pd(_mm256_castps_pd(odd), 0xD8));
+  }
+}
+template <typename KV>
+inline void merge16(float* out, __m256 a, __m256 b) {
+  if constexpr (!std::is_same_v<KV, float>) {
+    const __m256 lo = _mm256_unpacklo_ps(a, b), hi = _mm256_unpackhi_ps(a, b);   // 0-3 | 8-11, 4-7 | 12-15
+    a = _mm256_permute2f128_ps(lo, hi, 0x20);
+    b = _mm256_permute2f128_ps(lo, hi, 0x31);
+  }
+  _mm256_storeu_ps(out, a);
+  _mm256_storeu_ps(out + 8, b);
+}
+
 // Adds to out[g * D + d0 ..][16] the weighted values of 16 dims [d0, d0 + 16) for GN <= 4 heads whose
-// probabilities are rows of `probs` (tile_stride apart), over keys [0, count).
+// probabilities are rows of `probs` (tile_stride apart), over keys [0, count). Each dim gets the same
+// products and sums in the same order whichever lane it takes.
 template <int GN, typename KV>
 inline void weigh_values16(const KV* v_head, const int64_t* slots, int64_t count, int64_t W, int64_t d0,
                            const float* probs, int64_t tile_stride, float* out, int64_t D) {
   __m256 acc[2 * GN];
-  unroll<GN>([&](auto g) {
-    acc[2 * g] = _mm256_loadu_ps(out + g * D + d0);
-    acc[2 * g + 1] = _mm256_loadu_ps(out + g * D + d0 + 8);
-  });
+  unroll<GN>([&](auto g) { split16<KV>(out + g * D + d0, acc[2 * g], acc[2 * g + 1]); });
   for (int64_t j = 0; j < count; ++j) {
-    const KV* v = v_head + slots[j] * W + d0;
-    const __m256 v0 = load8(v), v1 = load8(v + 8);
+    __m256 v0, v1;
+    load16_split(v_head + slots[j] * W + d0, v0, v1);
     unroll<GN>([&](auto g) {
       const __m256 p = _mm256_broadcast_ss(probs + g * tile_stride + j);
       acc[2 * g] = _mm256_fmadd_ps(p, v0, acc[2 * g]);
       acc[2 * g + 1] = _mm256_fmadd_ps(p, v1, acc[2 * g + 1]);
     });
   }
-  unroll<GN>([&](auto g) {
-    _mm256_storeu_ps(out + g * D + d0, acc[2 * g]);
-    _mm256_storeu_ps(out + g * D + d0 + 8, acc[2 * g + 1]);
-  });
+  unroll<GN>([&](auto g) { merge16<KV>(out + g * D + d0, acc[2 * g], acc[2 * g + 1]); });
 }
 
 // The scores of 8 keys (float32 rows of `keys`, D apart) against one head's query.
@@ -109,11 +140,17 @@ template <int NC, typename KV>
     const KV* rows[8];
     for (int64_t j = 0; j < 8; ++j)   // keys past the tile's end repeat its last key; masked below
       rows[j] = k_buf + slots[first + j0 + std::min(j, n - 1)] * W;
-    // The next block's K rows into L1, this block's V rows into L2 for the value pass (the rows' pages
-    // are scattered in the pool: the hardware prefetcher sees no stream across them).
-    for (int64_t j = j0 + 8; j < std::min(j0 + 16, count); ++j)
-      prefetch_row<_MM_HINT_T0>(k_buf + slots[first + j] * W, W);
-    for (int64_t j = j0; j < j0 + n; ++j) prefetch_row<_MM_HINT_T1>(v_buf + slots[first + j] * W, W);
+    // Fetched while this block is scored: the next block's K rows and this block's V rows, for the value
+    // pass (the rows' pages are scattered in the pool: the hardware prefetcher sees no stream across them).
+    // A few rows after each head's scores: issued all at once, they fill the core's miss buffers and stall
+    // the scoring (measured on Zen 3: ~1.5x slower with the KV in DRAM).
+    const KV* fetch[16];
+    int64_t fetches = 0, issued = 0;
+    for (int64_t j = 0; j < 8; ++j) {
+      if (j0 + 8 + j < count) fetch[fetches++] = k_buf + slots[first + j0 + 8 + j] * W;
+      if (j < n) fetch[fetches++] = v_buf + slots[first + j0 + j] * W;
+    }
+    const int64_t per_head = (fetches + heads - 1) / heads;
     for (int64_t kvh = 0; kvh < kv_heads; ++kvh) {
       unroll<8>([&](auto j) {
         unroll<NC>([&](auto c) { _mm256_store_ps(keys + j * D + 8 * c, load8(rows[j] + kvh * D + 8 * c)); });
@@ -121,6 +158,7 @@ template <int NC, typename KV>
       for (int64_t g = 0; g < G; ++g) {
         const int64_t h = kvh * G + g;
         _mm256_storeu_ps(scores + h * tile_stride + j0, score8<NC>(qf + h * D, keys));
+        for (int64_t r = 0; r < per_head && issued < fetches; ++r) prefetch_row(fetch[issued++], W);
       }
     }
   }

@@ -1,19 +1,22 @@
-// decode_linear for CPUs with AVX2 and FMA but no AVX-512 BF16 (e.g. Zen 3): the contract of the AVX-512
-// BF16 kernel in decode_ops.cpp (y = x @ w.T + bias for bf16 x / w and a few dozen rows), computed in
-// float32 from the bf16 weight as it is stored.
+// The decode GEMV for CPUs with AVX2 and FMA but no AVX-512 BF16 (e.g. Zen 3): y = x @ w.T + bias for bf16
+// x / w and up to a few dozen rows, computed in float32 from a packed bf16 copy of the weight.
 //
-// Without this kernel such a CPU multiplies a decode batch of 4 rows or more as a float32 GEMM on a float32
-// copy of every weight, made again each step (the bench model writes ~160 MB of copies per step). Here each
-// weight element is read once per block of input rows, as bf16, and widened in a register (a bf16 is the
-// high half of a float32: zero-extend, shift left 16). The input rows are widened once per call into a
-// float32 scratch that stays in cache. Register blocks of NR weight rows x MR input rows keep NR * MR
-// 8-lane accumulators; an output is the sum of its accumulator's lanes over K in steps of 8, then one
-// fixed tree, so row m's bits do not depend on M, on its place in a block or on the thread count (threads
-// split the weight rows). Callers keep it out of batch-invariant mode, as the AVX-512 kernel.
+// decode_linear_pack lays a weight [N, K] out as blocks of 16 weight rows, column by column (zero past N):
+// the 16 weights of a block at one k are 32 bytes, and widen into two 8-lane vectors in two instructions (a
+// bf16 is the high half of a float32: shift the low one left 16, mask the high one). A step k multiplies
+// them by a broadcast x[m, k] for each of G input rows: 2 G accumulators that hold outputs, so there are no horizontal
+// sums and one widened weight serves G rows. Measured on Zen 3 this runs at ~2x the float32 dot-product
+// form on a row-major weight at 16 rows (docs/benchmarks.md), and streams the weight at the memory
+// bandwidth for one row.
+//
+// Row invariance: out[m, n] = round_bf16(sum over k = 0, 1, ... of fma(w[n, k], x[m, k]) + bias[n]) in this
+// one order, whatever M, the row group that holds m or the number of threads (threads split the blocks).
+// Callers keep it out of batch-invariant mode, as the AVX-512 BF16 kernel in decode_ops.cpp.
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
+#include <ATen/ops/zeros.h>
 #include <c10/util/BFloat16.h>
 #include <torch/library.h>
 
@@ -22,8 +25,7 @@
 
 #include <algorithm>
 #include <cstdint>
-#include <cstring>
-#include <utility>
+#include <type_traits>
 #include <vector>
 
 #if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512BF16__)
@@ -32,98 +34,128 @@
 namespace {
 
 using bf16 = c10::BFloat16;
-
-constexpr int NR = 3;           // weight rows per register block
-constexpr int MR = 4;           // input rows per register block: NR x MR accumulators, NR + 1 more registers
-constexpr int64_t GRAIN = 16;   // blocks of NR weight rows per parallel task
-constexpr int BY_ROW_MAX_ROWS = 2;     // products of up to this many rows read the weight row after row
-constexpr int64_t PREFETCH_BYTES = 512;   // how far ahead in each weight row the interleaved loop fetches
-
-using kvstrata_cpu::load8;
-using kvstrata_cpu::sum_lanes8;
 using kvstrata_cpu::unroll;
 
-// out[m, n0 + n] for NR weight rows (pointers; a short last block repeats a row) and G <= MR input rows
-// (float32, K8 long, zero past K). The weights are read up to K8 too: the caller pads a tail of K.
-template <int G>
-[[gnu::always_inline]] inline void block(const uint16_t* const* w, const float* x, int64_t K8, const float* bias,
-                                         bf16* out, int64_t N, int64_t n0, int rows) {
-  __m256 acc[NR * MR];
-  unroll<NR * MR>([&](auto i) { acc[i] = _mm256_setzero_ps(); });   // the unused ones are dropped
-  if constexpr (G <= BY_ROW_MAX_ROWS) {
-    // Memory-bound: each weight row front to back (the block's rows are adjacent: one sequential stream
-    // that the hardware prefetcher follows). Same sums in the same order as the interleaved loop.
-    unroll<NR>([&](auto n) {
-      for (int64_t k = 0; k < K8; k += 8) {
-        const __m256 wv = load8(w[n] + k);
-        unroll<G>([&](auto m) {
-          acc[n * MR + m] = _mm256_fmadd_ps(wv, _mm256_loadu_ps(x + m * K8 + k), acc[n * MR + m]);
-        });
-      }
-    });
-  } else {   // compute-bound: NR weight chunks widened once per step serve G input rows
-    for (int64_t k = 0; k < K8; k += 8) {
-      __m256 wv[NR];
-      unroll<NR>([&](auto n) {
-        _mm_prefetch(reinterpret_cast<const char*>(w[n] + k) + PREFETCH_BYTES, _MM_HINT_T0);
-        wv[n] = load8(w[n] + k);
-      });
+constexpr int64_t BLOCK = 16;        // weight rows per packed block: two 8-lane vectors
+constexpr int64_t SUPER = 4;         // blocks per parallel task (their weights stay in L2 for every row group)
+constexpr int MAX_GROUP = 6;         // input rows per register tile: 12 accumulators + 2 weights + 1 broadcast
+
+// Where row j of a block sits among its 16 weights of one k: rows 0-7 in the low bf16 of each 32-bit lane,
+// rows 8-15 in the high one, so that one 32-byte load widens into both vectors with a shift and a mask.
+constexpr int64_t slot(int64_t j) { return j < 8 ? 2 * j : 2 * (j - 8) + 1; }
+
+// Blocks per tile for a group of G rows: enough independent accumulators (8-12) to hide the FMA latency.
+constexpr int blocks_for(int G) { return G == 1 ? 4 : G <= 3 ? 2 : 1; }
+
+// out rows [0, G) x weight rows [n0, n0 + 16 B) from B packed blocks at p (each K x 16), the input rows at
+// x (float32, row stride K). Rows past N are computed (zero weights) and not stored.
+template <int G, int B>
+[[gnu::always_inline]] inline void tile(const uint16_t* p, const float* x, int64_t K, const float* bias,
+                                        bf16* out, int64_t N, int64_t n0) {
+  __m256 acc[G * B * 2];
+  unroll<G * B * 2>([&](auto i) { acc[i] = _mm256_setzero_ps(); });
+  const __m256i high = _mm256_set1_epi32(static_cast<int>(0xFFFF0000u));
+  for (int64_t k = 0; k < K; ++k) {
+    unroll<B>([&](auto b) {
+      const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + (b * K + k) * BLOCK));
+      const __m256 lo = _mm256_castsi256_ps(_mm256_slli_epi32(w, 16));     // rows 0-7: the low halves
+      const __m256 hi = _mm256_castsi256_ps(_mm256_and_si256(w, high));   // rows 8-15: the high halves
       unroll<G>([&](auto m) {
-        const __m256 xv = _mm256_loadu_ps(x + m * K8 + k);
-        unroll<NR>([&](auto n) { acc[n * MR + m] = _mm256_fmadd_ps(wv[n], xv, acc[n * MR + m]); });
+        const __m256 xb = _mm256_broadcast_ss(x + m * K + k);
+        acc[(m * B + b) * 2] = _mm256_fmadd_ps(lo, xb, acc[(m * B + b) * 2]);
+        acc[(m * B + b) * 2 + 1] = _mm256_fmadd_ps(hi, xb, acc[(m * B + b) * 2 + 1]);
       });
-    }
+    });
   }
-  for (int m = 0; m < G; ++m)
-    for (int n = 0; n < rows; ++n)
-      out[m * N + n0 + n] = static_cast<bf16>(sum_lanes8(acc[n * MR + m]) + (bias ? bias[n] : 0.0f));
-}
-
-// Weight rows [n0, n0 + rows) for every input row: the first group of input rows reads them into cache,
-// the later groups reuse them.
-void linear_block(const uint16_t* const* w, const float* x, const float* bias, bf16* out, int64_t M, int64_t K8,
-                  int64_t N, int64_t n0, int rows) {
-  for (int64_t m = 0; m < M; m += MR) {
-    const float* xm = x + m * K8;
-    bf16* om = out + m * N;
-    switch (std::min<int64_t>(MR, M - m)) {
-      case 1: block<1>(w, xm, K8, bias, om, N, n0, rows); break;
-      case 2: block<2>(w, xm, K8, bias, om, N, n0, rows); break;
-      case 3: block<3>(w, xm, K8, bias, om, N, n0, rows); break;
-      default: block<4>(w, xm, K8, bias, om, N, n0, rows); break;
+  // Spill through constant indices (a runtime-indexed acc would be kept in memory, vec_math.h), then round.
+  alignas(32) float sums[G * B * 2][8];
+  unroll<G * B * 2>([&](auto i) { _mm256_store_ps(sums[i], acc[i]); });
+  for (int m = 0; m < G; ++m) {
+    for (int b = 0; b < B; ++b) {
+      const float* row = sums[(m * B + b) * 2];   // 16 consecutive floats: rows n0 + 16 b + [0, 16)
+      const int64_t first = n0 + b * BLOCK, count = std::min<int64_t>(BLOCK, N - first);
+      for (int64_t j = 0; j < count; ++j)
+        out[m * N + first + j] = static_cast<bf16>(row[j] + (bias ? bias[first + j] : 0.0f));
     }
   }
 }
 
-at::Tensor decode_linear(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias) {
-  const at::Tensor b = kvstrata_cpu::check_decode_linear_args(x, weight, bias);
-  const int64_t M = x.size(0), K = x.size(1), N = weight.size(0);
-  const int64_t K8 = (K + 7) / 8 * 8, full = K / 8 * 8;
+// f(integral_constant<int, G>) for a group of 1 <= G <= MAX_GROUP rows.
+template <typename F>
+void with_group(int64_t G, F&& f) {
+  switch (G) {
+    case 1: return f(std::integral_constant<int, 1>{});
+    case 2: return f(std::integral_constant<int, 2>{});
+    case 3: return f(std::integral_constant<int, 3>{});
+    case 4: return f(std::integral_constant<int, 4>{});
+    case 5: return f(std::integral_constant<int, 5>{});
+    default: return f(std::integral_constant<int, 6>{});
+  }
+}
+
+// All M rows against `blocks` packed blocks from block index b0.
+void rows_against_blocks(const uint16_t* packed, const float* x, int64_t M, int64_t K, const float* bias,
+                         bf16* out, int64_t N, int64_t b0, int64_t blocks) {
+  const auto at = [&](int64_t b) { return packed + b * K * BLOCK; };
+  if (M <= MAX_GROUP) {   // one group, B blocks per tile, then the leftover blocks one at a time
+    with_group(M, [&](auto G) {
+      constexpr int B = blocks_for(G);
+      int64_t b = b0;
+      for (; b + B <= b0 + blocks; b += B) tile<G, B>(at(b), x, K, bias, out, N, b * BLOCK);
+      for (; b < b0 + blocks; ++b) tile<G, 1>(at(b), x, K, bias, out, N, b * BLOCK);
+    });
+    return;
+  }
+  // Groups of 4-6 rows (sizes differ by one at most), each against one block while it is in L1.
+  const int64_t groups = (M + MAX_GROUP - 1) / MAX_GROUP;
+  for (int64_t b = b0; b < b0 + blocks; ++b) {
+    for (int64_t g = 0, m = 0; g < groups; ++g) {
+      const int64_t rows = (M - m) / (groups - g);
+      with_group(rows, [&](auto G) { tile<G, 1>(at(b), x + m * K, K, bias, out + m * N, N, b * BLOCK); });
+      m += rows;
+    }
+  }
+}
+
+at::Tensor decode_linear_pack(const at::Tensor& weight) {
+  TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == at::kBFloat16 && weight.is_contiguous(),
+              "decode_linear_pack: a contiguous bf16 weight [N, K]");
+  const int64_t N = weight.size(0), K = weight.size(1), blocks = (N + BLOCK - 1) / BLOCK;
+  at::Tensor packed = at::zeros({blocks, K, BLOCK}, weight.options());
+  const auto* w = reinterpret_cast<const uint16_t*>(weight.data_ptr());
+  auto* p = reinterpret_cast<uint16_t*>(packed.data_ptr());
+  at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t b = begin; b < end; ++b)
+      for (int64_t j = 0; j < std::min<int64_t>(BLOCK, N - b * BLOCK); ++j)
+        for (int64_t k = 0; k < K; ++k) p[(b * K + k) * BLOCK + slot(j)] = w[(b * BLOCK + j) * K + k];
+  });
+  return packed;
+}
+
+at::Tensor decode_linear_packed(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias,
+                                int64_t N) {
+  TORCH_CHECK(packed.dim() == 3 && packed.size(2) == BLOCK && packed.size(0) == (N + BLOCK - 1) / BLOCK,
+              "decode_linear_packed: a weight from decode_linear_pack for ", N, " rows");
+  TORCH_CHECK(packed.scalar_type() == at::kBFloat16 && packed.is_contiguous(), "decode_linear_packed: bf16, contiguous");
+  const at::Tensor b = kvstrata_cpu::check_decode_linear_inputs(x, packed.size(1), N, bias);
+  const int64_t M = x.size(0), K = x.size(1), blocks = packed.size(0);
   at::Tensor out = at::empty({M, N}, x.options());
-  // The input rows in float32, zero-padded to K8: widened once, read by every block of weight rows.
-  std::vector<float> xf(M * K8, 0.0f);
+  // The input rows in float32, widened once and read (broadcast) by every tile.
+  std::vector<float> xf(M * K);
   const bf16* xp = x.data_ptr<bf16>();
-  for (int64_t m = 0; m < M; ++m)
-    for (int64_t k = 0; k < K; ++k) xf[m * K8 + k] = static_cast<float>(xp[m * K + k]);
-  std::vector<float> bf(N, 0.0f);
-  if (b.defined())
+  for (int64_t i = 0; i < M * K; ++i) xf[i] = static_cast<float>(xp[i]);
+  std::vector<float> bf;
+  if (b.defined()) {
+    bf.resize(N);
     for (int64_t n = 0; n < N; ++n) bf[n] = static_cast<float>(b.data_ptr<bf16>()[n]);
-  const auto* wp = reinterpret_cast<const uint16_t*>(weight.data_ptr());
+  }
+  const auto* pp = reinterpret_cast<const uint16_t*>(packed.data_ptr());
   bf16* op = out.data_ptr<bf16>();
-  at::parallel_for(0, (N + NR - 1) / NR, GRAIN, [&](int64_t begin, int64_t end) {
-    std::vector<uint16_t> padded(full < K ? NR * K8 : 0, 0);   // rows whose K is not a multiple of 8, zero-padded
-    for (int64_t i = begin; i < end; ++i) {
-      const int64_t n0 = i * NR;
-      const int rows = static_cast<int>(std::min<int64_t>(NR, N - n0));
-      const uint16_t* w[NR];
-      for (int n = 0; n < NR; ++n) {
-        w[n] = wp + (n0 + std::min(n, rows - 1)) * K;
-        if (full < K) {
-          std::memcpy(padded.data() + n * K8, w[n], K * sizeof(uint16_t));
-          w[n] = padded.data() + n * K8;
-        }
-      }
-      linear_block(w, xf.data(), b.defined() ? bf.data() + n0 : nullptr, op, M, K8, N, n0, rows);
+  at::parallel_for(0, (blocks + SUPER - 1) / SUPER, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t s = begin; s < end; ++s) {
+      const int64_t b0 = s * SUPER;
+      rows_against_blocks(pp, xf.data(), M, K, bf.empty() ? nullptr : bf.data(), op, N, b0,
+                          std::min(SUPER, blocks - b0));
     }
   });
   return out;
@@ -131,9 +163,13 @@ at::Tensor decode_linear(const at::Tensor& x, const at::Tensor& weight, const c1
 
 }  // namespace
 
-TORCH_LIBRARY_FRAGMENT(kvstrata, m) {   // decode_ops.cpp registers the AVX-512 BF16 kernel instead where it builds
-  m.def("decode_linear(Tensor x, Tensor weight, Tensor? bias) -> Tensor");
-  m.impl("decode_linear", c10::DispatchKey::CPU, TORCH_FN(decode_linear));
+// decode_ops.cpp registers `decode_linear` (row-major weights) instead where AVX-512 BF16 builds;
+// paged_kernels.decode_linear_op() picks whichever pair this build has.
+TORCH_LIBRARY_FRAGMENT(kvstrata, m) {
+  m.def("decode_linear_pack(Tensor weight) -> Tensor");
+  m.def("decode_linear_packed(Tensor x, Tensor packed, Tensor? bias, int n) -> Tensor");
+  m.impl("decode_linear_pack", c10::DispatchKey::CPU, TORCH_FN(decode_linear_pack));
+  m.impl("decode_linear_packed", c10::DispatchKey::CPU, TORCH_FN(decode_linear_packed));
 }
 
 #endif  // AVX2 + FMA, no AVX-512 BF16
