@@ -4,10 +4,10 @@
 // decode_linear_pack lays a weight [N, K] out as blocks of 16 weight rows, column by column (zero past N):
 // the 16 weights of a block at one k are 32 bytes, and widen into two 8-lane vectors in two instructions (a
 // bf16 is the high half of a float32: shift the low one left 16, mask the high one). A step k multiplies
-// them by a broadcast x[m, k] for each of G input rows: 2 G accumulators that hold outputs, so there are no horizontal
-// sums and one widened weight serves G rows. Measured on Zen 3 this runs at ~2x the float32 dot-product
-// form on a row-major weight at 16 rows (docs/benchmarks.md), and streams the weight at the memory
-// bandwidth for one row.
+// them by a broadcast x[m, k] for each of G input rows: 2 G accumulators that hold outputs, so there are no
+// horizontal sums and one widened weight serves G rows. Measured on Zen 3 this runs 1.3-1.6x the float32
+// dot-product form on a row-major weight at 16 rows (docs/benchmarks.md), and streams the weight at the
+// memory bandwidth for one row.
 //
 // Row invariance: out[m, n] = round_bf16(sum over k = 0, 1, ... of fma(w[n, k], x[m, k]) + bias[n]) in this
 // one order, whatever M, the row group that holds m or the number of threads (threads split the blocks).
@@ -37,13 +37,13 @@ using bf16 = c10::BFloat16;
 using kvstrata_cpu::unroll;
 
 constexpr int64_t BLOCK = 16;        // weight rows per packed block: two 8-lane vectors
-constexpr int64_t SUPER = 4;         // blocks per parallel task (their weights stay in L2 for every row group)
-constexpr int MAX_GROUP = 6;
-// Tiles of this many rows or more fetch their block's weights this far ahead (the first row group reads them
-// from DRAM; the hardware prefetcher alone left ~8% at 16 rows). Fewer rows are a memory stream, which
-// the extra loads slowed by ~20% (measured on Zen 3).
+constexpr int64_t SUPER = 4;         // blocks per parallel task: a one-row tile reads 4 adjacent blocks
+constexpr int MAX_GROUP = 6;         // input rows per register tile: 12 accumulators + 2 weights + 1 broadcast
+// Tiles of this many rows or more fetch their block's weights this far ahead: the first row group reads
+// them from DRAM, and with the hardware prefetcher alone 4-16 rows ran 1.2-1.4x slower. Fewer rows are a
+// memory stream, which the extra loads slowed by ~20% (measured on Zen 3, docs/benchmarks.md).
 constexpr int PREFETCH_MIN_ROWS = 4;
-constexpr int64_t PREFETCH_BYTES = 2048;         // input rows per register tile: 12 accumulators + 2 weights + 1 broadcast
+constexpr int64_t PREFETCH_BYTES = 2048;
 
 // Where row j of a block sits among its 16 weights of one k: rows 0-7 in the low bf16 of each 32-bit lane,
 // rows 8-15 in the high one, so that one 32-byte load widens into both vectors with a shift and a mask.
