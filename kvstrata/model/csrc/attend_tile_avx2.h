@@ -28,18 +28,15 @@ inline void prefetch_row(const KV* row, int64_t n) {   // every cache line of n 
   for (int64_t off = 0; off < n * static_cast<int64_t>(sizeof(KV)); off += 64) _mm_prefetch(p + off, _MM_HINT_T0);
 }
 
-// exp(x) for x <= 0, 8 lanes: the portable exp_nonpositive's range reduction and polynomial.
+// exp(x) for x <= 0, 8 lanes: vec_math.h's exp_cephes, as the portable exp_nonpositive.
 inline __m256 exp8(__m256 x) {
-  x = _mm256_max_ps(x, _mm256_set1_ps(-87.0f));
-  const __m256 fx = _mm256_floor_ps(_mm256_fmadd_ps(x, _mm256_set1_ps(1.44269504088896341f), _mm256_set1_ps(0.5f)));
-  __m256 r = _mm256_fnmadd_ps(fx, _mm256_set1_ps(0.693359375f), x);
-  r = _mm256_fnmadd_ps(fx, _mm256_set1_ps(-2.12194440e-4f), r);
-  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+  namespace c = exp_cephes;
+  x = _mm256_max_ps(x, _mm256_set1_ps(c::kMin));
+  const __m256 fx = _mm256_floor_ps(_mm256_fmadd_ps(x, _mm256_set1_ps(c::kLog2e), _mm256_set1_ps(0.5f)));
+  __m256 r = _mm256_fnmadd_ps(fx, _mm256_set1_ps(c::kLn2Hi), x);
+  r = _mm256_fnmadd_ps(fx, _mm256_set1_ps(c::kLn2Lo), r);
+  __m256 p = _mm256_set1_ps(c::kPoly[0]);
+  for (int i = 1; i <= c::kDegree; ++i) p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(c::kPoly[i]));
   p = _mm256_fmadd_ps(_mm256_mul_ps(p, r), r, _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
   const __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(fx), _mm256_set1_epi32(127)), 23);
   return _mm256_mul_ps(p, _mm256_castsi256_ps(bits));

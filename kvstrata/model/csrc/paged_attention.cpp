@@ -52,19 +52,16 @@ inline void widen_row(const T* src, float* dst, int64_t n) {
   for (int64_t i = 0; i < n; ++i) dst[i] = widen(src[i]);
 }
 
-// exp(x) for x <= 0 (x = score - max), Cephes-style: 2^k * p(r), about 1 ulp; plain arithmetic so that the
-// loops over a tile vectorize, and the same bits in every build of this file.
+// exp(x) for x <= 0 (x = score - max), vec_math.h's exp_cephes: plain arithmetic so that the loops over a
+// tile vectorize, and the same bits in every build of this file.
 inline float exp_nonpositive(float x) {
-  x = x < -87.0f ? -87.0f : x;
-  const float fx = std::floor(x * 1.44269504088896341f + 0.5f);
-  float r = x - fx * 0.693359375f;
-  r = r - fx * -2.12194440e-4f;
-  float p = 1.9875691500e-4f;
-  p = p * r + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
+  namespace c = kvstrata_cpu::exp_cephes;
+  x = x < c::kMin ? c::kMin : x;
+  const float fx = std::floor(x * c::kLog2e + 0.5f);
+  float r = x - fx * c::kLn2Hi;
+  r = r - fx * c::kLn2Lo;
+  float p = c::kPoly[0];
+  for (int i = 1; i <= c::kDegree; ++i) p = p * r + c::kPoly[i];
   p = p * r * r + r + 1.0f;
   int32_t bits = (static_cast<int32_t>(fx) + 127) << 23;
   float scale;
@@ -109,17 +106,14 @@ inline __m512 load16<c10::BFloat16>(const c10::BFloat16* p) {
 }
 
 inline __m512 exp16(__m512 x) {   // exp_nonpositive, 16 lanes
-  x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
-  const __m512 fx = _mm512_roundscale_ps(_mm512_fmadd_ps(x, _mm512_set1_ps(1.44269504088896341f),
-                                                         _mm512_set1_ps(0.5f)), _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(fx, _mm512_set1_ps(0.693359375f), x);
-  r = _mm512_fnmadd_ps(fx, _mm512_set1_ps(-2.12194440e-4f), r);
-  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+  namespace c = kvstrata_cpu::exp_cephes;
+  x = _mm512_max_ps(x, _mm512_set1_ps(c::kMin));
+  const __m512 fx = _mm512_roundscale_ps(_mm512_fmadd_ps(x, _mm512_set1_ps(c::kLog2e), _mm512_set1_ps(0.5f)),
+                                         _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(fx, _mm512_set1_ps(c::kLn2Hi), x);
+  r = _mm512_fnmadd_ps(fx, _mm512_set1_ps(c::kLn2Lo), r);
+  __m512 p = _mm512_set1_ps(c::kPoly[0]);
+  for (int i = 1; i <= c::kDegree; ++i) p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(c::kPoly[i]));
   p = _mm512_fmadd_ps(_mm512_mul_ps(p, r), r, _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
   const __m512i bits = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(fx), _mm512_set1_epi32(127)), 23);
   return _mm512_mul_ps(p, _mm512_castsi512_ps(bits));

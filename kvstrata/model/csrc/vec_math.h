@@ -24,6 +24,18 @@ void with_head_dim(int64_t dim, F&& f) {
   }
 }
 
+// exp(x) for x <= 0 in the float32 paged-attention kernels (paged_attention.cpp's portable exp_nonpositive and
+// AVX-512 exp16, attend_tile_avx2.h's exp8), Cephes-style: x = n ln2 + r with ln2 in two parts for an exact
+// reduction, e^r = 1 + r + r^2 p(r) with p of degree 5 (about 1 ulp), times 2^n built from the exponent bits.
+namespace exp_cephes {
+constexpr float kMin = -87.0f;                                   // e^-87 still has a normal float32 2^n
+constexpr float kLog2e = 1.44269504088896341f;
+constexpr float kLn2Hi = 0.693359375f, kLn2Lo = -2.12194440e-4f;
+constexpr int kDegree = 5;
+constexpr float kPoly[kDegree + 1] = {1.9875691500e-4f, 1.3981999507e-3f, 8.3334519073e-3f,
+                                      4.1665795894e-2f, 1.6666665459e-1f, 5.0000001201e-1f};   // highest first
+}  // namespace exp_cephes
+
 // f(integral_constant<int, i>) for i < Count, unrolled. An accumulator array stays in registers only where
 // it is indexed by constants in one inlined body: GCC keeps a loop-indexed or by-reference vector array in
 // memory and stores it on every iteration.
