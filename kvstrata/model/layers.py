@@ -19,12 +19,6 @@ if TYPE_CHECKING:
 # weight to float32 (cheap while it fits in cache) and running a float32 GEMM is then faster. A single
 # row (decode) is memory-bound and reads the half-size weight natively.
 UPCAST_MIN_ROWS = 4
-# Products of up to this many rows go through the compiled decode GEMV where one is set (`use_decode_linear`):
-# it streams the weight at the memory bandwidth for a few rows and runs near the dot-product peak for more.
-# On the bench model's shapes, with AVX-512 BF16 it beats oneDNN's bf16 GEMM 2.1-2.2x at 16 rows and
-# 1.2-1.3x at 64, and is about even at 96; the AVX2 build (bf16 widened in registers) beats the float32
-# upcast 2-6x at 4-64 rows (docs/benchmarks.md). Larger products (prefill) stay with oneDNN.
-DECODE_LINEAR_MAX_ROWS = 64
 _CPU_NATIVE_LOW_PRECISION = cpu_has_fast_bf16()
 _LOW_PRECISION = (torch.bfloat16, torch.float16)
 
@@ -42,14 +36,15 @@ class Linear(nn.Linear):
         super().__init__(in_features, out_features, bias=bias)
         self.upcast_min_rows = upcast_min_rows
         self.min_rows = 1   # inputs with fewer rows are zero-padded (batch-invariant mode)
-        self.decode_gemv: Optional[DecodeLinear] = None   # compiled bf16 GEMV for decode-sized inputs
+        self.decode_gemv: Optional[DecodeLinear] = None   # compiled bf16 GEMV (decode rows; AVX2: all rows)
         self.decode_weight: Optional[torch.Tensor] = None   # the weight as decode_gemv reads it (packed)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x `[T, in]` -> `[T, out]` (in the weight's dtype when a float32 weight serves a bf16 model)."""
         rows = x.shape[0]
-        if self.decode_gemv is not None and rows <= DECODE_LINEAR_MAX_ROWS and x.dtype == self.weight.dtype:
-            return self.decode_gemv.run(x.contiguous(), self.decode_weight, self.bias, self.out_features)
+        gemv = self.decode_gemv
+        if gemv is not None and x.dtype == self.weight.dtype and (gemv.max_rows is None or rows <= gemv.max_rows):
+            return gemv.run(x.contiguous(), self.decode_weight, self.bias, self.out_features)
         if rows < self.min_rows:
             return self._forward(F.pad(x, (0, 0, 0, self.min_rows - rows)))[:rows]
         return self._forward(x)
@@ -87,12 +82,14 @@ def make_batch_invariant(model: nn.Module) -> None:
 
 
 def use_decode_linear(model: nn.Module, gemv: Optional[DecodeLinear]) -> None:
-    """Route `model`'s decode-sized bf16 products through `gemv` (paged_kernels.decode_linear_op()), or stop.
+    """Route `model`'s bf16 products of up to `gemv.max_rows` rows through `gemv` (paged_kernels.decode_linear_op()),
+    or stop.
 
     Only Linears whose weight the GEMV can read (bf16, contiguous row-major, on CPU) take it; each keeps the
-    weight as the GEMV reads it (on AVX2 CPUs a packed copy: the row-major weight still serves prefill).
-    Not for batch-invariant mode: its rows are invariant among themselves but summed in another order than
-    oneDNN's, which serves the same row in a larger batch.
+    weight as the GEMV reads it (on AVX2 CPUs a packed copy; the row-major one stays for the embedding a
+    tied lm_head shares, and for weight updates). Batch-invariant mode takes only a GEMV that serves every
+    row count: one with a row limit sums a row in another order than oneDNN, which serves the same row in a
+    larger batch.
     """
     for module in model.modules():
         if isinstance(module, Linear):

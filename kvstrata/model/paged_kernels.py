@@ -126,13 +126,22 @@ def silu_and_mul_op() -> Optional[Callable]:
     return _bf16_op("silu_and_mul")
 
 
+# Products of up to this many rows go through the AVX-512 BF16 decode GEMV (decode_ops.cpp): on the bench
+# model's shapes it beats oneDNN's bf16 GEMM 2.1-2.2x at 16 rows and 1.2-1.3x at 64, and is about even at 96
+# (docs/benchmarks.md). Larger products (prefill) stay with oneDNN there.
+DECODE_LINEAR_MAX_ROWS = 64
+
+
 class DecodeLinear(NamedTuple):
-    """The compiled decode GEMV: `pack(w [N, K])` once per weight, then `run(x [M, K], packed, bias | None, N)`
-    -> `x @ w.T + bias` (bf16). AVX-512 BF16 builds read the row-major weight as it is (`pack` returns it);
-    AVX2 builds read a copy in 16-row blocks (decode_linear_avx2.cpp)."""
+    """The compiled bf16 GEMV/GEMM: `pack(w [N, K])` once per weight, then `run(x [M, K], packed, bias | None, N)`
+    -> `x @ w.T + bias` (bf16), for products of at most `max_rows` rows (None: any). AVX-512 BF16 builds read
+    the row-major weight as it is (`pack` returns it) and serve decode-sized products; AVX2 builds read a copy
+    in 16-row blocks (decode_linear_avx2.cpp) and serve every product, each row summed in one order whatever
+    the batch (so batch-invariant mode can use it)."""
 
     pack: Callable[[torch.Tensor], torch.Tensor]
     run: Callable[[torch.Tensor, torch.Tensor, Optional[torch.Tensor], int], torch.Tensor]
+    max_rows: Optional[int]
 
 
 def _row_major(weight: torch.Tensor) -> torch.Tensor:
@@ -140,12 +149,12 @@ def _row_major(weight: torch.Tensor) -> torch.Tensor:
 
 
 def decode_linear_op() -> Optional[DecodeLinear]:
-    """The decode GEMV of this CPU's build (AVX-512 BF16 or AVX2), or None."""
+    """The bf16 GEMV of this CPU's build (AVX-512 BF16: decode rows; AVX2: every product), or None."""
     row_major = _bf16_op("decode_linear")
     if row_major is not None:
-        return DecodeLinear(_row_major, lambda x, weight, bias, n: row_major(x, weight, bias))
+        return DecodeLinear(_row_major, lambda x, weight, bias, n: row_major(x, weight, bias), DECODE_LINEAR_MAX_ROWS)
     pack, packed = _bf16_op("decode_linear_pack"), _bf16_op("decode_linear_packed")
-    return DecodeLinear(pack, packed) if pack is not None and packed is not None else None
+    return DecodeLinear(pack, packed, None) if pack is not None and packed is not None else None
 
 
 def norm_ops():

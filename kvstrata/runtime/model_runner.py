@@ -94,15 +94,16 @@ class ModelRunner:
         return extend_attention_op() if usable else None
 
     def _use_layer_kernels(self) -> None:
-        """Compiled norms and silu·mul (row-invariant: both modes) and, outside deterministic mode, the decode
-        GEMV, on CPU unless --disable-cpu-kernels; the plain-torch layers otherwise."""
+        """Compiled norms and silu·mul (row-invariant: both modes) and the bf16 GEMV (deterministic mode: only
+        the AVX2 one, which serves every row count), on CPU unless --disable-cpu-kernels; plain torch otherwise."""
         if self.device.type != "cpu" or self.args.disable_cpu_kernels:
             return
         use_fused_norms(self.model, norm_ops())
         if self.dtype == torch.bfloat16:
             use_fused_activation(self.model, silu_and_mul_op())
-        if not self.args.enable_deterministic_inference:
-            use_decode_linear(self.model, decode_linear_op())
+        gemv = decode_linear_op()
+        if gemv is not None and (gemv.max_rows is None or not self.args.enable_deterministic_inference):
+            use_decode_linear(self.model, gemv)
 
     @property
     def max_total_tokens(self) -> int:

@@ -1,10 +1,12 @@
-"""The compiled decode-step kernels (csrc/decode_ops.cpp) against the plain-torch layers they replace.
+"""The compiled decode-step kernels (csrc/decode_ops.cpp, decode_linear_avx2.cpp) against the plain-torch
+layers they replace.
 
 Checked: the bf16 GEMV equals a float32 product up to bf16 rounding, its rows do not depend on the row count
-or the thread count; the fused residual-add + RMSNorm gives transformers' LlamaRMSNorm arithmetic, row by
-row; a whole model through both kernels stays within the transformers tolerances and generates its greedy
-tokens; the ModelRunner takes them only where they apply (CPU, not --disable-cpu-kernels, the GEMV not in
-deterministic mode).
+or the thread count (on AVX2, whose build serves prefill too, also across its decode and prefill paths); the
+fused residual-add + RMSNorm gives transformers' LlamaRMSNorm arithmetic, row by row; a whole model through
+both kernels stays within the transformers tolerances and generates its greedy tokens; the ModelRunner takes
+them only where they apply (CPU, not --disable-cpu-kernels; in deterministic mode only a GEMV that serves
+every row count).
 """
 
 from __future__ import annotations
@@ -14,8 +16,13 @@ import torch
 import torch.nn.functional as F
 
 from kvstrata.args import ServerArgs
-from kvstrata.model.layers import DECODE_LINEAR_MAX_ROWS, Linear, RMSNorm, use_decode_linear, use_fused_norms
-from kvstrata.model.paged_kernels import decode_linear_op, norm_ops, paged_attention_op
+from kvstrata.model.layers import Linear, RMSNorm, use_decode_linear, use_fused_norms
+from kvstrata.model.paged_kernels import (
+    DECODE_LINEAR_MAX_ROWS,
+    decode_linear_op,
+    norm_ops,
+    paged_attention_op,
+)
 from kvstrata.runtime.model_runner import ModelRunner
 from tests.model.hf_ckpt import CASES
 from tests.model.test_llama_vs_hf import PROMPT_LENS, TOLERANCE, Pair, random_prompts, relative_error
@@ -25,6 +32,9 @@ NORMS = norm_ops()
 pytestmark = pytest.mark.skipif(NORMS is None, reason="the CPU kernels do not build here (no C++ compiler?)")
 needs_gemv = pytest.mark.skipif(LINEAR is None, reason="neither AVX-512 BF16 nor AVX2 on this CPU: the GEMV is not built")
 DTYPES = [torch.float32, torch.bfloat16]
+# Row counts the GEMV serves: decode batches, and prefill-sized products where the build serves them (AVX2:
+# from 65 rows, products are swept in panels of 30-96 rows at these K).
+ROWS = list(range(1, DECODE_LINEAR_MAX_ROWS + 1)) + ([100, 300] if LINEAR and LINEAR.max_rows is None else [])
 
 
 def gemv(x: torch.Tensor, w: torch.Tensor, bias):
@@ -45,7 +55,7 @@ def test_gemv_matches_float32_product_up_to_rounding(k, n):
     g = torch.Generator().manual_seed(k + n)
     w = torch.randn(n, k, generator=g).bfloat16()
     bias = torch.randn(n, generator=g).bfloat16()
-    for rows in range(1, DECODE_LINEAR_MAX_ROWS + 1):
+    for rows in ROWS:
         x = torch.randn(rows, k, generator=g).bfloat16()
         ref = x.float() @ w.float().T + bias.float()
         for b, expected in ((bias, ref), (None, ref - bias.float())):
@@ -62,18 +72,36 @@ def test_gemv_row_bits_do_not_depend_on_row_count_or_threads(n, k):
     g = torch.Generator().manual_seed(n)
     w = torch.randn(n, k, generator=g).bfloat16()
     bias = torch.randn(n, generator=g).bfloat16()
-    x = torch.randn(DECODE_LINEAR_MAX_ROWS * 2, k, generator=g).bfloat16()
+    x = torch.randn(max(ROWS[-1], DECODE_LINEAR_MAX_ROWS * 2), k, generator=g).bfloat16()
     packed = LINEAR.pack(w)
     full = LINEAR.run(x, packed, bias, n)
     threads = torch.get_num_threads()
     try:
         for count in (1, 2, 3):
             torch.set_num_threads(count)
-            for rows in sorted({1, 2, 3, 5, 8, 13, 16, 17, DECODE_LINEAR_MAX_ROWS, 2 * DECODE_LINEAR_MAX_ROWS}):
+            for rows in sorted({1, 2, 3, 5, 8, 13, 16, 17, DECODE_LINEAR_MAX_ROWS, 2 * DECODE_LINEAR_MAX_ROWS, *ROWS[-2:]}):
                 pick = torch.randperm(x.shape[0], generator=g)[:rows]
                 assert torch.equal(LINEAR.run(x[pick], packed, bias, n), full[pick]), (count, rows)
     finally:
         torch.set_num_threads(threads)
+
+
+@needs_gemv
+def test_gemv_rounds_every_output_as_torch_rounds_a_float():
+    """Full 16-row blocks are rounded 8 lanes at a time on AVX2, a ragged block one value at a time (as
+    torch's float -> bf16): both give the same bits, NaN and infinity included."""
+    g = torch.Generator().manual_seed(7)
+    w = torch.randn(48, 64, generator=g).bfloat16()
+    x = torch.randn(20, 64, generator=g).bfloat16()
+    x[0, 0], x[1, 0], x[2] = float("nan"), float("inf"), 1e-38
+    one_row_each = torch.cat([gemv(x, w[i:i + 1], None) for i in range(48)], dim=1)   # ragged: N = 1
+    assert torch.equal(gemv(x, w, None).view(torch.int16), one_row_each.view(torch.int16))
+
+
+@needs_gemv
+def test_gemv_takes_zero_rows():
+    w = torch.randn(40, 16).bfloat16()
+    assert gemv(torch.empty(0, 16).bfloat16(), w, torch.randn(40).bfloat16()).shape == (0, 40)
 
 
 @needs_gemv
@@ -164,7 +192,7 @@ def test_lm_head_and_layers_take_the_gemv_only_where_it_reads_the_weight():
 
 @pytest.mark.parametrize("flags, linear, norms", [
     ({}, True, True),
-    ({"enable_deterministic_inference": True}, False, True),
+    ({"enable_deterministic_inference": True}, "every-row-count", True),
     ({"disable_cpu_kernels": True}, False, False),
 ], ids=["default", "deterministic", "disabled"])
 def test_runner_uses_the_kernels_where_they_apply(flags, linear, norms):
@@ -172,7 +200,7 @@ def test_runner_uses_the_kernels_where_they_apply(flags, linear, norms):
     runner = ModelRunner(args)
     layer = runner.model.model.layers[0]
     assert (layer.input_layernorm.ops is not None) == norms
-    gemv_here = linear and LINEAR is not None
+    gemv_here = LINEAR is not None and (linear is True or (linear == "every-row-count" and LINEAR.max_rows is None))
     assert (layer.mlp.down_proj.decode_gemv is not None) == gemv_here
     lm_head = runner.model.lm_head
     assert (lm_head.decode_gemv is not None) == gemv_here

@@ -57,7 +57,9 @@ CHECK = textwrap.dedent("""
     # of bf16 products
     linear = paged_kernels.decode_linear_op()
     assert linear is not None and linear.pack(torch.zeros(17, 8).bfloat16()).shape == (2, 8, 16)
-    for rows, n, k in ((1, 777, 512), (2, 5, 100), (3, 64, 16), (7, 33, 9), (17, 300, 1536), (64, 128, 8)):
+    assert linear.max_rows is None   # it serves prefill too: 200 rows below are swept in panels
+    for rows, n, k in ((1, 777, 512), (2, 5, 100), (3, 64, 16), (7, 33, 9), (17, 300, 1536), (64, 128, 8),
+                       (200, 40, 512)):
         x, w = torch.randn(rows, k, generator=g).bfloat16(), torch.randn(n, k, generator=g).bfloat16()
         bias = torch.randn(n, generator=g).bfloat16()
         packed = linear.pack(w)
