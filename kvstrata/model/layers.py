@@ -26,7 +26,8 @@ _LOW_PRECISION = (torch.bfloat16, torch.float16)
 class Linear(nn.Linear):
     """nn.Linear that runs multi-row low-precision CPU matmuls in float32 where the CPU lacks native support.
 
-    Same inputs and fp32 accumulation as oneDNN's bf16 GEMM, one rounding of the output.
+    Same inputs and fp32 accumulation as oneDNN's bf16 GEMM, one rounding of the output. A compiled bf16
+    kernel set by `use_decode_linear` takes the products it serves first.
     `upcast_min_rows`: fewest rows worth converting the weight for (higher for very large weights,
     whose conversion no longer fits in cache).
     """
