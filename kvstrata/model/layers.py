@@ -88,7 +88,7 @@ def use_decode_linear(model: nn.Module, gemv: Optional[DecodeLinear]) -> None:
 
     Only Linears whose weight the GEMV can read (bf16, contiguous row-major, on CPU) take it; each keeps the
     weight as the GEMV reads it (on AVX2 CPUs a packed copy; the row-major one stays for the embedding a
-    tied lm_head shares, and for weight updates). Batch-invariant mode takes only a GEMV that serves every
+    tied lm_head shares and for `_forward`, the path of inputs the GEMV does not take). Batch-invariant mode takes only a GEMV that serves every
     row count: one with a row limit sums a row in another order than oneDNN, which serves the same row in a
     larger batch.
     """
