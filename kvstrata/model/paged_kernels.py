@@ -157,6 +157,11 @@ def decode_linear_op() -> Optional[DecodeLinear]:
     return DecodeLinear(pack, packed, None) if pack is not None and packed is not None else None
 
 
+def argmax_op() -> Optional[Callable]:
+    """`op(x [R, C] float32 / bf16, contiguous) -> torch.argmax(x, dim=-1)` (vectorized), or None."""
+    return torch.ops.kvstrata.row_argmax if _loaded() else None
+
+
 def norm_ops():
     """The compiled one-pass RMSNorm and residual-add + RMSNorm (bf16 / float32) as a layers.NormOps, or None."""
     from kvstrata.model.layers import NormOps

@@ -6,6 +6,7 @@ It knows pools and slots, not the radix tree: the scheduler has already placed e
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from typing import Optional
 
 import torch
@@ -25,6 +26,7 @@ from kvstrata.model.layers import (
 from kvstrata.model.loader import load_model
 from kvstrata.model.paged_kernels import (
     BF16_HEAD_DIMS,
+    argmax_op,
     decode_attention_op,
     decode_linear_op,
     extend_attention_op,
@@ -62,7 +64,7 @@ class ModelRunner:
         num_pages = self._pool_pages()
         self.pool = DeviceKVPool(num_pages, args.page_size, self.config.num_layers, self.config.num_kv_heads,
                                  self.config.head_dim, self.dtype, self.device)
-        self.sampler = Sampler(self.vocab_size, args.random_seed or 0, self.device)
+        self.sampler = Sampler(self.vocab_size, args.random_seed or 0, self.device, self._argmax_kernel())
         self.paged_kernel = self._paged_kernel()
         self.extend_kernel = self._extend_kernel()
         self._use_layer_kernels()
@@ -92,6 +94,12 @@ class ModelRunner:
                   and self.config.head_dim in BF16_HEAD_DIMS
                   and not a.disable_cpu_kernels and not a.enable_deterministic_inference)
         return extend_attention_op() if usable else None
+
+    def _argmax_kernel(self) -> Optional[Callable]:
+        """The compiled greedy argmax (torch's tokens) on CPU without --disable-cpu-kernels, else None."""
+        if self.device.type != "cpu" or self.args.disable_cpu_kernels:
+            return None
+        return argmax_op()
 
     def _use_layer_kernels(self) -> None:
         """Compiled norms and silu·mul (row-invariant: both modes) and the bf16 GEMV (deterministic mode: only

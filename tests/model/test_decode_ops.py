@@ -200,6 +200,7 @@ def test_runner_uses_the_kernels_where_they_apply(flags, linear, norms):
     runner = ModelRunner(args)
     layer = runner.model.model.layers[0]
     assert (layer.input_layernorm.ops is not None) == norms
+    assert (runner.sampler.argmax_op is not None) == norms   # the greedy argmax: on wherever the norms are
     gemv_here = LINEAR is not None and (linear is True or (linear == "every-row-count" and LINEAR.max_rows is None))
     assert (layer.mlp.down_proj.decode_gemv is not None) == gemv_here
     lm_head = runner.model.lm_head

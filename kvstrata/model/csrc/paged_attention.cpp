@@ -82,6 +82,18 @@ inline float dot(const float* a, const float* b, int64_t n) {
   return s;
 }
 
+// n floats of scratch kept by the calling thread from call to call (one buffer per Tag), so that a decode
+// step's layers reuse memory instead of each mapping, zeroing and page-faulting its own. Above kKeptFloats
+// (16 MB: a long prefill in deterministic mode) the buffer is `local`, freed with the caller's frame.
+constexpr size_t kKeptFloats = size_t{1} << 22;
+template <int Tag>
+float* kept_scratch(size_t n, std::vector<float>& local) {
+  thread_local std::vector<float> kept;
+  std::vector<float>& buf = n <= kKeptFloats ? kept : local;
+  if (buf.size() < n) buf.resize(n);
+  return buf.data();
+}
+
 struct Shape {
   int64_t heads, kv_heads, dim, group, row_stride, kv_stride, slot_stride;
 };
@@ -184,30 +196,34 @@ template <typename T, typename KV>
 void attend_tile(const T* q, const KV* k_buf, const KV* v_buf, const int64_t* slots, int64_t first,
                  int64_t count, float scale, const Shape& s, float* partial) {
   const int64_t H = s.heads, G = s.group, D = s.dim, W = s.kv_stride;
-  std::vector<float> qf(H * D), row(W), scores(H * TILE);
-  widen_row(q, qf.data(), H * D);
+  std::vector<float> unused;
+  float* const scratch = kept_scratch<0>(H * D + W + H * TILE, unused);
+  float* const qf = scratch;
+  float* const row = scratch + H * D;
+  float* const scores = row + W;
+  widen_row(q, qf, H * D);
   for (int64_t i = 0; i < H * D; ++i) qf[i] *= scale;
 #ifdef __AVX512F__
-  if (D == 64) return attend_tile_avx512<4, KV>(qf.data(), k_buf, v_buf, slots, first, count, s, scores.data(), partial);
-  if (D == 128) return attend_tile_avx512<8, KV>(qf.data(), k_buf, v_buf, slots, first, count, s, scores.data(), partial);
+  if (D == 64) return attend_tile_avx512<4, KV>(qf, k_buf, v_buf, slots, first, count, s, scores, partial);
+  if (D == 128) return attend_tile_avx512<8, KV>(qf, k_buf, v_buf, slots, first, count, s, scores, partial);
 #elif defined(__AVX2__) && defined(__FMA__)
   const auto avx2 = [&](auto nc) {
-    kvstrata_cpu::attend_tile_avx2<decltype(nc)::value, KV>(qf.data(), k_buf, v_buf, slots, first, count, H,
-                                                            s.kv_heads, TILE, scores.data(), partial);
+    kvstrata_cpu::attend_tile_avx2<decltype(nc)::value, KV>(qf, k_buf, v_buf, slots, first, count, H,
+                                                            s.kv_heads, TILE, scores, partial);
   };
   if (D == 32) return avx2(std::integral_constant<int, 4>{});
   if (D == 64) return avx2(std::integral_constant<int, 8>{});
   if (D == 128) return avx2(std::integral_constant<int, 16>{});
 #endif
   for (int64_t j = 0; j < count; ++j) {
-    widen_row(k_buf + slots[first + j] * W, row.data(), W);
-    for (int64_t h = 0; h < H; ++h) scores[h * TILE + j] = dot(qf.data() + h * D, row.data() + (h / G) * D, D);
+    widen_row(k_buf + slots[first + j] * W, row, W);
+    for (int64_t h = 0; h < H; ++h) scores[h * TILE + j] = dot(qf + h * D, row + (h / G) * D, D);
   }
   float* maxes = partial;
   float* sums = partial + H;
   float* acc = partial + 2 * H;
   for (int64_t h = 0; h < H; ++h) {
-    float* sc = scores.data() + h * TILE;
+    float* sc = scores + h * TILE;
     float m = -std::numeric_limits<float>::infinity();
     for (int64_t j = 0; j < count; ++j) m = sc[j] > m ? sc[j] : m;
     float l = 0.0f;
@@ -220,10 +236,10 @@ void attend_tile(const T* q, const KV* k_buf, const KV* v_buf, const int64_t* sl
   }
   std::memset(acc, 0, sizeof(float) * H * D);
   for (int64_t j = 0; j < count; ++j) {
-    widen_row(v_buf + slots[first + j] * W, row.data(), W);
+    widen_row(v_buf + slots[first + j] * W, row, W);
     for (int64_t h = 0; h < H; ++h) {
       const float p = scores[h * TILE + j];
-      const float* v = row.data() + (h / G) * D;
+      const float* v = row + (h / G) * D;
       float* a = acc + h * D;
       for (int64_t d = 0; d < D; ++d) a[d] += p * v[d];
     }
@@ -247,7 +263,8 @@ void run(const at::Tensor& q, const at::Tensor& k_buf, const at::Tensor& slots, 
   for (int64_t t = 0; t < rows; ++t) tile_start[t + 1] = tile_start[t] + (len[t] + TILE - 1) / TILE;
   const int64_t tiles = tile_start[rows];
   const int64_t part_size = s.heads * (s.dim + 2);
-  std::vector<float> partials(tiles * part_size);
+  std::vector<float> large;
+  float* const partials = kept_scratch<1>(tiles * part_size, large);   // every task writes its whole partial
   std::vector<int64_t> task_row(tiles);
   for (int64_t t = 0; t < rows; ++t)
     for (int64_t i = tile_start[t]; i < tile_start[t + 1]; ++i) task_row[i] = t;
@@ -258,7 +275,7 @@ void run(const at::Tensor& q, const at::Tensor& k_buf, const at::Tensor& slots, 
       const int64_t t = task_row[i];
       const int64_t first = (i - tile_start[t]) * TILE;
       tile(qp + t * s.row_stride, sp + seq[t] * s.slot_stride, first, std::min(TILE, len[t] - first),
-           partials.data() + i * part_size);
+           partials + i * part_size);
     }
   });
   T* op = out.data_ptr<T>();
@@ -271,7 +288,7 @@ void run(const at::Tensor& q, const at::Tensor& k_buf, const at::Tensor& slots, 
         float l = 0.0f;
         std::fill(acc.begin(), acc.end(), 0.0f);
         for (int64_t i = tile_start[t]; i < tile_start[t + 1]; ++i) {
-          const float* part = partials.data() + i * part_size;
+          const float* part = partials + i * part_size;
           const float w = exp_nonpositive(part[h] - m);
           l += w * part[s.heads + h];
           const float* a = part + 2 * s.heads + h * s.dim;
