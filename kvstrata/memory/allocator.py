@@ -17,8 +17,9 @@ class PageAllocator:
         self.page_size = page_size
         self.reserved_pages = reserved_pages
         self._free: list[int] = list(range(num_pages - 1, reserved_pages - 1, -1))  # pop() gives low ids
-        self._is_free = torch.zeros(num_pages, dtype=torch.bool)
-        self._is_free[reserved_pages:] = True
+        # One byte per page, in Python: with page size 1 every decode token allocates a page, and indexing a
+        # torch tensor with a list cost ~15 µs per call (~0.25 ms of a 16-stream step).
+        self._is_free = bytearray(reserved_pages) + bytearray(b"\x01") * (num_pages - reserved_pages)
 
     @property
     def capacity_pages(self) -> int:
@@ -44,7 +45,8 @@ class PageAllocator:
         if num_pages > len(self._free):
             return None
         pages = [self._free.pop() for _ in range(num_pages)]
-        self._is_free[pages] = False
+        for page in pages:
+            self._is_free[page] = 0
         return pages
 
     def free(self, pages: list[int] | torch.Tensor) -> None:
@@ -53,10 +55,12 @@ class PageAllocator:
             pages = pages.tolist()
         if not pages:
             return
-        idx = torch.tensor(pages, dtype=torch.long)
-        if (idx < self.reserved_pages).any() or self._is_free[idx].any() or len(set(pages)) != len(pages):
+        is_free = self._is_free
+        if (any(not self.reserved_pages <= p < self.num_pages or is_free[p] for p in pages)
+                or len(set(pages)) != len(pages)):
             raise RuntimeError(f"double free or reserved page in free(): {pages[:16]}")
-        self._is_free[idx] = True
+        for page in pages:
+            is_free[page] = 1
         self._free.extend(pages)
 
     def free_page_ids(self) -> set[int]:
