@@ -88,8 +88,8 @@ class ServerArgs:
         "whether it runs alone or in any batch, at any chunked-prefill split, with any cache hits."))
     disable_cpu_kernels: bool = field(default=False, metadata=_opt(
         "CPU only: plain torch instead of the compiled kernels (paged and extend attention reading K/V in "
-        "place, silu*mul, the decode GEMV, fused residual-add + RMSNorm; built once per machine with the C++ "
-        "compiler; without one, plain torch is used anyway)."))
+        "place, silu*mul, the decode GEMV, fused residual-add + RMSNorm, the rotary embedding, the greedy "
+        "argmax; built once per machine with the C++ compiler; without one, plain torch is used anyway)."))
 
     # --- HTTP server ---
     host: str = field(default="127.0.0.1", metadata=_opt("HTTP host to bind."))

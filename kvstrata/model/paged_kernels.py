@@ -162,6 +162,11 @@ def argmax_op() -> Optional[Callable]:
     return torch.ops.kvstrata.row_argmax if _loaded() else None
 
 
+def rope_op() -> Optional[Callable]:
+    """`op(x [T, H, D], cos, signed_sin [T, 1, D]) -> rope.apply_rotary(x, ...)` in one pass, or None."""
+    return torch.ops.kvstrata.rope_rotate if _loaded() else None
+
+
 def norm_ops():
     """The compiled one-pass RMSNorm and residual-add + RMSNorm (bf16 / float32) as a layers.NormOps, or None."""
     from kvstrata.model.layers import NormOps

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import NamedTuple, Optional
 
 import torch
@@ -44,6 +45,8 @@ class RotaryEmbedding:
         self.inv_freq = inverse_frequencies(head_dim, theta, scaling)
         self.initial_positions = max_positions
         self._tables: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
+        # The compiled one-pass rotation (paged_kernels.rope_op(), CPU), or None: torch ops.
+        self.kernel: Optional[Callable] = None
 
     def _table(self, device: torch.device, needed: int) -> tuple[torch.Tensor, torch.Tensor]:
         table = self._tables.get(device)
@@ -68,17 +71,33 @@ class RotaryEmbedding:
         half = self.head_dim // 2
         # rotate_half(x) * sin == swap_halves(x) * [-sin_lo, sin_hi]: fold the sign into the table.
         signed_sin = torch.cat((-sin[:, :half], sin[:, half:]), dim=-1)
-        return Rotation(cos.unsqueeze(1), signed_sin.unsqueeze(1))
+        kernel = self.kernel if positions.device.type == "cpu" else None
+        return Rotation(cos.unsqueeze(1), signed_sin.unsqueeze(1), kernel)
 
 
 class Rotation(NamedTuple):
-    """cos and sign-folded sin `[T, 1, head_dim]` of one forward's tokens."""
+    """cos and sign-folded sin `[T, 1, head_dim]` of one forward's tokens, and the kernel that applies them."""
 
     cos: torch.Tensor
     signed_sin: torch.Tensor
+    kernel: Optional[Callable] = None   # rope_rotate(x, cos, signed_sin): the same bits as the torch ops
 
 
 def apply_rotary(x: torch.Tensor, rotation: Rotation) -> torch.Tensor:
     """Rotate `x` `[T, heads, head_dim]` (HF rotate_half layout: the two halves form the pairs)."""
+    if (rotation.kernel is not None and x.dtype == rotation.cos.dtype and x.dtype in _KERNEL_DTYPES
+            and x.stride(-1) == 1 and x.stride(-2) == x.shape[-1]):
+        return rotation.kernel(x, rotation.cos, rotation.signed_sin)
     swapped = x.unflatten(-1, (2, -1)).flip(-2).flatten(-2)
     return torch.addcmul(x * rotation.cos, swapped, rotation.signed_sin)
+
+
+_KERNEL_DTYPES = (torch.bfloat16, torch.float32)
+
+
+def use_rope_kernel(model: torch.nn.Module, kernel: Optional[Callable]) -> None:
+    """Make every rotary embedding of `model` rotate through the compiled `kernel` on CPU (None: torch ops)."""
+    for module in model.modules():
+        rotary = getattr(module, "rotary", None)
+        if isinstance(rotary, RotaryEmbedding):
+            rotary.kernel = kernel

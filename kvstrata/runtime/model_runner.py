@@ -32,8 +32,10 @@ from kvstrata.model.paged_kernels import (
     extend_attention_op,
     norm_ops,
     paged_attention_op,
+    rope_op,
     silu_and_mul_op,
 )
+from kvstrata.model.rope import use_rope_kernel
 from kvstrata.runtime.batch import ScheduledBatch, StepResult
 from kvstrata.runtime.sampler import Sampler
 
@@ -102,11 +104,12 @@ class ModelRunner:
         return argmax_op()
 
     def _use_layer_kernels(self) -> None:
-        """Compiled norms and silu·mul (row-invariant: both modes) and the bf16 GEMV (deterministic mode: only
+        """Compiled norms, rotary embedding and silu·mul (row-invariant: both modes) and the bf16 GEMV (deterministic mode: only
         the AVX2 one, which serves every row count), on CPU unless --disable-cpu-kernels; plain torch otherwise."""
         if self.device.type != "cpu" or self.args.disable_cpu_kernels:
             return
         use_fused_norms(self.model, norm_ops())
+        use_rope_kernel(self.model, rope_op())
         if self.dtype == torch.bfloat16:
             use_fused_activation(self.model, silu_and_mul_op())
         gemv = decode_linear_op()

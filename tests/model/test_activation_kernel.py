@@ -31,9 +31,7 @@ def test_model_forward_unchanged(checkpoint_dir):
     try:
         for op in (OP, None):
             use_fused_activation(pair.ours, op)
-            seqs = pair.sequences()
-            ids, positions, meta = seqs.batch(list(enumerate(prompts)))
-            logits.append(pair.ours(ids, positions, meta, seqs.pool))
+            logits.append(pair.prefill_logits(prompts))
     finally:
         use_fused_activation(pair.ours, None)   # the Pair is shared with other tests
     assert torch.equal(logits[0], logits[1])

@@ -201,6 +201,7 @@ def test_runner_uses_the_kernels_where_they_apply(flags, linear, norms):
     layer = runner.model.model.layers[0]
     assert (layer.input_layernorm.ops is not None) == norms
     assert (runner.sampler.argmax_op is not None) == norms   # the greedy argmax: on wherever the norms are
+    assert (runner.model.rotary.kernel is not None) == norms   # and the rotary embedding
     gemv_here = LINEAR is not None and (linear is True or (linear == "every-row-count" and LINEAR.max_rows is None))
     assert (layer.mlp.down_proj.decode_gemv is not None) == gemv_here
     lm_head = runner.model.lm_head

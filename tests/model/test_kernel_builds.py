@@ -73,6 +73,11 @@ CHECK = textwrap.dedent("""
     # float32 sums of squares in another order than torch's: the normalized value may round one ulp off,
     # two ulps of the output after the weight's product (as in test_decode_ops)
     assert ((norms.rms_norm(x, w, 1e-6).float() - ref.float()).abs() <= ref.float().abs() * 2**-6 + 1e-30).all()
+    # the rotary embedding (rope.cpp, vectorized by the compiler for this ISA): the torch ops' bits
+    from kvstrata.model.rope import RotaryEmbedding, apply_rotary
+    rotation = RotaryEmbedding(64, 10000.0, None, 64).rotation(torch.arange(7) * 50, 300, torch.bfloat16)
+    qk = torch.randn(7, 12 * 64, generator=g).bfloat16()[:, :640].view(7, 10, 64)
+    assert torch.equal(paged_kernels.rope_op()(qk, rotation.cos, rotation.signed_sin), apply_rotary(qk, rotation))
     print("ok")
 """)
 

@@ -59,6 +59,12 @@ class Pair:
         pool = make_pool(self.config, num_pages=256 // page_size, page_size=page_size, dtype=self.dtype)
         return PagedSequences(pool, seed=1, scatter=scatter, shuffle=shuffle)
 
+    def prefill_logits(self, prompts: list[list[int]]) -> torch.Tensor:
+        """Our logits for `prompts` prefilled together in a fresh pool."""
+        seqs = self.sequences()
+        ids, positions, meta = seqs.batch(list(enumerate(prompts)))
+        return self.ours(ids, positions, meta, seqs.pool)
+
 
 @pytest.fixture(scope="module", autouse=True)
 def _drop_loaded_models():

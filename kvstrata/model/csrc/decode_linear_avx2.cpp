@@ -53,14 +53,9 @@ constexpr int64_t DECODE_ROWS = 64;   // up to this many rows the threads split 
 // rows 8-15 in the high one, so that one 32-byte load widens into both vectors with a shift and a mask.
 constexpr int64_t slot(int64_t j) { return j < 8 ? 2 * j : 2 * (j - 8) + 1; }
 
-// 8 float32 rounded to bf16 at dst, as static_cast<bf16> rounds each (to nearest, ties to even; NaN to 0x7FC0).
+// 8 float32 rounded to bf16 at dst, as static_cast<bf16> rounds each.
 inline void store_bf16x8(bf16* dst, __m256 y) {
-  const __m256i bits = _mm256_castps_si256(y);
-  const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
-  __m256i r = _mm256_srli_epi32(_mm256_add_epi32(bits, _mm256_add_epi32(odd, _mm256_set1_epi32(0x7FFF))), 16);
-  r = _mm256_blendv_epi8(r, _mm256_set1_epi32(0x7FC0), _mm256_castps_si256(_mm256_cmp_ps(y, y, _CMP_UNORD_Q)));
-  const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(r, r), 0xD8);   // 16-bit lanes 0-7 first
-  _mm_storeu_si128(reinterpret_cast<__m128i*>(dst), _mm256_castsi256_si128(packed));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(dst), kvstrata_cpu::pack_bf16x8(y));
 }
 
 // Blocks per tile for a group of G rows: enough independent accumulators (8-12) to hide the FMA latency,

@@ -16,7 +16,8 @@
 // out = rms_norm(residual') with the arithmetic of transformers' LlamaRMSNorm: float32 inside, the
 // normalized row rounded to the input dtype, then multiplied by the weight and rounded again (torch's
 // F.rms_norm rounds once, so it differs from transformers by an ulp in ~25% of bf16 elements). One pass
-// per row; rows are independent and their sums of squares fixed in order (batch-invariant).
+// per row (16 lanes with AVX-512, 8 with AVX2, scalar otherwise); rows are independent and their sums of
+// squares fixed in order for a given build (batch-invariant).
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -28,7 +29,7 @@
 #include "decode_linear.h"
 #include "vec_math.h"
 
-#ifdef __AVX512F__
+#if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
 #endif
 
@@ -214,7 +215,7 @@ at::Tensor decode_linear(const at::Tensor& x, const at::Tensor& weight, const c1
 #endif  // __AVX512BF16__
 
 // One row: residual_out = round(x + residual) (when residual is given), out = norm of that row (scalar code:
-// rows whose size is not a multiple of 16, or CPUs without AVX-512).
+// rows whose size is not a multiple of the vector lanes, or CPUs without AVX2).
 template <typename T>
 void add_rms_norm_row(const T* x, const T* residual, const T* weight, T* out, T* residual_out, int64_t H,
                       float eps, float* scratch) {
@@ -236,37 +237,74 @@ void add_rms_norm_row(const T* x, const T* residual, const T* weight, T* out, T*
   }
 }
 
-#ifdef __AVX512F__
-template <typename T>
-inline __m512 round16(__m512 v) {   // v rounded to T and widened back
-  if constexpr (std::is_same_v<T, float>) {
-    return v;
-  } else {
-    alignas(64) T tmp[16];
+// The vector lanes of this build for the norm's row loop: 16 with AVX-512, 8 with AVX2 + FMA.
+#if defined(__AVX512F__)
+#define KVSTRATA_NORM_LANES 1
+struct Lanes {
+  using V = __m512;
+  static constexpr int64_t N = 16;
+  static V load(const float* p) { return _mm512_loadu_ps(p); }
+  static V load(const bf16* p) { return load16(p); }
+  static void store(float* p, V v) { _mm512_storeu_ps(p, v); }
+  static void store(bf16* p, V v) { store16(p, v); }
+  static V widened_bf16(V v) {   // v rounded to bf16 and widened back
+    alignas(64) bf16 tmp[16];
     store16(tmp, v);
     return load16(tmp);
   }
-}
+  static V zero() { return _mm512_setzero_ps(); }
+  static V set1(float v) { return _mm512_set1_ps(v); }
+  static V add(V a, V b) { return _mm512_add_ps(a, b); }
+  static V mul(V a, V b) { return _mm512_mul_ps(a, b); }
+  static V fmadd(V a, V b, V c) { return _mm512_fmadd_ps(a, b, c); }
+  static float sum(V v) { return _mm512_reduce_add_ps(v); }
+};
+#elif defined(__AVX2__) && defined(__FMA__)
+#define KVSTRATA_NORM_LANES 1
+struct Lanes {
+  using V = __m256;
+  static constexpr int64_t N = 8;
+  static V load(const float* p) { return _mm256_loadu_ps(p); }
+  static V load(const bf16* p) { return kvstrata_cpu::load8(p); }
+  static void store(float* p, V v) { _mm256_storeu_ps(p, v); }
+  static void store(bf16* p, V v) { _mm_storeu_si128(reinterpret_cast<__m128i*>(p), kvstrata_cpu::pack_bf16x8(v)); }
+  static V widened_bf16(V v) { return kvstrata_cpu::round_bf16(v); }
+  static V zero() { return _mm256_setzero_ps(); }
+  static V set1(float v) { return _mm256_set1_ps(v); }
+  static V add(V a, V b) { return _mm256_add_ps(a, b); }
+  static V mul(V a, V b) { return _mm256_mul_ps(a, b); }
+  static V fmadd(V a, V b, V c) { return _mm256_fmadd_ps(a, b, c); }
+  static float sum(V v) { return kvstrata_cpu::sum_lanes8(v); }
+};
+#endif
 
-// The same row with 16-lane vectors (H % 16 == 0).
+#ifdef KVSTRATA_NORM_LANES
+// The same row in vectors of Lanes::N (H % Lanes::N == 0).
 template <typename T>
-void add_rms_norm_row16(const T* x, const T* residual, const T* weight, T* out, T* residual_out, int64_t H,
-                        float eps, float* scratch) {
-  __m512 sum_sq = _mm512_setzero_ps();
-  for (int64_t i = 0; i < H; i += 16) {
-    __m512 v = load16(x + i);
+void add_rms_norm_row_lanes(const T* x, const T* residual, const T* weight, T* out, T* residual_out, int64_t H,
+                            float eps, float* scratch) {
+  using L = Lanes;
+  const auto rounded = [](L::V v) {   // v rounded to T and widened back
+    if constexpr (std::is_same_v<T, float>)
+      return v;
+    else
+      return L::widened_bf16(v);
+  };
+  L::V sum_sq = L::zero();
+  for (int64_t i = 0; i < H; i += L::N) {
+    L::V v = L::load(x + i);
     if (residual) {
-      v = _mm512_add_ps(v, load16(residual + i));
-      store16(residual_out + i, v);
-      v = round16<T>(v);
+      v = L::add(v, L::load(residual + i));
+      L::store(residual_out + i, v);
+      v = rounded(v);
     }
-    _mm512_storeu_ps(scratch + i, v);
-    sum_sq = _mm512_fmadd_ps(v, v, sum_sq);
+    L::store(scratch + i, v);
+    sum_sq = L::fmadd(v, v, sum_sq);
   }
-  const __m512 inv = _mm512_set1_ps(1.0f / std::sqrt(_mm512_reduce_add_ps(sum_sq) / static_cast<float>(H) + eps));
-  for (int64_t i = 0; i < H; i += 16) {
-    const __m512 normalized = round16<T>(_mm512_mul_ps(_mm512_loadu_ps(scratch + i), inv));
-    store16(out + i, _mm512_mul_ps(normalized, load16(weight + i)));
+  const L::V inv = L::set1(1.0f / std::sqrt(L::sum(sum_sq) / static_cast<float>(H) + eps));
+  for (int64_t i = 0; i < H; i += L::N) {
+    const L::V normalized = rounded(L::mul(L::load(scratch + i), inv));
+    L::store(out + i, L::mul(normalized, L::load(weight + i)));
   }
 }
 #endif
@@ -287,9 +325,10 @@ void add_rms_norm_rows(const at::Tensor& x, const at::Tensor& residual, const at
     for (int64_t r = begin; r < end; ++r) {
       const T* res = rp ? rp + r * H : nullptr;
       T* res_out = rop ? rop + r * H : nullptr;
-#ifdef __AVX512F__
-      if (H % 16 == 0) {
-        add_rms_norm_row16<T>(xp + r * H, res, wp, op + r * H, res_out, H, static_cast<float>(eps), scratch.data());
+#ifdef KVSTRATA_NORM_LANES
+      if (H % Lanes::N == 0) {
+        add_rms_norm_row_lanes<T>(xp + r * H, res, wp, op + r * H, res_out, H, static_cast<float>(eps),
+                                  scratch.data());
         continue;
       }
 #endif

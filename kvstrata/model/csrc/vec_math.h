@@ -97,6 +97,20 @@ inline __m256 load8(const uint16_t* p) {
 }
 inline __m256 load8(const c10::BFloat16* p) { return load8(reinterpret_cast<const uint16_t*>(p)); }
 
+// 8 float32 rounded to bf16 as c10::BFloat16 rounds each (to nearest, ties to even; NaN to 0x7FC0), packed.
+inline __m128i pack_bf16x8(__m256 v) {
+  const __m256i bits = _mm256_castps_si256(v);
+  const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
+  __m256i r = _mm256_srli_epi32(_mm256_add_epi32(bits, _mm256_add_epi32(odd, _mm256_set1_epi32(0x7FFF))), 16);
+  r = _mm256_blendv_epi8(r, _mm256_set1_epi32(0x7FC0), _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q)));
+  return _mm256_castsi256_si128(_mm256_permute4x64_epi64(_mm256_packus_epi32(r, r), 0xD8));   // lanes 0-7 first
+}
+
+// v rounded to bf16 (pack_bf16x8) and widened back to float32.
+inline __m256 round_bf16(__m256 v) {
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(pack_bf16x8(v)), 16));
+}
+
 inline float sum_lanes8(__m256 v) {   // a fixed tree: halves, then pairs, then the last two
   __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
   s = _mm_add_ps(s, _mm_movehl_ps(s, s));
