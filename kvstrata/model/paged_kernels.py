@@ -122,7 +122,8 @@ def extend_attention_op() -> Optional[Callable]:
 
 
 def silu_and_mul_op() -> Optional[Callable]:
-    """`op(gate_up [T, 2I]) -> silu(gate) * up [T, I]` (bf16, AVX-512 BF16 CPUs), or None."""
+    """`op(gate_up [T, 2I]) -> silu(gate) * up [T, I]` (bf16; torch's bits: AVX-512 BF16 builds compute silu,
+    others look up torch's own silu of every bf16 value), or None."""
     return _bf16_op("silu_and_mul")
 
 

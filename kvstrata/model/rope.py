@@ -83,6 +83,9 @@ class Rotation(NamedTuple):
     kernel: Optional[Callable] = None   # rope_rotate(x, cos, signed_sin): the same bits as the torch ops
 
 
+_KERNEL_DTYPES = (torch.bfloat16, torch.float32)
+
+
 def apply_rotary(x: torch.Tensor, rotation: Rotation) -> torch.Tensor:
     """Rotate `x` `[T, heads, head_dim]` (HF rotate_half layout: the two halves form the pairs)."""
     if (rotation.kernel is not None and x.dtype == rotation.cos.dtype and x.dtype in _KERNEL_DTYPES
@@ -90,9 +93,6 @@ def apply_rotary(x: torch.Tensor, rotation: Rotation) -> torch.Tensor:
         return rotation.kernel(x, rotation.cos, rotation.signed_sin)
     swapped = x.unflatten(-1, (2, -1)).flip(-2).flatten(-2)
     return torch.addcmul(x * rotation.cos, swapped, rotation.signed_sin)
-
-
-_KERNEL_DTYPES = (torch.bfloat16, torch.float32)
 
 
 def use_rope_kernel(model: torch.nn.Module, kernel: Optional[Callable]) -> None:

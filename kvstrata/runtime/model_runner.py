@@ -104,8 +104,9 @@ class ModelRunner:
         return argmax_op()
 
     def _use_layer_kernels(self) -> None:
-        """Compiled norms, rotary embedding and silu·mul (row-invariant: both modes) and the bf16 GEMV (deterministic mode: only
-        the AVX2 one, which serves every row count), on CPU unless --disable-cpu-kernels; plain torch otherwise."""
+        """Compiled norms, rotary embedding and silu·mul (row-invariant: both modes) and the bf16 GEMV
+        (deterministic mode: only the AVX2 one, which serves every row count), on CPU unless
+        --disable-cpu-kernels; plain torch otherwise."""
         if self.device.type != "cpu" or self.args.disable_cpu_kernels:
             return
         use_fused_norms(self.model, norm_ops())

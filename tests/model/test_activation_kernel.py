@@ -1,5 +1,6 @@
 """The compiled silu(gate) * up (csrc/activation.cpp) gives the same bits as the two torch ops it replaces,
-alone and inside a model forward. Skipped where the CPU has no AVX-512 BF16 (torch ops serve)."""
+alone, for every bf16 gate value, and inside a model forward. AVX-512 BF16 builds compute silu with their
+own exp; the others look up torch's own silu of every bf16 value. Skipped without a C++ compiler."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from kvstrata.model.paged_kernels import silu_and_mul_op
 from tests.model.test_llama_vs_hf import PROMPT_LENS, Pair, random_prompts
 
 OP = silu_and_mul_op()
-pytestmark = pytest.mark.skipif(OP is None, reason="no AVX-512 BF16 (or no C++ compiler): torch ops serve")
+pytestmark = pytest.mark.skipif(OP is None, reason="no C++ compiler: torch ops serve")
 
 
 @pytest.mark.parametrize("rows,inter", [(1, 1536), (5, 1000), (300, 64), (2, 7)])
@@ -22,6 +23,21 @@ def test_same_bits_as_torch(rows, inter):
     x[0, :4] = torch.tensor([-100.0, 100.0, 0.0, -0.0])   # saturated exp either way, and zeros
     gate, up = x.split(inter, dim=-1)
     assert torch.equal(OP(x), F.silu(gate) * up)
+
+
+@pytest.mark.parametrize("inter", [1536, 7], ids=["torch-vector-loop", "torch-scalar-loop"])
+def test_every_bf16_gate_value(inter):
+    """silu of a bf16 depends on its 16 bits only: all 65,536 of them, where torch's own loop is vectorized
+    (rows of 1536) and where it is scalar (rows of 7, another exp), against random up values."""
+    every = torch.arange(65536, dtype=torch.int32).to(torch.int16).view(torch.bfloat16)
+    rows = -(-every.numel() // inter)
+    gate = torch.cat([every, every[:rows * inter - every.numel()]]).view(rows, inter)
+    up = (torch.randn(rows, inter, generator=torch.Generator().manual_seed(inter)) * 3).to(torch.bfloat16)
+    x = torch.cat([gate, up], dim=1)
+    want = F.silu(x[:, :inter]) * x[:, inter:]
+    got = OP(x)
+    assert torch.equal(got.isnan(), want.isnan())
+    assert torch.equal(got.nan_to_num(), want.nan_to_num())   # NaN payloads aside: every bit
 
 
 def test_model_forward_unchanged(checkpoint_dir):

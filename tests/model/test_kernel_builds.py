@@ -33,9 +33,11 @@ CHECK = textwrap.dedent("""
     paged_kernels.CFLAGS[:] = ["-O3", sys.argv[1], "-fopenmp"]
     op = paged_kernels.paged_attention_op()
     assert op is not None, "the build failed"
-    absent = [paged_kernels.decode_attention_op(), paged_kernels.extend_attention_op(),
-              paged_kernels.silu_and_mul_op()]
-    assert absent == [None] * 3, absent
+    absent = [paged_kernels.decode_attention_op(), paged_kernels.extend_attention_op()]
+    assert absent == [None] * 2, absent
+    # silu(gate) * up from torch's own silu table: its bits
+    x = (torch.randn(5, 2 * 1000, generator=torch.Generator().manual_seed(1)) * 4).bfloat16()
+    assert torch.equal(paged_kernels.silu_and_mul_op()(x), F.silu(x[:, :1000]) * x[:, 1000:])
     g = torch.Generator().manual_seed(0)
     # head dims of the SIMD tiles (AVX2: 32, 64, 128; AVX-512F: 64, 128) and of the portable loop (16, 96);
     # query heads per KV head 4, 3 and 1; tiles cut at 256 keys, lengths not a multiple of 8

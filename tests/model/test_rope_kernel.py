@@ -78,8 +78,9 @@ def test_rejects_what_it_does_not_serve():
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=["bf16", "f32"])
-def test_model_forward_unchanged(checkpoint_dir, dtype):
-    pair = Pair.get(checkpoint_dir, "llama", dtype)
+@pytest.mark.parametrize("case", ["llama", "qwen3_sharded"])   # q|k rotated together; q and k after their norms
+def test_model_forward_unchanged(checkpoint_dir, case, dtype):
+    pair = Pair.get(checkpoint_dir, case, dtype)
     prompts = random_prompts(PROMPT_LENS, pair.config.vocab_size)
     logits = []
     try:

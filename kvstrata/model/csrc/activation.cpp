@@ -1,10 +1,19 @@
-// silu(gate) * up for the gated MLP in one pass over the fused gate|up projection's output, on CPUs with
-// AVX-512: reads [T, 2I], writes [T, I], no temporaries. Rounds like the two torch ops it replaces (silu's
-// result to the dtype, then the product), so it stays as close to the reference as they are.
+// silu(gate) * up for the gated MLP in one pass over the fused gate|up projection's output: reads [T, 2I],
+// writes [T, I], no temporaries. Rounds like the two torch ops it replaces (silu's result to the dtype, then
+// the product).
+//
+// CPUs with AVX-512 BF16 compute silu with their own exp (the same bf16 bits as torch in the tests). Other
+// CPUs look it up: silu of a bf16 depends on its 16 bits only, so torch's own silu of all 65,536 of them,
+// computed once, is a table that gives torch's bits by construction, for a load instead of an exp and a
+// division per element (torch's bf16 silu takes ~1 ns per element on Zen 3, nearly all of it Sleef's exp;
+// the one-pass lookup runs 2.4-3.4x torch's two ops).
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
+#include <ATen/ops/arange.h>
 #include <ATen/ops/empty.h>
+#include <ATen/ops/silu.h>
+#include <c10/util/BFloat16.h>
 #include <torch/library.h>
 
 #include "vec_math.h"
@@ -67,4 +76,70 @@ TORCH_LIBRARY_FRAGMENT(kvstrata, m) {
   m.impl("silu_and_mul", c10::DispatchKey::CPU, TORCH_FN(silu_and_mul));
 }
 
-#endif  // __AVX512BF16__
+#else  // no AVX-512 BF16: silu from torch's table
+
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#endif
+
+#include <algorithm>
+#include <cstdint>
+
+namespace {
+
+using bf16 = c10::BFloat16;
+
+// silu(g) for every bf16 bit pattern g, by torch's own kernel, made on first use (128 KB; the entries that
+// activations use stay in L1).
+const uint16_t* silu_table() {
+  static const at::Tensor table = [] {
+    const at::Tensor every = at::arange(65536, at::TensorOptions().dtype(at::kInt)).to(at::kShort).view(at::kBFloat16);
+    return at::silu(every).contiguous();
+  }();
+  return reinterpret_cast<const uint16_t*>(table.data_ptr());
+}
+
+inline uint16_t product_bits(uint16_t silu, uint16_t up) {   // bf16(float(silu) * float(up)), as torch's mul
+  const bf16 p = static_cast<bf16>(static_cast<float>(bf16(silu, bf16::from_bits())) *
+                                   static_cast<float>(bf16(up, bf16::from_bits())));
+  return p.x;
+}
+
+at::Tensor silu_and_mul(const at::Tensor& x) {
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.scalar_type() == at::kBFloat16 && x.size(1) % 2 == 0,
+              "silu_and_mul: x must be a contiguous [T, 2I] bfloat16 tensor");
+  const int64_t rows = x.size(0), inter = x.size(1) / 2;
+  at::Tensor out = at::empty({rows, inter}, x.options());
+  const uint16_t* table = silu_table();   // (before the parallel region: it runs a torch op once)
+  const auto* src = reinterpret_cast<const uint16_t*>(x.data_ptr());
+  auto* dst = reinterpret_cast<uint16_t*>(out.data_ptr());
+  // ~16K outputs per task: a decode step's rows stay on one thread (no fork/join).
+  at::parallel_for(0, rows, std::max<int64_t>(1, 16384 / std::max<int64_t>(inter, 1)), [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const uint16_t* gate = src + t * 2 * inter;
+      const uint16_t* up = gate + inter;
+      uint16_t* o = dst + t * inter;
+      int64_t c = 0;
+#if defined(__AVX2__) && defined(__FMA__)
+      for (; c + 8 <= inter; c += 8) {
+        // Eight scalar lookups: 1.5-2x faster than vpgatherdd on Zen 3.
+        alignas(16) uint16_t silu[8];
+        for (int j = 0; j < 8; ++j) silu[j] = table[gate[c + j]];
+        const __m256 product = _mm256_mul_ps(kvstrata_cpu::load8(silu), kvstrata_cpu::load8(up + c));
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(o + c), kvstrata_cpu::pack_bf16x8(product));
+      }
+#endif
+      for (; c < inter; ++c) o[c] = product_bits(table[gate[c]], up[c]);
+    }
+  });
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(kvstrata, m) {
+  m.def("silu_and_mul(Tensor x) -> Tensor");
+  m.impl("silu_and_mul", c10::DispatchKey::CPU, TORCH_FN(silu_and_mul));
+}
+
+#endif  // __AVX512BF16__, else the table
