@@ -105,6 +105,10 @@ def test_bad_plans_raise():
     q = torch.randn(3, 8, 64).to(BF16)
     with pytest.raises(RuntimeError, match="outside the pool"):
         _run(q, k_buf, v_buf, [(torch.tensor([1, 2, 64]), 0, 3)])
+    long_row = torch.arange(1, 41) % 63 + 1
+    long_row[37] = -5   # a prefix slot past the first vector blocks, of the second sequence
+    with pytest.raises(RuntimeError, match="slot -5 is outside the pool"):
+        _run(q, k_buf, v_buf, [(torch.tensor([1]), 0, 1), (long_row, 38, 2)])
     with pytest.raises(RuntimeError, match="keys for a slot row"):
         _run(q, k_buf, v_buf, [(torch.tensor([1, 2, 3]), 1, 3)])
     with pytest.raises(RuntimeError, match="rows are outside q"):

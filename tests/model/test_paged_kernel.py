@@ -117,6 +117,18 @@ def test_model_through_kernel_matches_hf(checkpoint_dir, case, dtype, invariant)
         tokens = [t + [int(x)] for t, x in zip(tokens, logits[:len(tokens)].argmax(-1), strict=True)]
 
 
+@pytest.mark.parametrize("bad", [-1, 64, 2**62, -2**63], ids=["negative", "pool-size", "huge", "int64-min"])
+@pytest.mark.parametrize("at", [0, 37, 298, 299])
+def test_a_bad_slot_anywhere_in_a_long_plan_raises_naming_it(bad, at):
+    # the check runs in vector blocks, then searches: a bad slot in any lane, block or tail is found
+    k_buf, v_buf = _pool(64, torch.float32)
+    slots = torch.arange(300) % 63 + 1
+    slots[at] = bad
+    long_row, short_row = slots, torch.tensor([1, 2, 3])
+    with pytest.raises(RuntimeError, match=f"slot {bad} is outside the pool"):
+        _run(torch.randn(2, HEADS, DIM), k_buf, v_buf, [short_row, long_row], [0, 0], [3, 3])
+
+
 def test_indices_outside_the_pool_or_slot_table_raise():
     k_buf, v_buf = _pool(64, torch.float32)
     q = torch.randn(1, HEADS, DIM)

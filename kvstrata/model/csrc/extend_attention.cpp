@@ -20,6 +20,7 @@
 #include <c10/util/BFloat16.h>
 #include <torch/library.h>
 
+#include "slot_check.h"
 #include "vec_math.h"
 
 #ifdef __AVX512BF16__
@@ -217,8 +218,7 @@ at::Tensor extend_attention(const at::Tensor& q, const at::Tensor& k_buf, const 
                 " keys for a slot row of ", slots.size(1));
     TORCH_CHECK(qs[s] >= 0 && qs[s] + ext[s] <= q.size(0), "sequence ", s, " rows are outside q");
     const int64_t* row = sp + s * slots.size(1);
-    for (int64_t j = 0; j < total; ++j)
-      TORCH_CHECK(row[j] >= 0 && row[j] < k_buf.size(0), "slot ", row[j], " is outside the pool");
+    kvstrata_cpu::check_slots(row, total, k_buf.size(0));
     seqs[s] = {qs[s], pre[s], ext[s], row};
   }
   const int64_t block_words = (D / 2) * KB, block_bytes = 2 * block_words * 4;   // K + V

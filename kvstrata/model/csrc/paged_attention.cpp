@@ -21,6 +21,7 @@
 #include <torch/library.h>
 
 #include "attend_tile_avx2.h"
+#include "slot_check.h"
 #include "vec_math.h"
 
 #ifdef __AVX512F__
@@ -317,9 +318,7 @@ void check_plan(const at::Tensor& q, const at::Tensor& k_buf, const at::Tensor& 
     TORCH_CHECK(lp[t] >= 1 && lp[t] <= slots.size(1), "row ", t, " attends ", lp[t], " keys of ", slots.size(1));
     TORCH_CHECK(rs[t] >= 0 && rs[t] < slots.size(0), "row ", t, " names sequence ", rs[t]);
   }
-  const int64_t* sp = slots.data_ptr<int64_t>();
-  for (int64_t i = 0; i < slots.numel(); ++i)
-    TORCH_CHECK(sp[i] >= 0 && sp[i] < k_buf.size(0), "slot ", sp[i], " is outside the pool");
+  kvstrata_cpu::check_slots(slots.data_ptr<int64_t>(), slots.numel(), k_buf.size(0));
 }
 
 template <typename T, typename KV>
