@@ -52,18 +52,20 @@ class Engine:
 
     def __init__(self, model_path: str = "tiny", **kwargs: Any):
         self.server_args = ServerArgs.from_kwargs(model_path=model_path, **kwargs).resolve()
-        self.scheduler = Scheduler(self.server_args)
-        self.tokenizer = self.scheduler.stop.tokenizer
-        self.limits = RequestLimits.of(ready_message(self.scheduler), self.tokenizer)
-        self.token_text = TokenTexts(self.tokenizer)
         self._inbox: queue.Queue = queue.Queue()
         self._control: queue.Queue = queue.Queue()
         self._sequences: dict[str, tuple[SeqState, Deliver]] = {}   # rid → its state and how to reach it
         self._control_lock = threading.Lock()
-        self._loop = SchedulerLoop(self.scheduler, self._recv, self._dispatch)
-        self._thread = threading.Thread(target=self._run, name="kvstrata-scheduler", daemon=True)
         self._error: Optional[BaseException] = None
+        self._built = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="kvstrata-scheduler", daemon=True)
         self._thread.start()
+        self._built.wait()
+        if self._error is not None:
+            raise self._error
+        self.tokenizer = self.scheduler.stop.tokenizer
+        self.limits = RequestLimits.of(ready_message(self.scheduler), self.tokenizer)
+        self.token_text = TokenTexts(self.tokenizer)
 
     # ------------------------------------------------------------------ public API
     def generate(self, prompt: Prompt = None, sampling_params: SamplingArg = None, input_ids: TokenIds = None,
@@ -208,6 +210,18 @@ class Engine:
 
     # ------------------------------------------------------------------ scheduler thread
     def _run(self) -> None:
+        # The scheduler (model load, weight packing, warm-up) is built on this thread, not the caller's. torch's
+        # OpenMP keeps a thread pool for each thread that runs parallel work; with two pools on the machine's
+        # cores, libgomp cuts its workers' spin-wait to ~100 spins, so every parallel region wakes them from
+        # sleep: a decode step took 16-17 ms here instead of 7-8 (docs/benchmarks.md).
+        try:
+            self.scheduler = Scheduler(self.server_args)
+            self._loop = SchedulerLoop(self.scheduler, self._recv, self._dispatch)
+        except BaseException as e:  # raised to the constructor's caller
+            self._error = e
+            return
+        finally:
+            self._built.set()
         try:
             self._loop.run()
         except BaseException as e:  # surface to callers instead of hanging them

@@ -2,7 +2,8 @@
 
 Measures, on one model and thread count, in one run (ratios are what to compare on a noisy machine):
 TTFT of an N-token prompt, single-stream decode tokens/s at context N, aggregate decode tokens/s with
-S concurrent streams, and transformers' forward / generate on the same weights. With
+S concurrent streams (on prompts already in the radix cache, see `decode_rate`), and transformers'
+forward / generate on the same weights. With
 `--enable-deterministic-inference` the engine is measured a second time in that mode, side by side, and
 the cost of batch invariance is printed as ratios.
 """
@@ -28,12 +29,13 @@ def _timeit(fn, repeat: int) -> float:
     return statistics.median(times)
 
 
-def make_engine(args, deterministic: bool = False):
-    """The offline engine every kvstrata measurement here uses (radix cache off: every prompt computed)."""
+def make_engine(args, deterministic: bool = False, radix_cache: bool = False):
+    """The offline engine every kvstrata measurement here uses; without `radix_cache` every prompt is computed."""
     import kvstrata
 
-    return kvstrata.Engine(model_path=args.model_path, dtype=args.dtype, disable_radix_cache=True,
-                           max_total_tokens=args.streams * (args.context + args.decode_tokens) + 1024,
+    return kvstrata.Engine(model_path=args.model_path, dtype=args.dtype, disable_radix_cache=not radix_cache,
+                           # room for the 1-stream and the S-stream prompts cached side by side
+                           max_total_tokens=(args.streams + 1) * (args.context + args.decode_tokens) + 1024,
                            num_threads=args.threads, random_seed=0, chunked_prefill_size=args.context,
                            page_size=args.page_size, enable_deterministic_inference=deterministic)
 
@@ -46,7 +48,8 @@ def prompt_maker(vocab: int, seed: int = 0):
 
 def bench_kvstrata(args, deterministic: bool = False) -> dict:
     """TTFT and decode rates through kvstrata.Engine."""
-    eng = make_engine(args, deterministic)
+    # The radix cache serves decode_rate's cached prompts; the TTFT prompts are fresh random ids, never cached.
+    eng = make_engine(args, deterministic, radix_cache=True)
     prompt = prompt_maker(eng.scheduler.runner.vocab_size)
 
     greedy1 = {"temperature": 0, "max_new_tokens": 1, "ignore_eos": True}
@@ -54,21 +57,37 @@ def bench_kvstrata(args, deterministic: bool = False) -> dict:
     n = args.decode_tokens
     decode = {"temperature": 0, "max_new_tokens": n + 1, "ignore_eos": True}
 
-    def decode_rate(streams: int) -> float:
-        """n tokens per stream over (time with n+1 tokens − time with 1 token): the prefills cancel out."""
-        prompts = [prompt(args.context) for _ in range(streams)]
-        t = time.perf_counter()
-        eng.generate(input_ids=prompts, sampling_params=greedy1)
-        prefill_only = time.perf_counter() - t
-        prompts = [prompt(args.context) for _ in range(streams)]
-        t = time.perf_counter()
-        eng.generate(input_ids=prompts, sampling_params=decode)
-        decode_s = time.perf_counter() - t - prefill_only
-        # On a loaded machine the two prefills can differ by more than the decode: no number then.
-        return streams * n / decode_s if decode_s > 0 else float("nan")
+    def decode_time(prompts: list[list[int]]) -> float:
+        """Seconds of n decode steps: (time with n+1 tokens − time with 1 token), both on cached prompts.
 
-    single = decode_rate(1)
-    multi = decode_rate(args.streams)
+        Each call prefills only its prompts' last token, so the difference is n decode steps at context N.
+        (Uncached, the two prefills of streams x N tokens could differ by more than the whole decode on a
+        noisy machine.)
+        """
+        t0 = time.perf_counter()
+        eng.generate(input_ids=prompts, sampling_params=greedy1)
+        t1 = time.perf_counter()
+        eng.generate(input_ids=prompts, sampling_params=decode)
+        return (time.perf_counter() - t1) - (t1 - t0)
+
+    # One stream and S streams alternate round by round, so that the ratio compares neighbours in time.
+    groups = [[prompt(args.context)], [prompt(args.context) for _ in range(args.streams)]]
+    for prompts in groups:
+        eng.generate(input_ids=prompts, sampling_params=greedy1)   # computes the prompts into the cache
+    times: list[list[float]] = [[], []]
+    for _ in range(max(1, args.repeat)):
+        for k, prompts in enumerate(groups):
+            times[k].append(decode_time(prompts))
+    eng.shutdown()
+
+    def rate(streams: int, seconds: float) -> float:
+        return streams * n / seconds if seconds > 0 else float("nan")
+
+    single = rate(1, statistics.median(times[0]))
+    multi = rate(args.streams, statistics.median(times[1]))
+    ratios = [rate(args.streams, b) / rate(1, a) for a, b in zip(*times, strict=True)]
+    return {"ttft_s": ttft, "decode_tok_s_1": single, "decode_tok_s_multi": multi,
+            "multi_over_single_decode": statistics.median(ratios)}
     eng.shutdown()
     return {"ttft_s": ttft, "decode_tok_s_1": single, "decode_tok_s_multi": multi}
 
@@ -147,10 +166,11 @@ def main(argv: list[str] | None = None) -> int:
         hf = bench_transformers(args)
         result["transformers"] = hf
         result["ttft_vs_transformers_forward"] = ours["ttft_s"] / hf["forward_s"]
-    result["multi_over_single_decode"] = ours["decode_tok_s_multi"] / ours["decode_tok_s_1"]
+    result["multi_over_single_decode"] = ours["multi_over_single_decode"]
     print(json.dumps(result, indent=2))
     print(f"\nkvstrata: TTFT({args.context}) {ours['ttft_s'] * 1000:.0f} ms | decode 1 stream "
-          f"{ours['decode_tok_s_1']:.1f} tok/s | {args.streams} streams {ours['decode_tok_s_multi']:.1f} tok/s")
+          f"{ours['decode_tok_s_1']:.1f} tok/s | {args.streams} streams {ours['decode_tok_s_multi']:.1f} tok/s | "
+          f"{args.streams} / 1 {ours['multi_over_single_decode']:.2f}x (median of rounds)")
     if "kvstrata_deterministic" in result:
         det, cost = result["kvstrata_deterministic"], result["deterministic_cost"]
         print(f"deterministic: TTFT({args.context}) {det['ttft_s'] * 1000:.0f} ms ({cost['ttft_ratio']:.2f}x) | "

@@ -15,11 +15,13 @@ def test_engine_bench_smoke(capsys):
     result = json.loads(out[: out.rindex("}") + 1])
     ours = result["kvstrata"]
     assert ours["ttft_s"] > 0 and _rate(ours["decode_tok_s_1"]) and _rate(ours["decode_tok_s_multi"])
+    assert _rate(result["multi_over_single_decode"]) and "2 / 1" in out
     assert result["transformers"]["forward_s"] > 0 and "ttft_vs_transformers_forward" in result
     assert _rate(result["kvstrata_deterministic"]["decode_tok_s_multi"])
     assert result["deterministic_cost"]["ttft_ratio"] > 0
 
 
 def _rate(value: float) -> bool:
-    """A positive rate, or NaN: on a loaded machine the prefill time can swamp a 4-token decode."""
+    """A positive rate, or NaN: on a loaded machine two cached 1-token calls can still differ by more than a
+    4-token decode of the tiny model."""
     return math.isnan(value) or value > 0

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 
+import kvstrata.engine as engine_module
 from kvstrata.runtime.sampling_params import InvalidRequest
 from tests.runtime.helpers import GREEDY, PROMPTS, assert_idle_integrity, make_engine
 
@@ -109,3 +112,32 @@ def test_decode_growth_forces_retraction(radix):
         assert state["retractions"] > 0, "the workload was meant to overflow the pool while decoding"
     finally:
         eng.shutdown()
+
+
+def test_the_scheduler_is_built_on_the_engine_thread(monkeypatch, sequential):
+    # torch's OpenMP keeps a pool per thread that runs parallel work: a model built on the caller's thread
+    # leaves a second pool, and every parallel region of the scheduler thread then wakes sleeping workers
+    built_on = []
+    real = engine_module.Scheduler
+
+    def recording(args):
+        built_on.append(threading.current_thread())
+        return real(args)
+
+    monkeypatch.setattr(engine_module, "Scheduler", recording)
+    eng = make_engine(disable_radix_cache=True)
+    try:
+        assert built_on == [eng._thread] and eng._thread is not threading.current_thread()
+        assert eng.generate(PROMPTS[0], GREEDY)["output_ids"] == sequential[0]
+        assert_idle_integrity(eng)
+    finally:
+        eng.shutdown()
+
+
+def test_a_scheduler_that_cannot_be_built_raises_to_the_caller(monkeypatch):
+    def broken(args):
+        raise RuntimeError("no weights here")
+
+    monkeypatch.setattr(engine_module, "Scheduler", broken)
+    with pytest.raises(RuntimeError, match="no weights here"):
+        make_engine()
