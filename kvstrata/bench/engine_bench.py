@@ -2,7 +2,7 @@
 
 Measures, on one model and thread count, in one run (ratios are what to compare on a noisy machine):
 TTFT of an N-token prompt, single-stream decode tokens/s at context N, aggregate decode tokens/s with
-S concurrent streams (on prompts already in the radix cache, see `decode_rate`), and transformers'
+S concurrent streams (on prompts already in the radix cache, see `decode_time`), and transformers'
 forward / generate on the same weights. With
 `--enable-deterministic-inference` the engine is measured a second time in that mode, side by side, and
 the cost of batch invariance is printed as ratios.
@@ -48,7 +48,7 @@ def prompt_maker(vocab: int, seed: int = 0):
 
 def bench_kvstrata(args, deterministic: bool = False) -> dict:
     """TTFT and decode rates through kvstrata.Engine."""
-    # The radix cache serves decode_rate's cached prompts; the TTFT prompts are fresh random ids, never cached.
+    # The radix cache serves decode_time's cached prompts; the TTFT prompts are fresh random ids, never cached.
     eng = make_engine(args, deterministic, radix_cache=True)
     prompt = prompt_maker(eng.scheduler.runner.vocab_size)
 
@@ -88,8 +88,6 @@ def bench_kvstrata(args, deterministic: bool = False) -> dict:
     ratios = [rate(args.streams, b) / rate(1, a) for a, b in zip(*times, strict=True)]
     return {"ttft_s": ttft, "decode_tok_s_1": single, "decode_tok_s_multi": multi,
             "multi_over_single_decode": statistics.median(ratios)}
-    eng.shutdown()
-    return {"ttft_s": ttft, "decode_tok_s_1": single, "decode_tok_s_multi": multi}
 
 
 def bench_transformers(args) -> dict:
