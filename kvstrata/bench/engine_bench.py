@@ -37,7 +37,10 @@ def make_engine(args, deterministic: bool = False, radix_cache: bool = False):
                            # room for the 1-stream and the S-stream prompts cached side by side
                            max_total_tokens=(args.streams + 1) * (args.context + args.decode_tokens) + 1024,
                            num_threads=args.threads, random_seed=0, chunked_prefill_size=args.context,
-                           page_size=args.page_size, enable_deterministic_inference=deterministic)
+                           page_size=args.page_size, enable_deterministic_inference=deterministic,
+                           # the host tier backs up every cached prompt while the streams decode
+                           enable_hierarchical_cache=radix_cache and args.enable_hierarchical_cache,
+                           hicache_ratio=2.0)
 
 
 def prompt_maker(vocab: int, seed: int = 0):
@@ -78,6 +81,7 @@ def bench_kvstrata(args, deterministic: bool = False) -> dict:
     for _ in range(max(1, args.repeat)):
         for k, prompts in enumerate(groups):
             times[k].append(decode_time(prompts))
+    hicache = eng.get_server_info()["internal_states"][0].get("hicache")
     eng.shutdown()
 
     def rate(streams: int, seconds: float) -> float:
@@ -86,8 +90,11 @@ def bench_kvstrata(args, deterministic: bool = False) -> dict:
     single = rate(1, statistics.median(times[0]))
     multi = rate(args.streams, statistics.median(times[1]))
     ratios = [rate(args.streams, b) / rate(1, a) for a, b in zip(*times, strict=True)]
-    return {"ttft_s": ttft, "decode_tok_s_1": single, "decode_tok_s_multi": multi,
-            "multi_over_single_decode": statistics.median(ratios)}
+    out = {"ttft_s": ttft, "decode_tok_s_1": single, "decode_tok_s_multi": multi,
+           "multi_over_single_decode": statistics.median(ratios)}
+    if hicache is not None:   # what the host tier did meanwhile
+        out["host_tier"] = {k: hicache[k] for k in ("backup_pages", "backup_ops", "backup_busy_s")}
+    return out
 
 
 def bench_transformers(args) -> dict:
@@ -140,7 +147,12 @@ def main(argv: list[str] | None = None) -> int:
                         "(gather + SDPA); --streams decode rows at --context")
     p.add_argument("--enable-deterministic-inference", action="store_true",
                    help="also measure the batch-invariant mode, side by side")
+    p.add_argument("--enable-hierarchical-cache", action="store_true",
+                   help="measure the rates with the host tier (L2, --hicache-ratio 2) on: its copy threads run "
+                        "next to the decode steps")
     args = p.parse_args(argv)
+    if args.enable_hierarchical_cache and (args.profile or args.attention):
+        p.error("--enable-hierarchical-cache applies to the rates, not to --profile or --attention")
     torch.set_num_threads(args.threads)
     if args.profile:
         return profile_main(args)
@@ -168,7 +180,8 @@ def main(argv: list[str] | None = None) -> int:
     print(json.dumps(result, indent=2))
     print(f"\nkvstrata: TTFT({args.context}) {ours['ttft_s'] * 1000:.0f} ms | decode 1 stream "
           f"{ours['decode_tok_s_1']:.1f} tok/s | {args.streams} streams {ours['decode_tok_s_multi']:.1f} tok/s | "
-          f"{args.streams} / 1 {ours['multi_over_single_decode']:.2f}x (median of rounds)")
+          f"{args.streams} / 1 {ours['multi_over_single_decode']:.2f}x (median of rounds)"
+          + (f" | host tier backed up {ours['host_tier']['backup_pages']} pages" if "host_tier" in ours else ""))
     if "kvstrata_deterministic" in result:
         det, cost = result["kvstrata_deterministic"], result["deterministic_cost"]
         print(f"deterministic: TTFT({args.context}) {det['ttft_s'] * 1000:.0f} ms ({cost['ttft_ratio']:.2f}x) | "

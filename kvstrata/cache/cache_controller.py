@@ -35,6 +35,7 @@ import torch
 
 from kvstrata.memory.device_pool import DeviceKVPool
 from kvstrata.memory.host_pool import HostKVPool
+from kvstrata.threads import run_ops_on_this_thread_only
 
 logger = logging.getLogger(__name__)
 
@@ -243,6 +244,7 @@ class CacheController:
     # ----- workers -----
 
     def _work(self, kind: str) -> None:
+        run_ops_on_this_thread_only()   # no second OpenMP pool next to the scheduler's (see kvstrata/threads.py)
         stream = torch.cuda.Stream(self._cuda_device) if self._cuda_device is not None else None
         while (item := self._queues[kind].get()) is not None:
             op, handle, ready = item

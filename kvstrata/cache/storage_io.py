@@ -29,6 +29,7 @@ import torch
 from kvstrata.cache.page_hash import storage_namespace
 from kvstrata.memory.host_pool import HostKVPool
 from kvstrata.storage.base import StorageBackend
+from kvstrata.threads import run_ops_on_this_thread_only
 
 logger = logging.getLogger(__name__)
 
@@ -126,6 +127,7 @@ class StorageIO:
     # ---- worker -----------------------------------------------------------------------------------------
 
     def _work(self) -> None:
+        run_ops_on_this_thread_only()   # its page gathers must not start a second OpenMP pool
         while True:
             op = self._todo.get()
             if op is None:

@@ -19,6 +19,18 @@ def test_engine_bench_smoke(capsys):
     assert result["transformers"]["forward_s"] > 0 and "ttft_vs_transformers_forward" in result
     assert _rate(result["kvstrata_deterministic"]["decode_tok_s_multi"])
     assert result["deterministic_cost"]["ttft_ratio"] > 0
+    assert "host_tier" not in ours
+
+
+def test_engine_bench_with_the_host_tier_backs_up_while_decoding(capsys):
+    assert main(["--model-path", "tiny", "--dtype", "float32", "--context", "64", "--decode-tokens", "4",
+                 "--streams", "2", "--repeat", "1", "--threads", "1", "--skip-transformers",
+                 "--enable-hierarchical-cache"]) == 0
+    out = capsys.readouterr().out
+    ours = json.loads(out[: out.rindex("}") + 1])["kvstrata"]
+    assert _rate(ours["decode_tok_s_1"]) and _rate(ours["decode_tok_s_multi"])
+    # write-through: at least the three 64-token prompts of the rates were copied to the host pool
+    assert ours["host_tier"]["backup_pages"] >= 3 * 64 and ours["host_tier"]["backup_ops"] > 0
 
 
 def _rate(value: float) -> bool:

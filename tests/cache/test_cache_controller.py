@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import os
 import random
+import subprocess
+import sys
 import threading
 import time
 
@@ -303,3 +306,50 @@ def test_cuda_copy_streams_and_layer_events(layout):
         acks = drain_acks(controller, 2)
         assert [op.kind for op in acks] == ["backup", "load_back"]
         assert controller.stats()["load_back_bytes"] == host.page_bytes
+
+
+# Run in a fresh process: the OS threads of the test process depend on what earlier tests left running.
+_THREAD_COUNT = r"""
+import os, sys, torch
+from kvstrata.cache.cache_controller import CacheController
+from kvstrata.cache.storage_io import StorageIO
+from kvstrata.memory.device_pool import DeviceKVPool
+from kvstrata.memory.host_pool import HostKVPool
+from kvstrata.storage.file_backend import FileBackend
+
+def os_threads():
+    return len(os.listdir("/proc/self/task"))
+
+torch.set_num_threads(2)
+# Pages of 8192 values a layer: 64 pages (or a storage group of 8) are well above torch's grain for a
+# parallel copy.
+device = DeviceKVPool(72, 16, 2, 8, 64, torch.float32, "cpu")
+host = HostKVPool(device, 160, layout="layer_first", pin_memory=False)
+device.k_buffer[0].index_copy_(0, torch.arange(1024), torch.randn(1024, 8, 64))   # the main thread's pool
+before = os_threads()
+pages = list(range(1, 65))
+with CacheController(device, host) as controller:
+    controller.submit_backup(pages, pages)
+    controller.wait_idle(timeout=30)
+    controller.submit_load_back(pages, [p + 4 for p in pages]).wait_all(timeout=30)
+    controller.wait_idle(timeout=30)
+    assert torch.equal(device.k_buffer[1][80:96], host.buffer[0, 1, 16:32]), "page 5 came back wrong"
+    storage = StorageIO(FileBackend(8 * host.page_bytes, root=sys.argv[1]), host, group_pages=8)
+    storage.submit_backup(["a", "b"], pages[:16])
+    storage.wait_idle(timeout=30)
+    storage.submit_prefetch(["a", "b"], list(range(100, 116)))
+    storage.wait_idle(timeout=30)
+    assert torch.equal(host.pages_bytes(pages[:16]), host.pages_bytes(list(range(100, 116)))), "storage round trip"
+    print(os_threads() - before)
+    storage.shutdown()
+"""
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="counts threads in /proc")
+def test_copy_workers_start_no_openmp_pool_of_their_own(tmp_path):
+    """Tier copies run on their worker alone: a pool of its own would spin on the scheduler's cores."""
+    done = subprocess.run([sys.executable, "-c", _THREAD_COUNT, str(tmp_path)], capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    # The load-back worker, the backup worker and the storage worker, and nothing else.
+    assert done.stdout.split()[-1] == "3", "threads beyond the copy workers: " + done.stdout
