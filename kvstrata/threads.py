@@ -3,7 +3,7 @@
 torch runs its CPU ops on the OpenMP pool of the thread that calls them. A helper thread (a tier copy
 worker, the storage I/O thread) that runs a large `index_copy_` gets a pool of its own: its threads
 spin-wait after every op on the same cores as the scheduler's pool, and with 2 cores that slowed every
-decode step by 1.4-1.6x (docs/benchmarks.md, issue 19). A helper's page copies are small enough that
+decode step by 1.3-1.75x (docs/benchmarks.md, issue 19). A helper's page copies are small enough that
 one thread does them well, so it calls `run_ops_on_this_thread_only()` once, first thing.
 """
 
