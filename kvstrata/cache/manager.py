@@ -41,6 +41,7 @@ logger = logging.getLogger(__name__)
 LOAD_BACK_MIN_TOKENS = 16   # a shorter host hit is cheaper to recompute than to copy back
 PREFETCH_RETRY_REASONS = ("host_full", "rate_limited")
 MAX_REFETCHES = 2           # re-prefetches per request after its local pages were evicted while it waited
+SPARE_RUN_TOKENS = 128      # free slots set aside behind a sequence's new pages, so its next tokens follow them
 
 
 class CacheStack:
@@ -90,6 +91,7 @@ class KVCacheManager:
         self.host = stack.host if stack is not None else None
         self.storage = stack.storage if stack is not None else None
         self.page_size = allocator.page_size
+        self.spare_pages = -(-SPARE_RUN_TOKENS // self.page_size)
         self.prefetch_policy = prefetch_policy
         self._loads: list = []          # load-backs submitted for the coming forward
         self.metrics = {"device_hit_tokens": 0, "host_hit_tokens": 0, "storage_hit_tokens": 0}
@@ -303,7 +305,8 @@ class KVCacheManager:
         need = self.pages_for(req, num_new)
         if need and not self.ensure_free_pages(need):
             return False
-        pages = self.allocator.alloc(need) if need else []
+        after = h.last_slot // self.page_size if h.last_slot is not None else None
+        pages = self.allocator.extend(after, need, self.spare_pages) if need else []
         slots = slots_for_extend(h.last_slot, h.slot_len, num_new, pages, self.page_size)   # on the host
         self.slot_table.write(h.row, h.slot_len, slots.to(self.slot_table.table.device))
         h.slot_len += num_new
@@ -338,7 +341,10 @@ class KVCacheManager:
         assert result.length == upto, f"commit: matched {result.length} of {upto} inserted tokens"
         self.slot_table.write(h.row, 0, result.slots)
         if h.slot_len == upto:
-            h.last_slot = int(result.slots[-1])
+            last_slot = int(result.slots[-1])
+            if h.last_slot is not None and last_slot != h.last_slot:   # our tail was a duplicate, now freed
+                self.allocator.release_spare(h.last_slot // self.page_size)
+            h.last_slot = last_slot
         self.tree.inc_lock_ref(result.last_node)
         if h.last_node is not None:
             self.tree.dec_lock_ref(h.last_node)
@@ -352,6 +358,8 @@ class KVCacheManager:
             return
         if cache:
             self.commit(req)
+        if h.last_slot is not None:
+            self.allocator.release_spare(h.last_slot // self.page_size)
         self.allocator.free(self.private_pages(req))
         if self.tree is not None and h.last_node is not None:
             self.tree.dec_lock_ref(h.last_node)
