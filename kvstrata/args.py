@@ -100,6 +100,9 @@ class ServerArgs:
 
     # --- device KV pool (L1) and scheduling ---
     page_size: int = field(default=1, metadata=_opt("Tokens per KV page."))
+    kv_run_spare_tokens: int = field(default=128, metadata=_opt(
+        "Free KV slots set aside behind a request's new pages so that its next tokens follow them in one run "
+        "(they still count as free); 0 places each new page wherever one is free."))
     max_total_tokens: Optional[int] = field(default=None, metadata=_opt(
         "Size of the device KV pool in tokens (default: from --mem-fraction-static)."))
     mem_fraction_static: Optional[float] = field(default=None, metadata=_opt(
@@ -275,6 +278,8 @@ class ServerArgs:
         _positive(self, "page_size", "max_total_tokens", "max_running_requests", "context_length",
                   "max_prefill_tokens", "num_threads")
         _positive(self, "max_request_body_bytes")
+        if self.kv_run_spare_tokens < 0:
+            raise ConfigError(f"--kv-run-spare-tokens must be >= 0, got {self.kv_run_spare_tokens}")
         if self.graceful_shutdown_timeout < 0:
             raise ConfigError(f"--graceful-shutdown-timeout must be >= 0, got {self.graceful_shutdown_timeout}")
         if self.port <= 0 or self.port > 65535:

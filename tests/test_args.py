@@ -24,3 +24,17 @@ def test_resolve_without_device_does_not_import_torch():
             "print('torch' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
     assert out.stdout.strip() == "False", out.stderr
+
+
+def test_kv_run_spare_tokens_is_a_flag_and_a_negative_count_is_refused():
+    import argparse
+
+    import pytest
+
+    from kvstrata.args import ConfigError, add_dataclass_cli_args, dataclass_from_cli_args
+
+    parser = argparse.ArgumentParser()
+    add_dataclass_cli_args(parser, ServerArgs)
+    assert dataclass_from_cli_args(ServerArgs, parser.parse_args(["--kv-run-spare-tokens", "0"])).kv_run_spare_tokens == 0
+    with pytest.raises(ConfigError, match="--kv-run-spare-tokens must be >= 0"):
+        ServerArgs(kv_run_spare_tokens=-1)

@@ -5,7 +5,8 @@ TTFT of an N-token prompt, single-stream decode tokens/s at context N, aggregate
 S concurrent streams (on prompts already in the radix cache, see `decode_time`), and transformers'
 forward / generate on the same weights. With
 `--enable-deterministic-inference` the engine is measured a second time in that mode, side by side, and
-the cost of batch invariance is printed as ratios.
+the cost of batch invariance is printed as ratios. `--compare-kv-runs` measures instead what keeping each
+request's new KV slots in one run buys (--kv-run-spare-tokens: default against 0), two engines alternating.
 """
 
 from __future__ import annotations
@@ -29,8 +30,9 @@ def _timeit(fn, repeat: int) -> float:
     return statistics.median(times)
 
 
-def make_engine(args, deterministic: bool = False, radix_cache: bool = False):
-    """The offline engine every kvstrata measurement here uses; without `radix_cache` every prompt is computed."""
+def make_engine(args, deterministic: bool = False, radix_cache: bool = False, **overrides):
+    """The offline engine every kvstrata measurement here uses; without `radix_cache` every prompt is computed.
+    `overrides`: further ServerArgs fields."""
     import kvstrata
 
     return kvstrata.Engine(model_path=args.model_path, dtype=args.dtype, disable_radix_cache=not radix_cache,
@@ -40,13 +42,68 @@ def make_engine(args, deterministic: bool = False, radix_cache: bool = False):
                            page_size=args.page_size, enable_deterministic_inference=deterministic,
                            # the host tier backs up every cached prompt while the streams decode
                            enable_hierarchical_cache=radix_cache and args.enable_hierarchical_cache,
-                           hicache_ratio=2.0)
+                           hicache_ratio=2.0, **overrides)
 
 
 def prompt_maker(vocab: int, seed: int = 0):
     """A function n -> n random non-special token ids (reproducible from `seed`)."""
     rng = random.Random(seed)
     return lambda n: [rng.randrange(100, vocab - 1) for _ in range(n)]
+
+
+def _tok_s(tokens: int, seconds: float) -> float:
+    """Tokens per second; NaN when the difference of two timings came out non-positive (a noisy machine)."""
+    return tokens / seconds if seconds > 0 else float("nan")
+
+
+def _decode_seconds(eng, prompts: list[list[int]], n: int) -> tuple[float, list[list[int]]]:
+    """Seconds of n decode steps of `prompts` side by side, and their greedy output ids.
+
+    The time is (time with n+1 tokens − time with 1 token), both on cached prompts: each call prefills only
+    its prompts' last token, so the difference is n decode steps. (Uncached, the two prefills of streams x N
+    tokens could differ by more than the whole decode on a noisy machine.)
+    """
+    greedy1 = {"temperature": 0, "max_new_tokens": 1, "ignore_eos": True}
+    decode = {"temperature": 0, "max_new_tokens": n + 1, "ignore_eos": True}
+    t0 = time.perf_counter()
+    eng.generate(input_ids=prompts, sampling_params=greedy1)
+    t1 = time.perf_counter()
+    outputs = eng.generate(input_ids=prompts, sampling_params=decode)
+    seconds = (time.perf_counter() - t1) - (t1 - t0)
+    return seconds, [out["output_ids"] for out in outputs]
+
+
+def bench_kv_runs(args) -> dict:
+    """Decode rates of --streams streams with each request's new slots kept in runs (the default
+    --kv-run-spare-tokens) and slot by slot (0), two engines alternating round by round on the same prompts.
+
+    Long decodes show the difference: interleaved keys cost the attention kernels most once the streams'
+    K/V no longer fits in the CPU caches (docs/benchmarks.md, issue 19 twelfth round).
+    """
+    from kvstrata.args import ServerArgs
+
+    spares = {"runs": ServerArgs().kv_run_spare_tokens, "slot_by_slot": 0}
+    engines = {name: make_engine(args, radix_cache=True, kv_run_spare_tokens=spare) for name, spare in spares.items()}
+    n = args.decode_tokens
+    try:
+        prompt = prompt_maker(engines["runs"].scheduler.runner.vocab_size)
+        prompts = [prompt(args.context) for _ in range(args.streams)]
+        greedy1 = {"temperature": 0, "max_new_tokens": 1, "ignore_eos": True}
+        for eng in engines.values():
+            eng.generate(input_ids=prompts, sampling_params=greedy1)   # computes the prompts into the cache
+        times: dict[str, list[float]] = {name: [] for name in engines}
+        outputs: dict[str, list[list[int]]] = {}
+        for _ in range(max(1, args.repeat)):
+            for name, eng in engines.items():
+                seconds, outputs[name] = _decode_seconds(eng, prompts, n)
+                times[name].append(seconds)
+    finally:
+        for eng in engines.values():
+            eng.shutdown()
+    rates = {name: _tok_s(args.streams * n, statistics.median(ts)) for name, ts in times.items()}
+    return {"kv_run_spare_tokens": spares, "decode_tok_s": rates,
+            "slot_by_slot_over_runs_time": [b / a for a, b in zip(times["runs"], times["slot_by_slot"], strict=True)],
+            "same_outputs": outputs["runs"] == outputs["slot_by_slot"]}
 
 
 def bench_kvstrata(args, deterministic: bool = False) -> dict:
@@ -58,20 +115,9 @@ def bench_kvstrata(args, deterministic: bool = False) -> dict:
     greedy1 = {"temperature": 0, "max_new_tokens": 1, "ignore_eos": True}
     ttft = _timeit(lambda: eng.generate(input_ids=prompt(args.context), sampling_params=greedy1), args.repeat)
     n = args.decode_tokens
-    decode = {"temperature": 0, "max_new_tokens": n + 1, "ignore_eos": True}
 
     def decode_time(prompts: list[list[int]]) -> float:
-        """Seconds of n decode steps: (time with n+1 tokens − time with 1 token), both on cached prompts.
-
-        Each call prefills only its prompts' last token, so the difference is n decode steps at context N.
-        (Uncached, the two prefills of streams x N tokens could differ by more than the whole decode on a
-        noisy machine.)
-        """
-        t0 = time.perf_counter()
-        eng.generate(input_ids=prompts, sampling_params=greedy1)
-        t1 = time.perf_counter()
-        eng.generate(input_ids=prompts, sampling_params=decode)
-        return (time.perf_counter() - t1) - (t1 - t0)
+        return _decode_seconds(eng, prompts, n)[0]
 
     # One stream and S streams alternate round by round, so that the ratio compares neighbours in time.
     groups = [[prompt(args.context)], [prompt(args.context) for _ in range(args.streams)]]
@@ -85,7 +131,7 @@ def bench_kvstrata(args, deterministic: bool = False) -> dict:
     eng.shutdown()
 
     def rate(streams: int, seconds: float) -> float:
-        return streams * n / seconds if seconds > 0 else float("nan")
+        return _tok_s(streams * n, seconds)
 
     single = rate(1, statistics.median(times[0]))
     multi = rate(args.streams, statistics.median(times[1]))
@@ -150,10 +196,25 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--enable-hierarchical-cache", action="store_true",
                    help="measure the rates with the host tier (L2, --hicache-ratio 2) on: its copy threads run "
                         "next to the decode steps")
+    p.add_argument("--compare-kv-runs", action="store_true",
+                   help="instead of the rates: --streams streams decoding with their new KV slots in runs (default "
+                        "--kv-run-spare-tokens) and slot by slot (0), two engines alternating; try a long "
+                        "--decode-tokens")
     args = p.parse_args(argv)
     if args.enable_hierarchical_cache and (args.profile or args.attention):
         p.error("--enable-hierarchical-cache applies to the rates, not to --profile or --attention")
+    if args.compare_kv_runs and (args.profile or args.attention or args.enable_deterministic_inference):
+        p.error("--compare-kv-runs is a measurement of its own: not with --profile, --attention or "
+                "--enable-deterministic-inference")
     torch.set_num_threads(args.threads)
+    if args.compare_kv_runs:
+        result = bench_kv_runs(args)
+        print(json.dumps(result, indent=2))
+        rates, ratios = result["decode_tok_s"], result["slot_by_slot_over_runs_time"]
+        print(f"\nkvstrata: {args.streams} streams x {args.decode_tokens} tokens at context {args.context}: runs "
+              f"{rates['runs']:.1f} tok/s | slot by slot {rates['slot_by_slot']:.1f} tok/s | slot by slot / runs, "
+              f"time per round: {' '.join(f'{r:.2f}' for r in ratios)} | same outputs: {result['same_outputs']}")
+        return 0
     if args.profile:
         return profile_main(args)
     if args.attention:

@@ -41,7 +41,6 @@ logger = logging.getLogger(__name__)
 LOAD_BACK_MIN_TOKENS = 16   # a shorter host hit is cheaper to recompute than to copy back
 PREFETCH_RETRY_REASONS = ("host_full", "rate_limited")
 MAX_REFETCHES = 2           # re-prefetches per request after its local pages were evicted while it waited
-SPARE_RUN_TOKENS = 128      # free slots set aside behind a sequence's new pages, so its next tokens follow them
 
 
 class CacheStack:
@@ -81,7 +80,8 @@ class KVCacheManager:
     """Allocation, prefix reuse and accounting of the device KV pool."""
 
     def __init__(self, allocator: PageAllocator, slot_table: ReqSlotTable, stack: CacheStack | None = None,
-                 prefetch_policy: str = "best_effort", host_snapshot: HostSnapshot | None = None):
+                 prefetch_policy: str = "best_effort", host_snapshot: HostSnapshot | None = None,
+                 spare_tokens: int = 128):
         self.allocator = allocator
         self.slot_table = slot_table
         self.stack = stack
@@ -91,7 +91,9 @@ class KVCacheManager:
         self.host = stack.host if stack is not None else None
         self.storage = stack.storage if stack is not None else None
         self.page_size = allocator.page_size
-        self.spare_pages = -(-SPARE_RUN_TOKENS // self.page_size)
+        # Free pages set aside behind a request's new ones, so that its next tokens follow them in one run
+        # (--kv-run-spare-tokens; PageAllocator.extend says why).
+        self.spare_pages = -(-spare_tokens // self.page_size)
         self.prefetch_policy = prefetch_policy
         self._loads: list = []          # load-backs submitted for the coming forward
         self.metrics = {"device_hit_tokens": 0, "host_hit_tokens": 0, "storage_hit_tokens": 0}

@@ -49,7 +49,8 @@ class Scheduler:
                                   device=self.runner.device)
         stack = build_cache_stack(args, allocator, pool, self.runner.model_path)
         self.cache = KVCacheManager(allocator, slot_table, stack, args.hicache_storage_prefetch_policy,
-                                    host_snapshot=build_host_snapshot(args, pool, self.runner.model_path))
+                                    host_snapshot=build_host_snapshot(args, pool, self.runner.model_path),
+                                    spare_tokens=args.kv_run_spare_tokens)
         self.stop = StopChecker(args.tokenizer_path, self.runner.config.eos_token_ids)
         self.waiting: list[Req] = []
         self.running: list[Req] = []

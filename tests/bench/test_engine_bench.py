@@ -37,3 +37,13 @@ def _rate(value: float) -> bool:
     """A positive rate, or NaN: on a loaded machine two cached 1-token calls can still differ by more than a
     4-token decode of the tiny model."""
     return math.isnan(value) or value > 0
+
+
+def test_engine_bench_compares_slot_runs_with_slot_by_slot_and_the_outputs_match(capsys):
+    assert main(["--model-path", "tiny", "--dtype", "float32", "--context", "16", "--decode-tokens", "24",
+                 "--streams", "3", "--repeat", "2", "--threads", "1", "--compare-kv-runs"]) == 0
+    out = capsys.readouterr().out
+    result = json.loads(out[: out.rindex("}") + 1])
+    assert result["kv_run_spare_tokens"] == {"runs": 128, "slot_by_slot": 0}
+    assert all(_rate(r) for r in result["decode_tok_s"].values()) and len(result["slot_by_slot_over_runs_time"]) == 2
+    assert result["same_outputs"] is True and "same outputs: True" in out

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from kvstrata.args import ServerArgs
-from kvstrata.cache.manager import SPARE_RUN_TOKENS, KVCacheManager, build_cache_stack
+from kvstrata.cache.manager import KVCacheManager, build_cache_stack
 from kvstrata.memory.allocator import PageAllocator
 from kvstrata.memory.device_pool import DeviceKVPool
 from kvstrata.memory.req_slots import ReqSlotTable
@@ -19,11 +19,12 @@ from kvstrata.runtime.req import Req
 from kvstrata.runtime.sampling_params import SamplingParams
 
 
-def make_manager(page_size: int, device_pages: int) -> KVCacheManager:
-    args = ServerArgs(page_size=page_size)
+def make_manager(page_size: int, device_pages: int, spare_tokens: int = 128) -> KVCacheManager:
+    args = ServerArgs(page_size=page_size, kv_run_spare_tokens=spare_tokens)
     pool = DeviceKVPool(device_pages, page_size, 2, 1, 2, torch.float32, "cpu")
     allocator = PageAllocator(device_pages, page_size)
-    return KVCacheManager(allocator, ReqSlotTable(8, 512), build_cache_stack(args, allocator, pool))
+    return KVCacheManager(allocator, ReqSlotTable(8, 512), build_cache_stack(args, allocator, pool),
+                          spare_tokens=args.kv_run_spare_tokens)
 
 
 def prefill(manager: KVCacheManager, rid: str, prompt: list[int]) -> Req:
@@ -49,7 +50,7 @@ def decode_in_turns(manager: KVCacheManager, reqs: list[Req], steps: int) -> Non
 def test_requests_decoding_side_by_side_each_write_one_run(page_size):
     manager = make_manager(page_size, 4096 // page_size)
     reqs = [prefill(manager, f"r{i}", [i * 100 + t for t in range(1, 21)]) for i in range(4)]
-    steps = 2 * SPARE_RUN_TOKENS + 8     # past the end of the first set-aside run
+    steps = 2 * ServerArgs().kv_run_spare_tokens + 8   # past the end of the first set-aside run
     decode_in_turns(manager, reqs, steps)
     for req in reqs:
         slots = manager.slots_of(req, 0, req.slot_len)
@@ -72,3 +73,14 @@ def test_a_pool_too_small_for_the_runs_still_serves_every_request_and_frees_ever
     manager.check_integrity([])
     manager.device.evict(10**6)
     assert manager.allocator.free_pages == manager.allocator.capacity_pages
+
+
+def test_without_spare_runs_the_requests_interleave_slot_by_slot():
+    manager = make_manager(1, 1024, spare_tokens=0)   # --kv-run-spare-tokens 0
+    reqs = [prefill(manager, f"r{i}", [i * 100 + t for t in range(1, 21)]) for i in range(4)]
+    decode_in_turns(manager, reqs, 30)
+    slots = manager.slots_of(reqs[0], 20, 50)
+    assert (slots[1:] - slots[:-1] == 4).all()        # each request's tokens 4 slots apart
+    for req in reqs:
+        manager.release(req, cache=False)
+    manager.check_integrity([])
