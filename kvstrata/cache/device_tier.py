@@ -102,10 +102,11 @@ class DeviceTier:
         return self.allocator.free_pages >= num_pages
 
     def alloc(self, num_pages: int) -> list[int] | None:
-        """`num_pages` free pages, evicting for them; None if the tree cannot give enough back."""
+        """`num_pages` free pages, evicting for them, in one run where a free run is that long (a load-back's
+        prefix is then read in order, see PageAllocator.extend); None if the tree cannot give enough back."""
         if not self.ensure_free_pages(num_pages):
             return None
-        return self.allocator.alloc(num_pages)
+        return self.allocator.extend(None, num_pages)
 
     def _free(self, node: TreeNode) -> None:
         """The one place where a node's device pages go back to the allocator."""

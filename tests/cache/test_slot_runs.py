@@ -19,8 +19,8 @@ from kvstrata.runtime.req import Req
 from kvstrata.runtime.sampling_params import SamplingParams
 
 
-def make_manager(page_size: int, device_pages: int, spare_tokens: int = 128) -> KVCacheManager:
-    args = ServerArgs(page_size=page_size, kv_run_spare_tokens=spare_tokens)
+def make_manager(page_size: int, device_pages: int, spare_tokens: int = 128, **tiers) -> KVCacheManager:
+    args = ServerArgs(page_size=page_size, kv_run_spare_tokens=spare_tokens, **tiers)
     pool = DeviceKVPool(device_pages, page_size, 2, 1, 2, torch.float32, "cpu")
     allocator = PageAllocator(device_pages, page_size)
     return KVCacheManager(allocator, ReqSlotTable(8, 512), build_cache_stack(args, allocator, pool),
@@ -84,3 +84,29 @@ def test_without_spare_runs_the_requests_interleave_slot_by_slot():
     for req in reqs:
         manager.release(req, cache=False)
     manager.check_integrity([])
+
+
+def test_a_load_back_lands_in_one_run_however_the_free_list_is_ordered():
+    manager = make_manager(1, 256, enable_hierarchical_cache=True, hicache_ratio=2)
+    try:
+        history = list(range(1, 65))
+        first = prefill(manager, "a", history + [99])
+        manager.release(first)
+        manager.host.wait_idle()                      # the write-through backups land
+        manager.device.evict(10**6)                   # demote everything to the host
+        allocator = manager.allocator
+        pages = allocator.alloc(allocator.free_pages)
+        allocator.free(pages[::2])                    # a free list that pops every other page first
+        allocator.free(pages[1::2])
+        again = Req(rid="b", prompt_ids=history + [98], sampling=SamplingParams(max_new_tokens=4))
+        plan = manager.plan_admit(again, 512)
+        assert plan.host_tokens == 64 and manager.admit(again, plan)
+        manager.take_layer_wait()(0)
+        manager.host.wait_idle()
+        slots = manager.slots_of(again, 0, 64)
+        assert (slots[1:] - slots[:-1] == 1).all(), slots.tolist()
+        manager.check_integrity([again])
+        manager.release(again, cache=False)
+        manager.check_integrity([])
+    finally:
+        manager.close()
