@@ -82,7 +82,7 @@ def bench_kv_runs(args) -> dict:
     """
     from kvstrata.args import ServerArgs
 
-    spares = {"runs": ServerArgs().kv_run_spare_tokens, "slot_by_slot": 0}
+    spares = {"runs": ServerArgs.kv_run_spare_tokens, "slot_by_slot": 0}
     engines = {name: make_engine(args, radix_cache=True, kv_run_spare_tokens=spare) for name, spare in spares.items()}
     n = args.decode_tokens
     try:

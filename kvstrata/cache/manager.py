@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from kvstrata.args import ServerArgs
 from kvstrata.cache.device_tier import DeviceTier
 from kvstrata.cache.integrity import check_slot_accounting
 from kvstrata.cache.kv_handle import KVHandle
@@ -81,7 +82,7 @@ class KVCacheManager:
 
     def __init__(self, allocator: PageAllocator, slot_table: ReqSlotTable, stack: CacheStack | None = None,
                  prefetch_policy: str = "best_effort", host_snapshot: HostSnapshot | None = None,
-                 spare_tokens: int = 128):
+                 spare_tokens: int = ServerArgs.kv_run_spare_tokens):
         self.allocator = allocator
         self.slot_table = slot_table
         self.stack = stack

@@ -18,11 +18,13 @@ from kvstrata.runtime.req import Req
 from kvstrata.runtime.sampling_params import SamplingParams
 
 
-def make_manager(page_size: int, device_pages: int, **tiers) -> KVCacheManager:
-    args = ServerArgs(page_size=page_size, **tiers)
+def make_manager(page_size: int, device_pages: int, context: int = 128, **fields) -> KVCacheManager:
+    """A cache facade over a small CPU pool; `fields`: ServerArgs fields (tiers, --kv-run-spare-tokens)."""
+    args = ServerArgs(page_size=page_size, **fields)
     pool = DeviceKVPool(device_pages, page_size, 2, 1, 2, torch.float32, "cpu")
     allocator = PageAllocator(device_pages, page_size)
-    return KVCacheManager(allocator, ReqSlotTable(8, 128), build_cache_stack(args, allocator, pool))
+    return KVCacheManager(allocator, ReqSlotTable(8, context), build_cache_stack(args, allocator, pool),
+                          spare_tokens=args.kv_run_spare_tokens)
 
 
 def new_req(rid: str, tokens: list[int]) -> Req:
@@ -35,6 +37,15 @@ def run_prefill(manager: KVCacheManager, req: Req, budget: int = 64) -> None:
     assert plan is not None and plan.fits() and manager.admit(req, plan)
     manager.advance(req, req.slot_len)
     manager.commit(req)
+
+
+def cache_on_host_only(manager: KVCacheManager, history: list[int]) -> None:
+    """Compute `history` (plus one token) into the cache, then demote it all to the host tier."""
+    req = new_req("history", history + [99])
+    run_prefill(manager, req, budget=len(history) + 1)
+    manager.release(req)
+    manager.host.wait_idle()                          # the write-through backups land
+    manager.device.evict(10**6)                       # demote everything to the host
 
 
 def snapshot(manager: KVCacheManager) -> tuple:
@@ -70,11 +81,7 @@ def test_plan_with_a_host_hit_starts_no_load_back_until_admitted():
     manager = make_manager(1, 48, enable_hierarchical_cache=True, hicache_ratio=4)
     try:
         history = list(range(1, 33))
-        req = new_req("a", history + [99])
-        run_prefill(manager, req)
-        manager.release(req)
-        manager.host.wait_idle()                      # the write-through backups land
-        manager.device.evict(1000)                    # demote everything to the host
+        cache_on_host_only(manager, history)
         again = new_req("b", history + [98])
         before = snapshot(manager)
         plan = manager.plan_admit(again, 64)

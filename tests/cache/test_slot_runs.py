@@ -8,31 +8,16 @@ runs change only where KV lives: the accounting must come back to its start howe
 from __future__ import annotations
 
 import pytest
-import torch
 
 from kvstrata.args import ServerArgs
-from kvstrata.cache.manager import KVCacheManager, build_cache_stack
-from kvstrata.memory.allocator import PageAllocator
-from kvstrata.memory.device_pool import DeviceKVPool
-from kvstrata.memory.req_slots import ReqSlotTable
+from kvstrata.cache.manager import KVCacheManager
 from kvstrata.runtime.req import Req
-from kvstrata.runtime.sampling_params import SamplingParams
-
-
-def make_manager(page_size: int, device_pages: int, spare_tokens: int = 128, **tiers) -> KVCacheManager:
-    args = ServerArgs(page_size=page_size, kv_run_spare_tokens=spare_tokens, **tiers)
-    pool = DeviceKVPool(device_pages, page_size, 2, 1, 2, torch.float32, "cpu")
-    allocator = PageAllocator(device_pages, page_size)
-    return KVCacheManager(allocator, ReqSlotTable(8, 512), build_cache_stack(args, allocator, pool),
-                          spare_tokens=args.kv_run_spare_tokens)
+from tests.cache.test_admission import cache_on_host_only, make_manager, new_req, run_prefill
 
 
 def prefill(manager: KVCacheManager, rid: str, prompt: list[int]) -> Req:
-    req = Req(rid=rid, prompt_ids=prompt, sampling=SamplingParams(max_new_tokens=400))
-    plan = manager.plan_admit(req, 512)
-    assert plan is not None and plan.fits() and manager.admit(req, plan)
-    manager.advance(req, req.slot_len)
-    manager.commit(req)
+    req = new_req(rid, prompt)
+    run_prefill(manager, req, budget=len(prompt))
     return req
 
 
@@ -48,9 +33,9 @@ def decode_in_turns(manager: KVCacheManager, reqs: list[Req], steps: int) -> Non
 
 @pytest.mark.parametrize("page_size", [1, 4])
 def test_requests_decoding_side_by_side_each_write_one_run(page_size):
-    manager = make_manager(page_size, 4096 // page_size)
+    manager = make_manager(page_size, 4096 // page_size, context=512)
     reqs = [prefill(manager, f"r{i}", [i * 100 + t for t in range(1, 21)]) for i in range(4)]
-    steps = 2 * ServerArgs().kv_run_spare_tokens + 8   # past the end of the first set-aside run
+    steps = 2 * ServerArgs.kv_run_spare_tokens + 8     # past the end of the first set-aside run
     decode_in_turns(manager, reqs, steps)
     for req in reqs:
         slots = manager.slots_of(req, 0, req.slot_len)
@@ -76,7 +61,7 @@ def test_a_pool_too_small_for_the_runs_still_serves_every_request_and_frees_ever
 
 
 def test_without_spare_runs_the_requests_interleave_slot_by_slot():
-    manager = make_manager(1, 1024, spare_tokens=0)   # --kv-run-spare-tokens 0
+    manager = make_manager(1, 1024, context=512, kv_run_spare_tokens=0)
     reqs = [prefill(manager, f"r{i}", [i * 100 + t for t in range(1, 21)]) for i in range(4)]
     decode_in_turns(manager, reqs, 30)
     slots = manager.slots_of(reqs[0], 20, 50)
@@ -90,15 +75,12 @@ def test_a_load_back_lands_in_one_run_however_the_free_list_is_ordered():
     manager = make_manager(1, 256, enable_hierarchical_cache=True, hicache_ratio=2)
     try:
         history = list(range(1, 65))
-        first = prefill(manager, "a", history + [99])
-        manager.release(first)
-        manager.host.wait_idle()                      # the write-through backups land
-        manager.device.evict(10**6)                   # demote everything to the host
+        cache_on_host_only(manager, history)
         allocator = manager.allocator
         pages = allocator.alloc(allocator.free_pages)
         allocator.free(pages[::2])                    # a free list that pops every other page first
         allocator.free(pages[1::2])
-        again = Req(rid="b", prompt_ids=history + [98], sampling=SamplingParams(max_new_tokens=4))
+        again = new_req("b", history + [98])
         plan = manager.plan_admit(again, 512)
         assert plan.host_tokens == 64 and manager.admit(again, plan)
         manager.take_layer_wait()(0)
