@@ -19,10 +19,11 @@ kernel reads every key's pool row in place (in the default mode on AVX-512 BF16 
 bf16-dot-product variant, decode_attention: same tiles, ~1.3-1.5x faster at 16 streams x 2048 keys). With
 `batch_invariant` the float32 kernel attends every row (extends
 too), since its rows are invariant by construction (fixed key tiles merged in order); otherwise the
-plain-torch invariant path of invariant_attention.py runs. In the default mode, the bf16 extend kernel
-(`meta.extend_kernel`, AVX-512 BF16 CPUs) takes every extend, cached prefix or not, in one call that reads
-its keys in place too (bf16 dot products: 2.4-2.6x SDPA's CPU flash kernel on a 2048-token prefill or a
-256-token extend after 1024).
+plain-torch invariant path of invariant_attention.py runs. In the default mode, the compiled extend kernel
+(`meta.extend_kernel`) takes every extend, cached prefix or not, in one call that reads its keys in place
+too: on AVX-512 BF16 CPUs with bf16 dot products (bf16 models; 2.4-2.6x SDPA's CPU flash kernel on a
+2048-token prefill or a 256-token extend after 1024), on AVX2 CPUs in float32 arithmetic (bf16 and float32
+models; see docs/benchmarks.md).
 """
 
 from __future__ import annotations
@@ -90,7 +91,7 @@ class KernelRows:
 
 @dataclass
 class KernelExtends:
-    """Extends the compiled bf16 extend kernel attends in place: sequence s has extend[s] new tokens at
+    """Extends the compiled extend kernel attends in place: sequence s has extend[s] new tokens at
     batch rows q_start[s].., after prefix[s] cached ones; its key j is pool row slots[s, j]."""
 
     slots: torch.Tensor              # [S, max keys] long, padded with the reserved slot 0
@@ -272,7 +273,7 @@ def _in_place(q: torch.Tensor, layer_id: int, rows: KernelRows, meta: ForwardMet
 
 def _extend_in_place(q: torch.Tensor, layer_id: int, ext: KernelExtends, meta: ForwardMetadata,
                      kv_pool) -> torch.Tensor:
-    """The bf16 extend kernel over every extend of the batch: `[T, H, D]`, other rows zero."""
+    """The compiled extend kernel over every extend of the batch: `[T, H, D]`, other rows zero."""
     return meta.extend_kernel(q.contiguous(), kv_pool.k_buffer[layer_id], kv_pool.v_buffer[layer_id], ext.slots,
                               ext.q_start, ext.prefix, ext.extend, q.shape[-1] ** -0.5)
 

@@ -97,7 +97,7 @@ def paged_attention_op() -> Optional[Callable]:
     return torch.ops.kvstrata.paged_attention if _loaded() else None
 
 
-# Head dims the bf16 attention kernels (decode and extend) are instantiated for: with_head_dim in csrc/vec_math.h.
+# Head dims the bf16 decode kernel and the extend kernels are instantiated for: with_head_dim in csrc/vec_math.h.
 BF16_HEAD_DIMS = (16, 32, 64, 128, 256)
 
 
@@ -116,9 +116,14 @@ def decode_attention_op() -> Optional[Callable]:
     return _bf16_op("decode_attention")
 
 
-def extend_attention_op() -> Optional[Callable]:
-    """`op(q, k_buf, v_buf, slots, q_start, prefix, extend, scale) -> out` (bf16, AVX-512 BF16 CPUs), or None."""
-    return _bf16_op("extend_attention")
+def extend_attention_op(dtype: torch.dtype = torch.bfloat16) -> Optional[Callable]:
+    """`op(q, k_buf, v_buf, slots, q_start, prefix, extend, scale) -> out` for `dtype` tensors, or None. AVX-512
+    BF16 builds serve bf16 (bf16 dot products); AVX2 + FMA builds serve bf16 and float32 (float32 arithmetic)."""
+    op = _bf16_op("extend_attention")
+    if op is None or dtype == torch.bfloat16:
+        return op
+    # The AVX-512 BF16 build is the one that registers decode_attention; its extend tile is bf16 only.
+    return op if dtype == torch.float32 and decode_attention_op() is None else None
 
 
 def silu_and_mul_op() -> Optional[Callable]:

@@ -88,14 +88,13 @@ class ModelRunner:
         return (decode_attention_op() if bf16_decode else None) or paged_attention_op()
 
     def _extend_kernel(self):
-        """The compiled bf16 extend-attention op where it applies (CPU with AVX-512 BF16, bf16 model, a head
-        dim it serves, default mode: deterministic inference keeps every row on the batch-invariant kernel),
-        else None."""
+        """The compiled extend-attention op where it applies (CPU, a head dim it serves, not
+        --disable-cpu-kernels, default mode: deterministic inference keeps every row on the batch-invariant
+        kernel): bf16 models on AVX-512 BF16 CPUs, bf16 and float32 models on AVX2 ones; else None (SDPA)."""
         a = self.args
-        usable = (self.device.type == "cpu" and self.dtype == torch.bfloat16
-                  and self.config.head_dim in BF16_HEAD_DIMS
+        usable = (self.device.type == "cpu" and self.config.head_dim in BF16_HEAD_DIMS
                   and not a.disable_cpu_kernels and not a.enable_deterministic_inference)
-        return extend_attention_op() if usable else None
+        return extend_attention_op(self.dtype) if usable else None
 
     def _argmax_kernel(self) -> Optional[Callable]:
         """The compiled greedy argmax (torch's tokens) on CPU without --disable-cpu-kernels, else None."""

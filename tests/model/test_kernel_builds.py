@@ -1,7 +1,8 @@
 """The CPU kernels built for CPUs this machine may not be: AVX2 only (Zen 3) and AVX-512 without BF16.
 
 On such CPUs the AVX-512 BF16 ops are not registered: the float32 paged kernel takes its AVX2 or AVX-512F
-tile, the decode GEMV its AVX2 build, and the norms their portable or AVX-512F code. CI may run on a machine
+tile, the extend kernel its AVX2 tile, the decode GEMV its AVX2 build, and the norms their portable or
+AVX-512F code. CI may run on a machine
 with AVX-512 BF16, so each build is compiled here for the older target (in a subprocess: one process can
 hold one build of the `kvstrata` op library) and checked against plain torch.
 """
@@ -33,8 +34,21 @@ CHECK = textwrap.dedent("""
     paged_kernels.CFLAGS[:] = ["-O3", sys.argv[1], "-fopenmp"]
     op = paged_kernels.paged_attention_op()
     assert op is not None, "the build failed"
-    absent = [paged_kernels.decode_attention_op(), paged_kernels.extend_attention_op()]
-    assert absent == [None] * 2, absent
+    assert paged_kernels.decode_attention_op() is None   # the bf16 decode kernel needs AVX-512 BF16
+    # the extend kernel's AVX2 tile (extend_tile_avx2.h), bf16 and float32, after a prefix over scattered slots
+    for dtype, limit in ((torch.float32, 1e-5), (torch.bfloat16, 2e-2)):
+        extend = paged_kernels.extend_attention_op(dtype)
+        assert extend is not None, dtype
+        g = torch.Generator().manual_seed(2)
+        k, v = (torch.randn(300, 2, 64, generator=g).to(dtype) for _ in range(2))
+        q = torch.randn(40, 8, 64, generator=g).to(dtype)
+        slots = (torch.randperm(299, generator=g)[:70] + 1)[None]
+        out = extend(q, k, v, slots, torch.tensor([0]), torch.tensor([30]), torch.tensor([40]), 0.125).float()
+        allowed = torch.arange(70)[None, :] <= torch.arange(30, 70)[:, None]
+        ref = F.scaled_dot_product_attention(q.float().transpose(0, 1), k[slots[0]].float().transpose(0, 1),
+                                             v[slots[0]].float().transpose(0, 1), attn_mask=allowed,
+                                             enable_gqa=True).transpose(0, 1)
+        assert (out - ref).abs().max() < limit, dtype
     # silu(gate) * up from torch's own silu table: its bits
     x = (torch.randn(5, 2 * 1000, generator=torch.Generator().manual_seed(1)) * 4).bfloat16()
     assert torch.equal(paged_kernels.silu_and_mul_op()(x), F.silu(x[:, :1000]) * x[:, 1000:])
