@@ -90,33 +90,57 @@ struct ExtendTileAvx2 {
                                                  const int64_t* limit, int64_t k0, float* m, float* l, float* probs,
                                                  float* o) {
     alignas(32) float scores[MR * KB];
+    alignas(32) float alpha[8];
     score_tile<D>(qf, kp, scores);
-    const __m256 lane0 = _mm256_setr_ps(0, 1, 2, 3, 4, 5, 6, 7), lane1 = _mm256_setr_ps(8, 9, 10, 11, 12, 13, 14, 15);
+    // Rows are ordered by limit, so when the first row sees the whole block every row does: only blocks on
+    // the causal diagonal need masks. Once no row's max moves (most blocks), alpha is exactly 1 and o is
+    // not rescaled. Both shortcuts give the same bits as the general path.
+    const bool moved = limit[0] - k0 + 1 >= KB ? softmax<false>(scores, limit, k0, m, l, probs, alpha)
+                                               : softmax<true>(scores, limit, k0, m, l, probs, alpha);
+    if (moved)
+      weigh_values<D, true>(probs, vp, alpha, o);
+    else
+      weigh_values<D, false>(probs, vp, alpha, o);
+  }
+
+  // The online softmax of one block for MR rows: each row's max m and sum l updated, probs = exp(scores - m)
+  // (hidden keys exactly 0), alpha = exp(m_old - m_new). Returns whether any row's max moved (else alpha is 1).
+  template <bool Masked>
+  [[gnu::always_inline]] static inline bool softmax(float* scores, const int64_t* limit, int64_t k0, float* m,
+                                                    float* l, float* probs, float* alpha) {
     const __m256 neg_inf = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
     alignas(32) float shift[8] = {0};   // m_old - m_new per row: exp gives alpha
+    bool moved = false;
     for (int r = 0; r < MR; ++r) {
-      const __m256 visible = _mm256_set1_ps(static_cast<float>(limit[r] - k0 + 1));   // >= 1
-      const __m256 s0 = _mm256_blendv_ps(neg_inf, _mm256_load_ps(scores + r * KB), _mm256_cmp_ps(lane0, visible, _CMP_LT_OQ));
-      const __m256 s1 = _mm256_blendv_ps(neg_inf, _mm256_load_ps(scores + r * KB + 8), _mm256_cmp_ps(lane1, visible, _CMP_LT_OQ));
-      _mm256_store_ps(scores + r * KB, s0);
-      _mm256_store_ps(scores + r * KB + 8, s1);
+      __m256 s0 = _mm256_load_ps(scores + r * KB), s1 = _mm256_load_ps(scores + r * KB + 8);
+      if constexpr (Masked) {
+        const __m256 visible = _mm256_set1_ps(static_cast<float>(limit[r] - k0 + 1));   // >= 1
+        const __m256 lane0 = _mm256_setr_ps(0, 1, 2, 3, 4, 5, 6, 7), lane1 = _mm256_setr_ps(8, 9, 10, 11, 12, 13, 14, 15);
+        s0 = _mm256_blendv_ps(neg_inf, s0, _mm256_cmp_ps(lane0, visible, _CMP_LT_OQ));
+        s1 = _mm256_blendv_ps(neg_inf, s1, _mm256_cmp_ps(lane1, visible, _CMP_LT_OQ));
+        _mm256_store_ps(scores + r * KB, s0);
+        _mm256_store_ps(scores + r * KB + 8, s1);
+      }
       const float m_new = std::max(m[r], max_lanes8(_mm256_max_ps(s0, s1)));
       shift[r] = m[r] - m_new;   // -inf on a row's first block: alpha ~0 then scales o = 0 and l = 0
+      moved |= m_new != m[r];
       m[r] = m_new;
     }
-    alignas(32) float alpha[8];
-    _mm256_store_ps(alpha, exp8(_mm256_load_ps(shift)));
+    if (moved) _mm256_store_ps(alpha, exp8(_mm256_load_ps(shift)));
     for (int r = 0; r < MR; ++r) {
       const __m256 mr = _mm256_set1_ps(m[r]);
       const __m256 s0 = _mm256_load_ps(scores + r * KB), s1 = _mm256_load_ps(scores + r * KB + 8);
-      // Hidden keys (-inf) get exactly 0: exp8 clamps -inf to a tiny positive.
-      const __m256 p0 = _mm256_and_ps(exp8(_mm256_sub_ps(s0, mr)), _mm256_cmp_ps(s0, neg_inf, _CMP_NEQ_OQ));
-      const __m256 p1 = _mm256_and_ps(exp8(_mm256_sub_ps(s1, mr)), _mm256_cmp_ps(s1, neg_inf, _CMP_NEQ_OQ));
-      l[r] = l[r] * alpha[r] + sum_lanes8(_mm256_add_ps(p0, p1));
+      __m256 p0 = exp8(_mm256_sub_ps(s0, mr)), p1 = exp8(_mm256_sub_ps(s1, mr));
+      if constexpr (Masked) {   // hidden keys (-inf) get exactly 0: exp8 clamps -inf to a tiny positive
+        p0 = _mm256_and_ps(p0, _mm256_cmp_ps(s0, neg_inf, _CMP_NEQ_OQ));
+        p1 = _mm256_and_ps(p1, _mm256_cmp_ps(s1, neg_inf, _CMP_NEQ_OQ));
+      }
+      const float sum = sum_lanes8(_mm256_add_ps(p0, p1));
+      l[r] = moved ? l[r] * alpha[r] + sum : l[r] + sum;   // l * 1 + sum is l + sum
       _mm256_storeu_ps(probs + r * KB, p0);
       _mm256_storeu_ps(probs + r * KB + 8, p1);
     }
-    weigh_values<D>(probs, vp, alpha, o);
+    return moved;
   }
 
   // The products and sums below live in their own functions: inlined into the tile, GCC kept the
@@ -143,16 +167,21 @@ struct ExtendTileAvx2 {
     }
   }
 
-  // o[r] = o[r] * alpha[r] + sum over the block's keys j of probs[r * KB + j] * V[j], 16 dims at a time.
-  template <int64_t D>
+  // o[r] = o[r] * alpha[r] (Rescale; else alpha is 1) + sum over the block's keys j of probs[r * KB + j] * V[j],
+  // 16 dims at a time.
+  template <int64_t D, bool Rescale>
   [[gnu::noinline]] static void weigh_values(const float* probs, const float* vp, const float* alpha, float* o) {
     for (int64_t c0 = 0; c0 < D; c0 += 16) {
       __m256 acc[MR][2];
 #pragma GCC unroll 8
       for (int r = 0; r < MR; ++r) {
-        const __m256 a = _mm256_set1_ps(alpha[r]);
-        acc[r][0] = _mm256_mul_ps(_mm256_loadu_ps(o + r * D + c0), a);
-        acc[r][1] = _mm256_mul_ps(_mm256_loadu_ps(o + r * D + c0 + 8), a);
+        acc[r][0] = _mm256_loadu_ps(o + r * D + c0);
+        acc[r][1] = _mm256_loadu_ps(o + r * D + c0 + 8);
+        if constexpr (Rescale) {
+          const __m256 a = _mm256_set1_ps(alpha[r]);
+          acc[r][0] = _mm256_mul_ps(acc[r][0], a);
+          acc[r][1] = _mm256_mul_ps(acc[r][1], a);
+        }
       }
 #pragma GCC unroll 4
       for (int64_t j = 0; j < KB; ++j) {
