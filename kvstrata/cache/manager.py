@@ -305,17 +305,47 @@ class KVCacheManager:
     def reserve(self, req: Req, num_new: int) -> bool:
         """Assign slots to req's next `num_new` tokens, evicting from the tree if needed. All or nothing."""
         h = self._handle(req)
-        need = self.pages_for(req, num_new)
-        if need and not self.ensure_free_pages(need):
+        start = h.slot_len
+        slots = self._take_slots(h, num_new)
+        if slots is None:
             return False
+        if slots:
+            self.slot_table.write(h.row, start, torch.tensor(slots, dtype=torch.long).to(self.slot_table.table.device))
+        return True
+
+    def reserve_decodes(self, reqs: list[Req]) -> int:
+        """Assign a slot to the next token of each of `reqs` in order, up to the first that cannot get one
+        (evicting from the tree if needed); how many got theirs. The slot table takes them in one write
+        (one host-to-device copy per decode step, not one per request)."""
+        rows: list[int] = []
+        cols: list[int] = []
+        slots: list[int] = []
+        for req in reqs:
+            h = self._handle(req)
+            start = h.slot_len
+            new = self._take_slots(h, 1)
+            if new is None:
+                break
+            rows.append(h.row)
+            cols.append(start)
+            slots.append(new[0])
+        if rows:
+            self.slot_table.write_cells(rows, cols, slots)
+        return len(rows)
+
+    def _take_slots(self, h: KVHandle, num_new: int) -> list[int] | None:
+        """Slots for the next `num_new` tokens of the request behind `h` (its pages taken, evicting if
+        needed, and `h` advanced over them), or None and nothing taken."""
+        need = pages_needed(h.slot_len, h.slot_len + num_new, self.page_size)
+        if need and not self.ensure_free_pages(need):
+            return None
         after = h.last_slot // self.page_size if h.last_slot is not None else None
         pages = self.allocator.extend(after, need, self.spare_pages) if need else []
-        slots = slots_for_extend(h.last_slot, h.slot_len, num_new, pages, self.page_size)   # on the host
-        self.slot_table.write(h.row, h.slot_len, slots.to(self.slot_table.table.device))
+        slots = slots_for_extend(h.last_slot, h.slot_len, num_new, pages, self.page_size)
         h.slot_len += num_new
         if num_new:
-            h.last_slot = int(slots[-1])
-        return True
+            h.last_slot = slots[-1]
+        return slots
 
     def ensure_free_pages(self, num_pages: int) -> bool:
         """Evict from the tree until `num_pages` are free. False if impossible."""

@@ -202,7 +202,7 @@ def pages_needed(cur_len: int, new_len: int, page_size: int) -> int:
 
 
 def slots_for_extend(last_slot: int | None, cur_len: int, num_new: int, new_pages: list[int],
-                     page_size: int) -> torch.Tensor:
+                     page_size: int) -> list[int]:
     """Slots for `num_new` tokens appended to a sequence of `cur_len` tokens whose last slot is `last_slot`.
 
     The tail of the current last page is used first, then `new_pages` in order.
@@ -219,4 +219,4 @@ def slots_for_extend(last_slot: int | None, cur_len: int, num_new: int, new_page
         out.extend(range(page * page_size, page * page_size + take))
     if len(out) != num_new:
         raise RuntimeError(f"slots_for_extend: {len(out)} slots for {num_new} tokens")
-    return torch.tensor(out, dtype=torch.long)
+    return out

@@ -43,9 +43,10 @@ class DeviceKVPool:
         return 2 * num_layers * num_kv_heads * head_dim * dtype.itemsize
 
     def set_kv(self, layer_id: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Write K/V of new tokens (`[n, kv_heads, head_dim]`) into `slots` of one layer."""
-        self.k_buffer[layer_id][slots] = k.to(self.dtype)
-        self.v_buffer[layer_id][slots] = v.to(self.dtype)
+        """Write K/V of new tokens (`[n, kv_heads, head_dim]`) into `slots` of one layer (distinct slots)."""
+        # index_copy_, not `buffer[slots] = k`: the same rows written at about half the dispatch cost (CPU)
+        self.k_buffer[layer_id].index_copy_(0, slots, k.to(self.dtype))
+        self.v_buffer[layer_id].index_copy_(0, slots, v.to(self.dtype))
 
     def get_kv(self, layer_id: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Gather K/V of `slots` of one layer (a copy)."""

@@ -36,6 +36,11 @@ class ReqSlotTable:
         """Record `slots` as the slots of tokens start.. of row."""
         self.table[row, start:start + slots.numel()] = slots
 
+    def write_cells(self, rows: list[int], cols: list[int], slots: list[int]) -> None:
+        """Record slots[i] as the slot of token cols[i] of row rows[i], with one copy to the table's device."""
+        cells = torch.tensor([rows, cols, slots], dtype=torch.long).to(self.table.device)
+        self.table[cells[0], cells[1]] = cells[2]
+
     def read(self, row: int, length: int) -> torch.Tensor:
         """Slots of tokens 0..length-1 of row (a view)."""
         return self.table[row, :length]

@@ -205,13 +205,12 @@ class Scheduler:
         decoding = [r for r in self.running if r.kv_len == r.fill_len - 1]
         i = 0
         while i < len(decoding):
-            req = decoding[i]
-            if self.cache.reserve(req, 1):
-                entries.append(BatchEntry(req, req.kv_len, 1, sample=True))
-                i += 1
-                continue
-            victim = decoding.pop()            # newest decoding request goes back to the queue
-            self._retract(victim)
+            got = self.cache.reserve_decodes(decoding[i:])
+            entries.extend(BatchEntry(req, req.kv_len, 1, sample=True) for req in decoding[i:i + got])
+            i += got
+            if i < len(decoding):
+                victim = decoding.pop()        # newest decoding request goes back to the queue
+                self._retract(victim)
         self.new_token_ratio = max(MIN_NEW_TOKEN_RATIO, self.new_token_ratio - NEW_TOKEN_RATIO_DECAY)
 
     def _retract(self, req: Req) -> None:

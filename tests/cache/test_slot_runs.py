@@ -92,3 +92,35 @@ def test_a_load_back_lands_in_one_run_however_the_free_list_is_ordered():
         manager.check_integrity([])
     finally:
         manager.close()
+
+
+@pytest.mark.parametrize("page_size", [1, 4])
+def test_reserving_a_decode_step_at_once_gives_the_slots_one_by_one_reservation_gives(page_size):
+    """reserve_decodes (the scheduler's decode step: one slot table write) = reserve(req, 1) for each in turn."""
+    managers = [make_manager(page_size, 4096 // page_size, context=256) for _ in range(2)]
+    batches = [[prefill(m, f"r{i}", [i * 100 + t for t in range(1, 22 + i)]) for i in range(5)] for m in managers]
+    for step in range(3 * ServerArgs.kv_run_spare_tokens // 2):
+        for req in batches[0]:
+            assert managers[0].reserve(req, 1)
+        assert managers[1].reserve_decodes(batches[1]) == len(batches[1])
+        for manager, reqs in zip(managers, batches):
+            for req in reqs:
+                manager.advance(req, req.slot_len)
+                req.output_ids.append(1000 + step)
+            manager.check_integrity(reqs)
+    for one, batched in zip(*batches):
+        assert one.slot_len == batched.slot_len
+        assert managers[0].slots_of(one, 0, one.slot_len).tolist() == managers[1].slots_of(batched, 0, batched.slot_len).tolist()
+
+
+def test_reserving_a_decode_step_stops_at_the_first_request_the_pool_cannot_serve():
+    manager = make_manager(1, 64)                  # 63 slots
+    reqs = [prefill(manager, f"r{i}", [i * 100 + t for t in range(1, 21)]) for i in range(3)]
+    manager.release(reqs[2], cache=False)          # 20 slots free again, 40 held
+    reqs = reqs[:2] + [prefill(manager, "r3", [900 + t for t in range(1, 21)])]   # now 3 tokens free (+ the tree's)
+    manager.device.evict(10**6)
+    free = manager.allocator.free_pages
+    got = manager.reserve_decodes(reqs * 2)        # asks for more slots than the pool has
+    assert got == min(free, 6)
+    manager.check_integrity(reqs)
+    assert manager.allocator.free_pages == free - got
