@@ -37,6 +37,7 @@ class Linear(nn.Linear):
         super().__init__(in_features, out_features, bias=bias)
         self.upcast_min_rows = upcast_min_rows
         self.min_rows = 1   # inputs with fewer rows are zero-padded (batch-invariant mode)
+        self.batch_invariant = False   # low-precision CPU products in float32 at every row count
         self.decode_gemv: Optional[DecodeLinear] = None   # compiled bf16 GEMV (decode rows; AVX2: all rows)
         self.decode_weight: Optional[torch.Tensor] = None   # the weight as decode_gemv reads it (packed)
 
@@ -53,7 +54,8 @@ class Linear(nn.Linear):
     def _forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dtype != self.weight.dtype:
             return F.linear(x.to(self.weight.dtype), self.weight, self.bias)
-        if x.shape[0] >= self.upcast_min_rows and x.device.type == "cpu" and upcasts_on_cpu(x.dtype):
+        low_cpu = x.dtype in _LOW_PRECISION and x.device.type == "cpu"
+        if low_cpu and (self.batch_invariant or (x.shape[0] >= self.upcast_min_rows and upcasts_on_cpu(x.dtype))):
             bias = None if self.bias is None else self.bias.float()
             return F.linear(x.float(), self.weight.float(), bias).to(x.dtype)
         return F.linear(x, self.weight, self.bias)
@@ -61,25 +63,23 @@ class Linear(nn.Linear):
 
 # Measured on x86 CPUs (MKL/oneDNN): float32 GEMMs of fewer than 12 rows take kernels that round a row
 # differently from the same row in a larger product; from 12 rows on, each row's result is independent of
-# the row count and of its position. Native bf16 GEMMs (AVX-512 BF16 / AMX) are row-invariant at any
-# count. tests/model/test_batch_invariance.py checks both on every machine.
+# the row count and of its position. Native bf16 GEMMs are not, on every CPU: on Zen 4 (AVX-512 BF16) they
+# were, on an Intel Xeon with AMX a 512 -> 3072 row changes at 1 to 33 rows. tests/model/test_batch_invariance.py
+# checks the float32 claim on every machine.
 BATCH_INVARIANT_MIN_ROWS = 16
 
 
 def make_batch_invariant(model: nn.Module) -> None:
     """Configure every Linear of `model` so that a row's output never depends on the other rows.
 
-    Inputs that a float32 GEMM will multiply are padded to BATCH_INVARIANT_MIN_ROWS rows, and the float32
-    upcast of emulated bf16 GEMMs applies at every row count (instead of switching kernels at
-    `upcast_min_rows`). Native low-precision GEMMs on CPU need no padding (and a decode step would pay
-    for it).
+    Low-precision CPU products run in float32 at every row count, and inputs are padded to
+    BATCH_INVARIANT_MIN_ROWS rows. A compiled GEMV that serves every row count (`use_decode_linear` with
+    `decode_linear_op(every_row=True)`, row-invariant by construction) takes the bf16 products before that.
     """
     for module in model.modules():
         if isinstance(module, Linear):
-            w = module.weight
-            native = w.device.type == "cpu" and w.dtype in _LOW_PRECISION and not upcasts_on_cpu(w.dtype)
-            module.min_rows = 1 if native else BATCH_INVARIANT_MIN_ROWS
-            module.upcast_min_rows = 1
+            module.min_rows = BATCH_INVARIANT_MIN_ROWS
+            module.batch_invariant = True
 
 
 def use_decode_linear(model: nn.Module, gemv: Optional[DecodeLinear]) -> None:

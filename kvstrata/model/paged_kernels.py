@@ -126,6 +126,13 @@ def extend_attention_op(dtype: torch.dtype = torch.bfloat16) -> Optional[Callabl
     return op if dtype == torch.float32 and decode_attention_op() is None else None
 
 
+def extend_amx(enable: bool) -> bool:
+    """Whether bf16 extends run on the AMX tile from now on (`enable`, where this CPU's build has the tile and
+    Linux grants the tile state); off, the AVX-512 BF16 dot-product tile computes the same attention."""
+    op = _bf16_op("extend_amx")
+    return bool(op(enable)) if op is not None else False
+
+
 def silu_and_mul_op() -> Optional[Callable]:
     """`op(gate_up [T, 2I]) -> silu(gate) * up [T, I]` (bf16; torch's bits: AVX-512 BF16 builds compute silu,
     others look up torch's own silu of every bf16 value), or None."""
@@ -134,8 +141,15 @@ def silu_and_mul_op() -> Optional[Callable]:
 
 # Products of up to this many rows go through the AVX-512 BF16 decode GEMV (decode_ops.cpp): on the bench
 # model's shapes it beats oneDNN's bf16 GEMM 2.1-2.2x at 16 rows and 1.2-1.3x at 64, and is about even at 96
-# (docs/benchmarks.md). Larger products (prefill) stay with oneDNN there.
+# (Zen 4, docs/benchmarks.md). Larger products (prefill) stay with oneDNN there. Where the CPU has AMX,
+# oneDNN runs bf16 products on its tiles, and they overtake the GEMV from 7 rows on (a whole bench-model
+# step: 2.9 ms either way at 7 rows, GEMV 1.5 ms vs 2.9 at 3, oneDNN 5x faster at 64; an Intel Xeon).
 DECODE_LINEAR_MAX_ROWS = 64
+DECODE_LINEAR_MAX_ROWS_AMX = 6
+
+
+def _decode_linear_max_rows() -> int:
+    return DECODE_LINEAR_MAX_ROWS_AMX if " amx_bf16" in _cpu_flags() else DECODE_LINEAR_MAX_ROWS
 
 
 class DecodeLinear(NamedTuple):
@@ -154,11 +168,13 @@ def _row_major(weight: torch.Tensor) -> torch.Tensor:
     return weight
 
 
-def decode_linear_op() -> Optional[DecodeLinear]:
-    """The bf16 GEMV of this CPU's build (AVX-512 BF16: decode rows; AVX2: every product), or None."""
+def decode_linear_op(every_row: bool = False) -> Optional[DecodeLinear]:
+    """The bf16 GEMV of this CPU's build (AVX-512 BF16: decode rows, fewer with AMX, or every product with
+    `every_row`, as batch-invariant mode needs; AVX2: every product), or None."""
     row_major = _bf16_op("decode_linear")
     if row_major is not None:
-        return DecodeLinear(_row_major, lambda x, weight, bias, n: row_major(x, weight, bias), DECODE_LINEAR_MAX_ROWS)
+        return DecodeLinear(_row_major, lambda x, weight, bias, n: row_major(x, weight, bias),
+                            None if every_row else _decode_linear_max_rows())
     pack, packed = _bf16_op("decode_linear_pack"), _bf16_op("decode_linear_packed")
     return DecodeLinear(pack, packed, None) if pack is not None and packed is not None else None
 

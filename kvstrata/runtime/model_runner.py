@@ -104,16 +104,17 @@ class ModelRunner:
 
     def _use_layer_kernels(self) -> None:
         """Compiled norms, rotary embedding and silu·mul (row-invariant: both modes) and the bf16 GEMV
-        (deterministic mode: only the AVX2 one, which serves every row count), on CPU unless
-        --disable-cpu-kernels; plain torch otherwise."""
+        (deterministic mode: for every row count, so that no bf16 product goes to oneDNN, whose AMX
+        kernels sum a row differently at different row counts), on CPU unless --disable-cpu-kernels;
+        plain torch otherwise."""
         if self.device.type != "cpu" or self.args.disable_cpu_kernels:
             return
         use_fused_norms(self.model, norm_ops())
         use_rope_kernel(self.model, rope_op())
         if self.dtype == torch.bfloat16:
             use_fused_activation(self.model, silu_and_mul_op())
-        gemv = decode_linear_op()
-        if gemv is not None and (gemv.max_rows is None or not self.args.enable_deterministic_inference):
+        gemv = decode_linear_op(every_row=self.args.enable_deterministic_inference)
+        if gemv is not None:
             use_decode_linear(self.model, gemv)
 
     @property

@@ -5,8 +5,7 @@ Checked: the bf16 GEMV equals a float32 product up to bf16 rounding, its rows do
 or the thread count (on AVX2, whose build serves prefill too, also across its decode and prefill paths); the
 fused residual-add + RMSNorm gives transformers' LlamaRMSNorm arithmetic, row by row; a whole model through
 both kernels stays within the transformers tolerances and generates its greedy tokens; the ModelRunner takes
-them only where they apply (CPU, not --disable-cpu-kernels; in deterministic mode only a GEMV that serves
-every row count).
+them only where they apply (CPU, not --disable-cpu-kernels; in deterministic mode for every row count).
 """
 
 from __future__ import annotations
@@ -27,14 +26,14 @@ from kvstrata.runtime.model_runner import ModelRunner
 from tests.model.hf_ckpt import CASES
 from tests.model.test_llama_vs_hf import PROMPT_LENS, TOLERANCE, Pair, random_prompts, relative_error
 
-LINEAR = decode_linear_op()
+LINEAR = decode_linear_op(every_row=True)   # as deterministic mode runs it: products of any row count
 NORMS = norm_ops()
 pytestmark = pytest.mark.skipif(NORMS is None, reason="the CPU kernels do not build here (no C++ compiler?)")
 needs_gemv = pytest.mark.skipif(LINEAR is None, reason="neither AVX-512 BF16 nor AVX2 on this CPU: the GEMV is not built")
 DTYPES = [torch.float32, torch.bfloat16]
-# Row counts the GEMV serves: decode batches, and prefill-sized products where the build serves them (AVX2:
-# from 65 rows, products are swept in panels of 30-96 rows at these K).
-ROWS = list(range(1, DECODE_LINEAR_MAX_ROWS + 1)) + ([100, 300] if LINEAR and LINEAR.max_rows is None else [])
+# Row counts: decode batches, and prefill-sized products (AVX2: from 65 rows, products are swept in panels of
+# 30-96 rows at these K).
+ROWS = list(range(1, DECODE_LINEAR_MAX_ROWS + 1)) + [100, 300]
 
 
 def gemv(x: torch.Tensor, w: torch.Tensor, bias):
@@ -192,7 +191,7 @@ def test_lm_head_and_layers_take_the_gemv_only_where_it_reads_the_weight():
 
 @pytest.mark.parametrize("flags, linear, norms", [
     ({}, True, True),
-    ({"enable_deterministic_inference": True}, "every-row-count", True),
+    ({"enable_deterministic_inference": True}, "every-row-count", True),   # batch-invariant: no row limit
     ({"disable_cpu_kernels": True}, False, False),
 ], ids=["default", "deterministic", "disabled"])
 def test_runner_uses_the_kernels_where_they_apply(flags, linear, norms):
@@ -202,8 +201,10 @@ def test_runner_uses_the_kernels_where_they_apply(flags, linear, norms):
     assert (layer.input_layernorm.ops is not None) == norms
     assert (runner.sampler.argmax_op is not None) == norms   # the greedy argmax: on wherever the norms are
     assert (runner.model.rotary.kernel is not None) == norms   # and the rotary embedding
-    gemv_here = LINEAR is not None and (linear is True or (linear == "every-row-count" and LINEAR.max_rows is None))
+    gemv_here = LINEAR is not None and linear is not False
     assert (layer.mlp.down_proj.decode_gemv is not None) == gemv_here
+    if gemv_here and linear == "every-row-count":
+        assert layer.mlp.down_proj.decode_gemv.max_rows is None
     lm_head = runner.model.lm_head
     assert (lm_head.decode_gemv is not None) == gemv_here
     if gemv_here:   # the GEMV reads lm_head in bf16: optimize_layout leaves it so

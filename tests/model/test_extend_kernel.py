@@ -1,7 +1,8 @@
 """The compiled extend-attention kernel (csrc/extend_attention.cpp) against float32 SDPA and the model.
 
-The kernel has two tiles: bf16 dot products on AVX-512 BF16 CPUs (bf16 only) and float32 arithmetic on AVX2
-CPUs (bf16 and float32). Checked, in every dtype this machine's build serves: every extend row (fresh
+The kernel has three tiles: AMX on CPUs that have it and bf16 dot products on AVX-512 BF16 CPUs (bf16 only;
+where AMX is there, each is checked), float32 arithmetic on AVX2 CPUs (bf16 and float32). Checked, in every
+dtype this machine's build serves: every extend row (fresh
 prompts and extends after a cached prefix, over scattered slots, several sequences per call, GQA and plain
 multi-head, head dims 16 to 256) matches float32 causal SDPA (within bf16 rounding for bf16); a row's bits
 do not depend on the chunk, the batch or the thread count; a model forward through it stays within the
@@ -14,7 +15,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvstrata.model.paged_kernels import BF16_HEAD_DIMS, extend_attention_op
+from kvstrata.model.paged_kernels import BF16_HEAD_DIMS, extend_amx, extend_attention_op
 from tests.model.hf_ckpt import CASES
 from tests.model.test_llama_vs_hf import PROMPT_LENS, TOLERANCE, Pair, random_prompts, relative_error
 from tests.model.test_paged_kernel import _reference  # float32 causal SDPA over the same keys
@@ -25,6 +26,15 @@ BF16 = torch.bfloat16
 # The dtypes this build serves; float32 only with the AVX2 tile.
 DTYPES = [dtype for dtype in (BF16, torch.float32) if extend_attention_op(dtype) is not None]
 MAX_ERROR = {BF16: 2e-2, torch.float32: 1e-4}   # bf16: the output's rounding (and the bf16 tile's products)
+TILES = ["amx", "dot-product"] if extend_amx(True) else ["this-cpu"]
+
+
+@pytest.fixture(params=TILES)
+def tile(request) -> str:
+    """Runs the test on each tile this build has for bf16 (AMX machines: AMX, then the dot-product tile)."""
+    extend_amx(request.param != "dot-product")
+    yield request.param
+    extend_amx(True)
 
 
 def _pool(slots: int, kv_heads: int, dim: int, seed: int = 0, dtype: torch.dtype = BF16
@@ -47,7 +57,7 @@ def _run(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, seqs: list[t
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).removeprefix("torch."))
 @pytest.mark.parametrize("heads,kv_heads,dim", [(8, 2, 64), (4, 4, 128), (12, 4, 64), (4, 2, 16), (2, 1, 256)],
                          ids=["gqa-64", "mha-128", "gqa3-64", "gqa-16", "gqa-256"])
-def test_extends_over_scattered_slots_match_sdpa(heads, kv_heads, dim, dtype):
+def test_extends_over_scattered_slots_match_sdpa(heads, kv_heads, dim, dtype, tile):
     k_buf, v_buf = _pool(4096, kv_heads, dim, dtype=dtype)
     perm = torch.randperm(4095, generator=torch.Generator().manual_seed(1)) + 1
     # fresh prompts and extends after a prefix; lengths on and off the 32-key blocks and 16-row tasks
@@ -68,7 +78,7 @@ def test_extends_over_scattered_slots_match_sdpa(heads, kv_heads, dim, dtype):
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).removeprefix("torch."))
-def test_row_bits_do_not_depend_on_chunk_batch_or_threads(dtype):
+def test_row_bits_do_not_depend_on_chunk_batch_or_threads(dtype, tile):
     k_buf, v_buf = _pool(2048, 2, 64, dtype=dtype)
     slots = torch.randperm(2047, generator=torch.Generator().manual_seed(3))[:600] + 1
     q = torch.randn(600, 8, 64).to(dtype)

@@ -40,11 +40,6 @@ inline __m512 load_bf16(const uint16_t* p, __mmask16 live) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(live, p)), 16));
 }
 
-inline __m512 round_bf16(__m512 x) {   // to the nearest bf16 (even on ties), widened back
-  const __m256i b = reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(x));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(b), 16));
-}
-
 at::Tensor silu_and_mul(const at::Tensor& x) {
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.scalar_type() == at::kBFloat16 && x.size(1) % 2 == 0,
               "silu_and_mul: x must be a contiguous [T, 2I] bfloat16 tensor");
@@ -59,10 +54,10 @@ at::Tensor silu_and_mul(const at::Tensor& x) {
       for (int64_t c = 0; c < inter; c += 16) {
         const __mmask16 live = inter - c >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (inter - c)) - 1);
         const __m512 g = load_bf16(gate + c, live);
-        const __m512 silu = round_bf16(_mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.0f),
+        const __m512 silu = kvstrata_cpu::round_bf16(_mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.0f),
                                                                       exp16(_mm512_sub_ps(_mm512_setzero_ps(), g)))));
-        const __m256bh prod = _mm512_cvtneps_pbh(_mm512_mul_ps(silu, load_bf16(up + c, live)));
-        _mm256_mask_storeu_epi16(dst + t * inter + c, live, reinterpret_cast<__m256i>(prod));
+        const __m256i prod = kvstrata_cpu::pack_bf16x16(_mm512_mul_ps(silu, load_bf16(up + c, live)));
+        _mm256_mask_storeu_epi16(dst + t * inter + c, live, prod);
       }
     }
   });

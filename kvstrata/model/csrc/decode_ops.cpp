@@ -59,12 +59,7 @@ inline __m512 load16(const bf16* p) {
 }
 inline void store16(float* p, __m512 v) { _mm512_storeu_ps(p, v); }
 inline void store16(bf16* p, __m512 v) {   // round to nearest even, as c10::BFloat16 (NaN kept quiet)
-  __m512i bits = _mm512_castps_si512(v);
-  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
-  __m512i rounded = _mm512_srli_epi32(_mm512_add_epi32(bits, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff))), 16);
-  const __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
-  rounded = _mm512_mask_mov_epi32(rounded, nan, _mm512_set1_epi32(0x7fc0));
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(rounded));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), kvstrata_cpu::pack_bf16x16(v));
 }
 #endif
 
@@ -247,11 +242,7 @@ struct Lanes {
   static V load(const bf16* p) { return load16(p); }
   static void store(float* p, V v) { _mm512_storeu_ps(p, v); }
   static void store(bf16* p, V v) { store16(p, v); }
-  static V widened_bf16(V v) {   // v rounded to bf16 and widened back
-    alignas(64) bf16 tmp[16];
-    store16(tmp, v);
-    return load16(tmp);
-  }
+  static V widened_bf16(V v) { return kvstrata_cpu::round_bf16(v); }
   static V zero() { return _mm512_setzero_ps(); }
   static V set1(float v) { return _mm512_set1_ps(v); }
   static V add(V a, V b) { return _mm512_add_ps(a, b); }

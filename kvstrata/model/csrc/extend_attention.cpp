@@ -3,8 +3,9 @@
 // rows q_start[s].., absolute positions prefix[s]..; the token at position p attends keys 0..p, key j being
 // pool row slots[s][j].
 //
-// This file is the driver; the arithmetic is a tile of this CPU's instruction set: extend_tile_avx512bf16.h
-// (bf16 dot products, bf16 models) or extend_tile_avx2.h (float32 arithmetic, bf16 and float32 models).
+// This file is the driver; the arithmetic is a tile of this CPU's instruction set: extend_tile_amx.h (AMX,
+// bf16 models; `extend_amx(False)` turns it off for the next one), extend_tile_avx512bf16.h (bf16 dot
+// products, bf16 models) or extend_tile_avx2.h (float32 arithmetic, bf16 and float32 models).
 // Either computes softmax online over fixed blocks of Tile::KB keys counted from key 0, so a row's result
 // depends only on its query, its keys and the block size, not on the chunk or batch it runs in.
 //
@@ -20,6 +21,7 @@
 #include <torch/library.h>
 
 #include "extend_plan.h"
+#include "extend_tile_amx.h"
 #include "extend_tile_avx2.h"
 #include "extend_tile_avx512bf16.h"
 #include "slot_check.h"
@@ -27,6 +29,7 @@
 
 #if defined(__AVX512BF16__) || (defined(__AVX2__) && defined(__FMA__))
 #include <algorithm>
+#include <atomic>
 #include <cstdint>
 #include <tuple>
 #include <utility>
@@ -38,6 +41,22 @@ using kvstrata_cpu::ExtendDims;
 using kvstrata_cpu::ExtendSeq;
 
 constexpr int64_t PACK_BUDGET = int64_t(64) << 20;   // bytes of packed K+V per wave (more: one unit per wave)
+
+#ifdef KVSTRATA_EXTEND_AMX
+std::atomic<bool> amx_wanted{true};   // extend_amx(): off to run the dot-product tile (tests compare both)
+
+bool use_amx() { return amx_wanted.load() && kvstrata_cpu::amx_permitted(); }
+#else
+bool use_amx() { return false; }
+#endif
+
+// Whether extend_attention runs its AMX tile from now on: `enable` where this build and the OS allow it.
+bool extend_amx(bool enable) {
+#ifdef KVSTRATA_EXTEND_AMX
+  amx_wanted.store(enable);
+#endif
+  return enable && use_amx();
+}
 
 struct Task {
   int64_t seq, kvh, i0, i1, cost, pack_offset;   // pack_offset: the unit's first block in the wave's buffers
@@ -156,6 +175,12 @@ at::Tensor extend_attention(const at::Tensor& q, const at::Tensor& k_buf, const 
   }
   at::Tensor out = at::zeros_like(q);
 #ifdef __AVX512BF16__
+#ifdef KVSTRATA_EXTEND_AMX
+  if (use_amx()) {
+    run_waves<kvstrata_cpu::ExtendTileAmx>(q, k_buf, v_buf, seqs, d, scale, out);
+    return out;
+  }
+#endif
   run_waves<kvstrata_cpu::ExtendTileBf16Dot>(q, k_buf, v_buf, seqs, d, scale, out);
 #else
   if (q.scalar_type() == at::kFloat)
@@ -172,6 +197,7 @@ TORCH_LIBRARY_FRAGMENT(kvstrata, m) {
   m.def("extend_attention(Tensor q, Tensor k_buf, Tensor v_buf, Tensor slots, Tensor q_start, Tensor prefix, "
         "Tensor extend, float scale) -> Tensor");
   m.impl("extend_attention", c10::DispatchKey::CPU, TORCH_FN(extend_attention));
+  m.def("extend_amx(bool enable) -> bool", &extend_amx);
 }
 
 #endif  // AVX-512 BF16, or AVX2 + FMA

@@ -73,6 +73,22 @@ inline __m512 exp2_nonpositive(__m512 x) {
   return _mm512_scalef_ps(exp_reduced(t), n);
 }
 
+// 16 float32 rounded to bf16 as c10::BFloat16 rounds each (to nearest, ties to even; NaN to 0x7FC0), packed.
+// Not _mm512_cvtneps_pbh: Intel's conversion flushes denormal inputs and results to zero (AMD's keeps them),
+// where torch keeps every denormal.
+inline __m256i pack_bf16x16(__m512 v) {
+  const __m512i bits = _mm512_castps_si512(v);
+  const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+  __m512i r = _mm512_srli_epi32(_mm512_add_epi32(bits, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7FFF))), 16);
+  r = _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), _mm512_set1_epi32(0x7FC0));
+  return _mm512_cvtepi32_epi16(r);
+}
+
+// v rounded to bf16 (pack_bf16x16) and widened back to float32.
+inline __m512 round_bf16(__m512 v) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(pack_bf16x16(v)), 16));
+}
+
 #ifdef __AVX512BF16__
 // acc + the products of a and b's bf16 pairs (lane i: a[2i] b[2i] + a[2i+1] b[2i+1], float32).
 inline __m512 dot_pairs(__m512 acc, __m512i a, __m512i b) {
