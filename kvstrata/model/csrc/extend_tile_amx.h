@@ -1,19 +1,21 @@
 // The extend-attention tile of CPUs with AMX (Intel Xeon, Sapphire Rapids on): both products on the tile
-// unit (`tdpbf16ps`: bf16 products, float32 sums, 16 rows at a time), softmax in AVX-512. On an AVX-512 BF16
-// CPU the dot-product tile (extend_tile_avx512bf16.h) spends ~3/4 of a prefill's attention in the two
-// products; here they cost little and the exponentials are what is left.
+// unit (`tdpbf16ps`: bf16 products, float32 sums), the softmax in AVX-512. On an AVX-512 BF16 CPU the
+// dot-product tile (extend_tile_avx512bf16.h) spends ~3/4 of a prefill's attention in the two products;
+// here they cost little, and the softmax is laid out so that it needs no horizontal sums.
 //
-// It reads the dot-product tile's packed blocks as they are: a K block, [D/2][KB] bf16 pairs, is the tile
-// unit's B operand of Q K^T (rows: pairs along the head dim, columns: keys), and a V block, [KB/2][D] pairs
-// of consecutive keys, its B operand of P V (rows: key pairs, columns: the head dim). Per key block and 16
-// rows: scores into two 16x16 float32 tiles, stored; softmax online (the same block boundaries, counted from
-// key 0); the probabilities, rounded to bf16, are the A operand of P V, accumulated into the float32 rows
-// of o, which are rescaled first only where a row's max moved. Every row's arithmetic is its own (a tile
-// row's sums do not depend on the other rows), so a row's bits do not depend on its chunk or batch.
+// Transposed: a group of 16 query rows is the tile unit's 16 columns. Per block of KB keys, S^T = K Q^T
+// ([key][row] float32, so one vector holds one key's score in each of the 16 rows), then the softmax runs
+// down the keys with the rows in lanes (max, exp2, sums: vertical), and O^T += V^T P^T accumulates
+// [head dim][row] in tile registers (head dims up to 64; larger ones in memory), rescaled only when a row's
+// max moved. Blocks are packed per unit (sequence, KV head): K as [KB][D] bf16, V transposed as [D][KB].
+// A row's arithmetic never involves another row (a tile's column sums only its own products), so a row's
+// bits do not depend on the chunk or batch it runs in; softmax blocks are counted from key 0.
 #pragma once
 
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
 #define KVSTRATA_EXTEND_AMX 1
+#include <ATen/core/Tensor.h>
+#include <c10/util/BFloat16.h>
 #include <immintrin.h>
 #include <sys/syscall.h>
 #include <unistd.h>
@@ -22,10 +24,8 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
-#include <vector>
 
 #include "extend_plan.h"
-#include "extend_tile_avx512bf16.h"
 #include "vec_math.h"
 
 namespace kvstrata_cpu {
@@ -39,109 +39,175 @@ inline bool amx_permitted() {
   return granted;
 }
 
-struct ExtendTileAmx : ExtendTileBf16Dot {   // the same block size and packed layouts
-  static constexpr int TR = 16;   // rows per tile
+// o^T's tile J is tmm(4 + J). GCC's tile intrinsics paste the register number into the assembly, so each
+// gets its own literal.
+template <int J>
+struct OTile;
+#define KVSTRATA_O_TILE(N)                                                    \
+  template <>                                                                 \
+  struct OTile<N - 4> {                                                       \
+    static void zero() { _tile_zero(N); }                                     \
+    static void load(const float* p) { _tile_loadd(N, p, 16 * sizeof(float)); } \
+    static void store(float* p) { _tile_stored(N, p, 16 * sizeof(float)); }   \
+    static void add_pv() { _tile_dpbf16ps(N, 1, 0); }   /* += V^T (tmm1) P^T (tmm0) */ \
+  };
+KVSTRATA_O_TILE(4)
+KVSTRATA_O_TILE(5)
+KVSTRATA_O_TILE(6)
+KVSTRATA_O_TILE(7)
+#undef KVSTRATA_O_TILE
 
-  // Tiles: 0, 1 scores of keys 0-15 / 16-31; 2 a chunk of q (up to 32 dims); 3 the K pairs of that chunk;
-  // 4 the probabilities; 5 V pairs of 16 columns; 6 o's 16 columns.
+struct ExtendTileAmx {
+  using Scalar = uint16_t;     // q, K, V and the output: bf16 bits
+  using PackWord = uint32_t;   // two bf16
+  static constexpr int64_t KB = 32;   // keys per block
+  static constexpr int64_t QB = 16;   // query positions per task
+  static constexpr int TR = 16;       // rows per group: the tile unit's columns
+  static int64_t block_words(int64_t dim) { return dim * KB / 2; }   // of K, and of V
+
+  // K block: [KB][D] bf16 (rows of the pool, copied); V block: [D][KB] bf16 (transposed). Keys past the
+  // sequence's end are zero (and masked).
+  static void pack_block(const uint16_t* k_buf, const uint16_t* v_buf, const int64_t* slots, int64_t first,
+                         int64_t count, int64_t kvh, const ExtendDims& d, uint32_t* kp, uint32_t* vp) {
+    const int64_t D = d.dim, row = d.kv_heads * D;
+    auto* k = reinterpret_cast<uint16_t*>(kp);
+    auto* v = reinterpret_cast<uint16_t*>(vp);
+    std::memset(k + count * D, 0, sizeof(uint16_t) * (KB - count) * D);
+    if (count < KB) std::memset(v, 0, sizeof(uint16_t) * D * KB);
+    for (int64_t j = 0; j < count; ++j) {
+      const int64_t at = slots[first + j] * row + kvh * D;
+      std::memcpy(k + j * D, k_buf + at, sizeof(uint16_t) * D);
+      for (int64_t c = 0; c < D; ++c) v[c * KB + j] = v_buf[at + c];
+    }
+  }
+
+  // Tiles: 0, 1 scores of keys 0-15 / 16-31 (then 0 holds P^T); 1 a V^T operand; 2 K rows of a head-dim
+  // chunk; 3 the Q^T pairs of that chunk; 4-7 o^T's 16-dim tiles.
   struct alignas(64) Config {
     uint8_t palette = 1, start_row = 0, reserved[14] = {};
     uint16_t colsb[16] = {};
     uint8_t rows[16] = {};
   };
 
-  static void configure(int64_t dim) {
+  static void configure(int64_t chunk) {
     Config c;
-    const int chunk = static_cast<int>(std::min<int64_t>(dim, 32));   // head dims per q . K product
-    for (int t = 0; t < 7; ++t) { c.rows[t] = TR; c.colsb[t] = 64; }
+    for (int t = 0; t < 8; ++t) { c.rows[t] = TR; c.colsb[t] = 64; }
     c.colsb[2] = static_cast<uint16_t>(chunk * 2);
     c.rows[3] = static_cast<uint8_t>(chunk / 2);
+    // GCC does not see the tile-config load read the struct, and may drop the stores above without this.
+    asm volatile("" : : "r"(&c) : "memory");
     _tile_loadconfig(&c);
   }
 
   template <int64_t D>
   static void attend_task(const uint16_t* q, const ExtendSeq& s, int64_t kvh, int64_t i0, int64_t i1, const ExtendDims& d,
                           const uint32_t* kpack, const uint32_t* vpack, double scale, uint16_t* out) {
-    const float scale_log2 = static_cast<float>(scale * 1.4426950408889634);
-    constexpr int64_t CH = D < 32 ? D : 32;   // head dims per q . K chunk
-    const int64_t G = d.group, R = (i1 - i0) * G, H = d.heads, RP = R + TR;   // TR padding rows
-    // q rows gathered contiguous (the tile unit reads rows at one stride); padding rows are zero.
-    std::vector<uint16_t> qrows(RP * D, 0);
-    std::vector<float> o(RP * D, 0.0f), m(RP, -std::numeric_limits<float>::infinity()), l(RP, 0.0f);
-    std::vector<int64_t> limit(RP, std::numeric_limits<int64_t>::max() / 2);   // last key a row sees
-    alignas(64) float scores[TR * KB];
-    alignas(64) uint32_t probs[TR * (KB / 2)];
-    for (int64_t r = 0; r < R; ++r) {
-      const int64_t i = i0 + r / G, g = r % G;
-      limit[r] = s.prefix + i;
-      std::memcpy(qrows.data() + r * D, q + ((s.q_start + i) * H + kvh * G + g) * D, D * sizeof(uint16_t));
-    }
-    configure(D);
-    const int64_t last_block = limit[R - 1] / KB;
-    const int64_t block_words = (D / 2) * KB;
+    constexpr int64_t CH = D < 32 ? D : 32;      // head dims per K Q^T product
+    constexpr int64_t OT = D / 16;               // o^T tiles
+    constexpr bool kOInTiles = OT <= 4;          // else o^T stays in memory, a tile at a time
+    const __m512 scale_log2 = _mm512_set1_ps(static_cast<float>(scale * 1.4426950408889634));
     const __m512 neg_inf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
-    for (int64_t b = 0; b <= last_block; ++b) {
-      const uint32_t* kp = kpack + b * block_words;
-      const uint32_t* vp = vpack + b * block_words;
-      const int64_t k0 = b * KB;
-      int64_t first_row = 0;                 // rows are ordered by limit: skip those that end before k0
-      while (first_row < R && limit[first_row] < k0) ++first_row;
-      for (int64_t r0 = first_row; r0 < R; r0 += TR) {
-        // Scores of 16 rows x 32 keys.
+    const int64_t G = d.group, R = (i1 - i0) * G, H = d.heads;
+    const int64_t block_words = D * KB / 2;
+    alignas(64) float scores[KB * TR];           // [key][row]
+    alignas(64) uint32_t probs[(KB / 2) * TR];   // [key pair][row]
+    alignas(64) uint32_t qt[(D / 2) * TR];       // [head-dim pair][row]
+    alignas(64) float ot[D * TR];                // [head dim][row]
+    alignas(64) int32_t limit[TR];               // last key a row sees (-1: a padding row)
+    __mmask16 seen[KB];
+    configure(CH);
+    for (int64_t g0 = 0; g0 < R; g0 += TR) {
+      int32_t last = 0;
+      for (int n = 0; n < TR; ++n) {
+        const int64_t r = g0 + n;
+        const uint32_t* qrow = nullptr;
+        limit[n] = -1;
+        if (r < R) {
+          const int64_t i = i0 + r / G;
+          limit[n] = static_cast<int32_t>(s.prefix + i);
+          last = std::max(last, limit[n]);
+          qrow = reinterpret_cast<const uint32_t*>(q + ((s.q_start + i) * H + kvh * G + r % G) * D);
+        }
+        for (int64_t p = 0; p < D / 2; ++p) qt[p * TR + n] = qrow ? qrow[p] : 0;
+      }
+      const __m512i lim = _mm512_load_si512(limit);
+      __m512 m = neg_inf, l = _mm512_setzero_ps();
+      if constexpr (kOInTiles) {
+        unroll<OT>([&](auto j) { OTile<decltype(j)::value>::zero(); });
+      } else {
+        std::fill(ot, ot + D * TR, 0.0f);
+      }
+      for (int64_t b = 0; b <= last / KB; ++b) {
+        const auto* kp = reinterpret_cast<const uint16_t*>(kpack + b * block_words);
+        const auto* vp = reinterpret_cast<const uint16_t*>(vpack + b * block_words);
         _tile_zero(0);
         _tile_zero(1);
         for (int64_t c = 0; c < D; c += CH) {
-          _tile_loadd(2, qrows.data() + r0 * D + c, D * sizeof(uint16_t));
-          _tile_loadd(3, kp + (c / 2) * KB, KB * sizeof(uint32_t));
+          _tile_loadd(3, qt + (c / 2) * TR, TR * sizeof(uint32_t));
+          _tile_loadd(2, kp + c, D * sizeof(uint16_t));
           _tile_dpbf16ps(0, 2, 3);
-          _tile_loadd(3, kp + (c / 2) * KB + 16, KB * sizeof(uint32_t));
+          _tile_loadd(2, kp + 16 * D + c, D * sizeof(uint16_t));
           _tile_dpbf16ps(1, 2, 3);
         }
-        _tile_stored(0, scores, KB * sizeof(float));
-        _tile_stored(1, scores + 16, KB * sizeof(float));
-        // Softmax, online: each row's max, its o and l rescaled where the max moved, bf16 probabilities.
-        for (int r = 0; r < TR; ++r) {
-          const int64_t row = r0 + r;
-          const int64_t visible = limit[row] - k0 + 1;   // keys of this block the row sees (>= 1)
-          const __mmask16 v0 = visible >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << visible) - 1);
-          const __mmask16 v1 = visible >= 32 ? 0xFFFF : visible <= 16 ? 0 : static_cast<__mmask16>((1u << (visible - 16)) - 1);
-          const __m512 s0 = _mm512_mask_mul_ps(neg_inf, v0, _mm512_load_ps(scores + r * KB), _mm512_set1_ps(scale_log2));
-          const __m512 s1 = _mm512_mask_mul_ps(neg_inf, v1, _mm512_load_ps(scores + r * KB + 16), _mm512_set1_ps(scale_log2));
-          const float m_old = m[row];
-          const float m_new = std::max(m_old, _mm512_reduce_max_ps(_mm512_max_ps(s0, s1)));
-          const __m512 mr = _mm512_set1_ps(m_new);
+        _tile_stored(0, scores, TR * sizeof(float));
+        _tile_stored(1, scores + 16 * TR, TR * sizeof(float));
+        // Softmax down the keys, a row per lane: the block's max, o and l rescaled where it moved.
+        const int32_t k0 = static_cast<int32_t>(b * KB);
+        __m512 block_max = neg_inf;
+        for (int j = 0; j < KB; ++j) {
+          seen[j] = _mm512_cmp_epi32_mask(lim, _mm512_set1_epi32(k0 + j), _MM_CMPINT_NLT);
+          const __m512 sc = _mm512_mask_mul_ps(neg_inf, seen[j], _mm512_load_ps(scores + j * TR), scale_log2);
+          _mm512_store_ps(scores + j * TR, sc);
+          block_max = _mm512_max_ps(block_max, sc);
+        }
+        const __m512 m_new = _mm512_max_ps(m, block_max);
+        const __mmask16 moved = _mm512_cmp_ps_mask(m_new, m, _CMP_GT_OQ);
+        if (moved) {   // a row's first keys: its o and l are 0, any factor leaves them so
+          const __m512 alpha = _mm512_mask_blend_ps(moved, _mm512_set1_ps(1.0f), exp2_nonpositive(_mm512_sub_ps(m, m_new)));
+          l = _mm512_mul_ps(l, alpha);
+          if constexpr (kOInTiles) unroll<OT>([&](auto j) { OTile<decltype(j)::value>::store(ot + decltype(j)::value * 16 * TR); });
+          for (int64_t c = 0; c < D; ++c) _mm512_store_ps(ot + c * TR, _mm512_mul_ps(_mm512_load_ps(ot + c * TR), alpha));
+          if constexpr (kOInTiles) unroll<OT>([&](auto j) { OTile<decltype(j)::value>::load(ot + decltype(j)::value * 16 * TR); });
+          m = m_new;
+        }
+        alignas(64) static constexpr uint16_t kPairOrder[32] = {0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23,
+                                                                8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
+        const __m512i pair_order = _mm512_load_si512(kPairOrder);   // lane 2n: key j's row n, 2n + 1: key j + 1's
+        for (int j = 0; j < KB; j += 2) {
           // Hidden keys (-inf) get exactly 0: the exp2 clamp alone would leave 2^-126.
-          const __m512 p0 = _mm512_maskz_mov_ps(v0, exp2_nonpositive(_mm512_sub_ps(s0, mr)));
-          const __m512 p1 = _mm512_maskz_mov_ps(v1, exp2_nonpositive(_mm512_sub_ps(s1, mr)));
-          const float row_sum = _mm512_reduce_add_ps(_mm512_add_ps(p0, p1));
-          _mm512_store_si512(probs + r * (KB / 2), reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(p1, p0)));
-          if (m_new != m_old) {   // a row's first block has o = 0, l = 0: any factor leaves them so
-            const float alpha = _mm512_cvtss_f32(exp2_nonpositive(_mm512_set1_ps(m_old - m_new)));
-            const __m512 a = _mm512_set1_ps(alpha);
-            float* orow = o.data() + row * D;
-            for (int64_t c = 0; c < D; c += 16) _mm512_storeu_ps(orow + c, _mm512_mul_ps(_mm512_loadu_ps(orow + c), a));
-            l[row] *= alpha;
-            m[row] = m_new;
+          const __m512 p0 = _mm512_maskz_mov_ps(seen[j], exp2_nonpositive(_mm512_sub_ps(_mm512_load_ps(scores + j * TR), m)));
+          const __m512 p1 = _mm512_maskz_mov_ps(seen[j + 1], exp2_nonpositive(_mm512_sub_ps(_mm512_load_ps(scores + (j + 1) * TR), m)));
+          l = _mm512_add_ps(_mm512_add_ps(l, p0), p1);
+          const __m512i both = reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(p1, p0));   // p0's 16, then p1's
+          _mm512_store_si512(probs + (j / 2) * TR, _mm512_permutexvar_epi16(pair_order, both));
+        }
+        // o^T += V^T P^T, 16 head dims at a time.
+        _tile_loadd(0, probs, TR * sizeof(uint32_t));
+        if constexpr (kOInTiles) {
+          unroll<OT>([&](auto j) {
+            _tile_loadd(1, vp + decltype(j)::value * 16 * KB, KB * sizeof(uint16_t));
+            OTile<decltype(j)::value>::add_pv();
+          });
+        } else {
+          for (int64_t j = 0; j < OT; ++j) {
+            _tile_loadd(4, ot + j * 16 * TR, TR * sizeof(float));
+            _tile_loadd(1, vp + j * 16 * KB, KB * sizeof(uint16_t));
+            _tile_dpbf16ps(4, 1, 0);
+            _tile_stored(4, ot + j * 16 * TR, TR * sizeof(float));
           }
-          l[row] += row_sum;
         }
-        // o += P V, 16 columns at a time.
-        _tile_loadd(4, probs, (KB / 2) * sizeof(uint32_t));
-        for (int64_t c = 0; c < D; c += 16) {
-          _tile_loadd(6, o.data() + r0 * D + c, D * sizeof(float));
-          _tile_loadd(5, vp + c, D * sizeof(uint32_t));
-          _tile_dpbf16ps(6, 4, 5);
-          _tile_stored(6, o.data() + r0 * D + c, D * sizeof(float));
-        }
+      }
+      if constexpr (kOInTiles) unroll<OT>([&](auto j) { OTile<decltype(j)::value>::store(ot + decltype(j)::value * 16 * TR); });
+      alignas(64) float lsum[TR];
+      _mm512_store_ps(lsum, l);
+      for (int n = 0; n < TR && g0 + n < R; ++n) {
+        const int64_t r = g0 + n, i = i0 + r / G;
+        uint16_t* dst = out + ((s.q_start + i) * H + kvh * G + r % G) * D;
+        const float inv = 1.0f / lsum[n];
+        for (int64_t c = 0; c < D; ++c) dst[c] = c10::BFloat16(ot[c * TR + n] * inv).x;
       }
     }
     _tile_release();
-    for (int64_t r = 0; r < R; ++r) {
-      const int64_t i = i0 + r / G, g = r % G;
-      uint16_t* dst = out + ((s.q_start + i) * H + kvh * G + g) * D;
-      const float inv = 1.0f / l[r];
-      for (int64_t c = 0; c < D; ++c) dst[c] = c10::BFloat16(o[r * D + c] * inv).x;
-    }
   }
 };
 
