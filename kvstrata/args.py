@@ -413,14 +413,23 @@ class ServerArgs:
         return f"http://{self.host}:{self.port}"
 
 
-def cpu_has_fast_bf16() -> bool:
-    """True when the CPU has native bf16 matmul (AVX-512 BF16 or AMX)."""
+def _cpuinfo() -> str:
     try:
         with open("/proc/cpuinfo") as fh:
-            flags = fh.read()
+            return fh.read()
     except OSError:
-        return False
+        return ""
+
+
+def cpu_has_fast_bf16() -> bool:
+    """True when the CPU has native bf16 matmul (AVX-512 BF16 or AMX)."""
+    flags = _cpuinfo()
     return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
+def cpu_has_amx() -> bool:
+    """True when the CPU has AMX tiles with bf16 (Intel Xeon, Sapphire Rapids on)."""
+    return "amx_bf16" in _cpuinfo()
 
 
 def env_flag(name: str, default: str = "") -> str:

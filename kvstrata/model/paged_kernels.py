@@ -141,15 +141,9 @@ def silu_and_mul_op() -> Optional[Callable]:
 
 # Products of up to this many rows go through the AVX-512 BF16 decode GEMV (decode_ops.cpp): on the bench
 # model's shapes it beats oneDNN's bf16 GEMM 2.1-2.2x at 16 rows and 1.2-1.3x at 64, and is about even at 96
-# (Zen 4, docs/benchmarks.md). Larger products (prefill) stay with oneDNN there. Where the CPU has AMX,
-# oneDNN runs bf16 products on its tiles, and they overtake the GEMV from 7 rows on (a whole bench-model
-# step: 2.9 ms either way at 7 rows, GEMV 1.5 ms vs 2.9 at 3, oneDNN 5x faster at 64; an Intel Xeon).
+# (Zen 4, docs/benchmarks.md). Larger products (prefill) stay with oneDNN there. CPUs with AMX run every
+# product through oneDNN on prepacked weights instead (layers.use_onednn_weights), except in batch-invariant mode.
 DECODE_LINEAR_MAX_ROWS = 64
-DECODE_LINEAR_MAX_ROWS_AMX = 6
-
-
-def _decode_linear_max_rows() -> int:
-    return DECODE_LINEAR_MAX_ROWS_AMX if " amx_bf16" in _cpu_flags() else DECODE_LINEAR_MAX_ROWS
 
 
 class DecodeLinear(NamedTuple):
@@ -169,12 +163,12 @@ def _row_major(weight: torch.Tensor) -> torch.Tensor:
 
 
 def decode_linear_op(every_row: bool = False) -> Optional[DecodeLinear]:
-    """The bf16 GEMV of this CPU's build (AVX-512 BF16: decode rows, fewer with AMX, or every product with
-    `every_row`, as batch-invariant mode needs; AVX2: every product), or None."""
+    """The bf16 GEMV of this CPU's build (AVX-512 BF16: decode rows, or every product with `every_row`, as
+    batch-invariant mode needs; AVX2: every product), or None."""
     row_major = _bf16_op("decode_linear")
     if row_major is not None:
         return DecodeLinear(_row_major, lambda x, weight, bias, n: row_major(x, weight, bias),
-                            None if every_row else _decode_linear_max_rows())
+                            None if every_row else DECODE_LINEAR_MAX_ROWS)
     pack, packed = _bf16_op("decode_linear_pack"), _bf16_op("decode_linear_packed")
     return DecodeLinear(pack, packed, None) if pack is not None and packed is not None else None
 

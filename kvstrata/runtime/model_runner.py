@@ -11,7 +11,7 @@ from typing import Optional
 
 import torch
 
-from kvstrata.args import ServerArgs
+from kvstrata.args import ServerArgs, cpu_has_amx
 from kvstrata.memory.device_pool import DeviceKVPool
 from kvstrata.memory.req_slots import ReqSlotTable
 from kvstrata.model.builtin import resolve_model_path
@@ -22,6 +22,7 @@ from kvstrata.model.layers import (
     use_decode_linear,
     use_fused_activation,
     use_fused_norms,
+    use_onednn_weights,
 )
 from kvstrata.model.loader import load_model
 from kvstrata.model.paged_kernels import (
@@ -103,18 +104,23 @@ class ModelRunner:
         return argmax_op()
 
     def _use_layer_kernels(self) -> None:
-        """Compiled norms, rotary embedding and silu·mul (row-invariant: both modes) and the bf16 GEMV
-        (deterministic mode: for every row count, so that no bf16 product goes to oneDNN, whose AMX
-        kernels sum a row differently at different row counts), on CPU unless --disable-cpu-kernels;
-        plain torch otherwise."""
+        """Compiled norms, rotary embedding and silu·mul (row-invariant: both modes) and the bf16 products:
+        on AMX CPUs oneDNN on prepacked weights, elsewhere the compiled GEMV (decode rows; AVX2: every
+        product); deterministic mode takes the GEMV for every row count on every CPU, since oneDNN's AMX
+        kernels sum a row differently at different row counts. On CPU unless --disable-cpu-kernels; plain
+        torch otherwise."""
         if self.device.type != "cpu" or self.args.disable_cpu_kernels:
             return
         use_fused_norms(self.model, norm_ops())
         use_rope_kernel(self.model, rope_op())
         if self.dtype == torch.bfloat16:
             use_fused_activation(self.model, silu_and_mul_op())
-        gemv = decode_linear_op(every_row=self.args.enable_deterministic_inference)
-        if gemv is not None:
+        deterministic = self.args.enable_deterministic_inference
+        gemv = decode_linear_op(every_row=deterministic)
+        if (self.dtype == torch.bfloat16 and not deterministic and cpu_has_amx()
+                and torch.backends.mkldnn.is_available()):
+            use_onednn_weights(self.model)
+        elif gemv is not None:
             use_decode_linear(self.model, gemv)
 
     @property

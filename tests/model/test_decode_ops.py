@@ -14,8 +14,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kvstrata.args import ServerArgs
-from kvstrata.model.layers import Linear, RMSNorm, use_decode_linear, use_fused_norms
+from kvstrata.args import ServerArgs, cpu_has_amx
+from kvstrata.model.layers import Linear, RMSNorm, use_decode_linear, use_fused_norms, use_onednn_weights
 from kvstrata.model.paged_kernels import (
     DECODE_LINEAR_MAX_ROWS,
     decode_linear_op,
@@ -26,6 +26,7 @@ from kvstrata.runtime.model_runner import ModelRunner
 from tests.model.hf_ckpt import CASES
 from tests.model.test_llama_vs_hf import PROMPT_LENS, TOLERANCE, Pair, random_prompts, relative_error
 
+AMX = cpu_has_amx() and torch.backends.mkldnn.is_available()
 LINEAR = decode_linear_op(every_row=True)   # as deterministic mode runs it: products of any row count
 NORMS = norm_ops()
 pytestmark = pytest.mark.skipif(NORMS is None, reason="the CPU kernels do not build here (no C++ compiler?)")
@@ -189,6 +190,29 @@ def test_lm_head_and_layers_take_the_gemv_only_where_it_reads_the_weight():
         assert torch.equal(column_major(x), F.linear(x, column_major.weight, column_major.bias))
 
 
+@pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="no oneDNN in this torch build")
+def test_prepacked_linears_match_plain_ones_and_release_the_weight():
+    """use_onednn_weights: the same products (bias too) at decode and prefill row counts; the row-major
+    copy is released, except where another module shares it (a tied lm_head keeps the embedding's)."""
+    g = torch.Generator().manual_seed(5)
+    plain, biased = Linear(64, 96).bfloat16(), Linear(64, 96, bias=True).bfloat16()
+    embedding = torch.nn.Embedding(96, 64).bfloat16()
+    tied = Linear(64, 96).bfloat16()
+    tied.weight = embedding.weight
+    model = torch.nn.ModuleList([plain, biased, embedding, tied])
+    refs = {id(m): (m.weight.detach().clone(), m.bias) for m in (plain, biased, tied)}
+    use_onednn_weights(model)
+    for module in (plain, biased, tied):
+        weight, bias = refs[id(module)]
+        for rows in (1, 5, 16, 300):
+            x = torch.randn(rows, 64, generator=g).bfloat16()
+            with torch.inference_mode():
+                assert relative_error(module(x), F.linear(x.float(), weight.float(),
+                                                          None if bias is None else bias.float())) < 1e-2
+    assert plain.weight.numel() == 0 and biased.weight.numel() == 0
+    assert tied.weight.shape == (96, 64) and embedding.weight.shape == (96, 64)
+
+
 @pytest.mark.parametrize("flags, linear, norms", [
     ({}, True, True),
     ({"enable_deterministic_inference": True}, "every-row-count", True),   # batch-invariant: no row limit
@@ -201,7 +225,11 @@ def test_runner_uses_the_kernels_where_they_apply(flags, linear, norms):
     assert (layer.input_layernorm.ops is not None) == norms
     assert (runner.sampler.argmax_op is not None) == norms   # the greedy argmax: on wherever the norms are
     assert (runner.model.rotary.kernel is not None) == norms   # and the rotary embedding
-    gemv_here = LINEAR is not None and linear is not False
+    # AMX CPUs in the default mode run every product through oneDNN on prepacked weights instead
+    onednn_here = AMX and linear is True
+    assert (layer.mlp.down_proj.onednn_weight is not None) == onednn_here
+    assert (runner.model.lm_head.onednn_weight is not None) == onednn_here
+    gemv_here = LINEAR is not None and linear is not False and not onednn_here
     assert (layer.mlp.down_proj.decode_gemv is not None) == gemv_here
     if gemv_here and linear == "every-row-count":
         assert layer.mlp.down_proj.decode_gemv.max_rows is None
