@@ -164,7 +164,11 @@ def _row_major(weight: torch.Tensor) -> torch.Tensor:
 
 def decode_linear_op(every_row: bool = False) -> Optional[DecodeLinear]:
     """The bf16 GEMV of this CPU's build (AVX-512 BF16: decode rows, or every product with `every_row`, as
-    batch-invariant mode needs; AVX2: every product), or None."""
+    batch-invariant mode needs, on AMX tiles where the CPU has them (linear_amx.cpp); AVX2: every product),
+    or None."""
+    amx_ready = _bf16_op("amx_ready")
+    if every_row and amx_ready is not None and amx_ready():
+        return DecodeLinear(torch.ops.kvstrata.amx_linear_pack, torch.ops.kvstrata.amx_linear, None)
     row_major = _bf16_op("decode_linear")
     if row_major is not None:
         return DecodeLinear(_row_major, lambda x, weight, bias, n: row_major(x, weight, bias),

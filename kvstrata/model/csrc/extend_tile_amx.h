@@ -12,13 +12,13 @@
 // bits do not depend on the chunk or batch it runs in; softmax blocks are counted from key 0.
 #pragma once
 
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
+#include "amx_tiles.h"
+
+#if defined(KVSTRATA_AMX) && defined(__AVX512BF16__)
 #define KVSTRATA_EXTEND_AMX 1
 #include <ATen/core/Tensor.h>
 #include <c10/util/BFloat16.h>
 #include <immintrin.h>
-#include <sys/syscall.h>
-#include <unistd.h>
 
 #include <algorithm>
 #include <cstdint>
@@ -29,15 +29,6 @@
 #include "vec_math.h"
 
 namespace kvstrata_cpu {
-
-// Linux hands out the tile registers' state only to a process that asks for it (once, for all its threads).
-inline bool amx_permitted() {
-  static const bool granted = [] {
-    constexpr long kArchReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
-    return syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureXtiledata) == 0;
-  }();
-  return granted;
-}
 
 // o^T's tile J is tmm(4 + J). GCC's tile intrinsics paste the register number into the assembly, so each
 // gets its own literal.
@@ -83,20 +74,10 @@ struct ExtendTileAmx {
 
   // Tiles: 0, 1 scores of keys 0-15 / 16-31 (then 0 holds P^T); 1 a V^T operand; 2 K rows of a head-dim
   // chunk; 3 the Q^T pairs of that chunk; 4-7 o^T's 16-dim tiles.
-  struct alignas(64) Config {
-    uint8_t palette = 1, start_row = 0, reserved[14] = {};
-    uint16_t colsb[16] = {};
-    uint8_t rows[16] = {};
-  };
-
   static void configure(int64_t chunk) {
-    Config c;
-    for (int t = 0; t < 8; ++t) { c.rows[t] = TR; c.colsb[t] = 64; }
-    c.colsb[2] = static_cast<uint16_t>(chunk * 2);
-    c.rows[3] = static_cast<uint8_t>(chunk / 2);
-    // GCC does not see the tile-config load read the struct, and may drop the stores above without this.
-    asm volatile("" : : "r"(&c) : "memory");
-    _tile_loadconfig(&c);
+    const uint8_t c = static_cast<uint8_t>(chunk);
+    load_tile_config({TR, TR, TR, static_cast<uint8_t>(c / 2), TR, TR, TR, TR},
+                     {64, 64, static_cast<uint16_t>(c * 2), 64, 64, 64, 64, 64});
   }
 
   template <int64_t D>
