@@ -33,6 +33,7 @@ constexpr int64_t NB = 16;   // output columns per B tile
 constexpr int64_t KC = 32;   // k per tile product
 constexpr int64_t MB = 16;   // rows per A tile
 constexpr int64_t NG = 4;    // B tiles per pass: 64 columns in tiles 0-3
+constexpr int64_t MP = 256;  // rows per panel (a multiple of MB): 256-768 KB of x at K = 512-1536
 
 at::Tensor amx_linear_pack(const at::Tensor& weight) {
   TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == at::kBFloat16 && weight.is_contiguous(),
@@ -81,13 +82,16 @@ at::Tensor amx_linear(const at::Tensor& x, const at::Tensor& packed, const c10::
   const auto* bp = b.defined() ? reinterpret_cast<const uint16_t*>(b.data_ptr()) : nullptr;
   auto* op = reinterpret_cast<uint16_t*>(out.data_ptr());
   const int64_t nb = packed.size(0), groups = (nb + NG - 1) / NG;   // 64-column groups
+  // Panels of MP rows, one after another: a panel's x stays in cache while every column group reads it.
+  for (int64_t p0 = 0; p0 < M; p0 += MP) {
+  const int64_t p1 = std::min(M, p0 + MP);
   at::parallel_for(0, groups, 1, [&](int64_t begin, int64_t end) {
     kvstrata_cpu::load_tile_config({16, 16, 16, 16, 16, 16, 0, 0}, {64, 64, 64, 64, 64, 64, 0, 0});
     alignas(64) float c[MB * NG * NB];   // [row][64 columns]
     for (int64_t g = begin; g < end; ++g) {
       const int64_t tiles = std::min(NG, nb - g * NG);
       const uint16_t* wg = wp + g * NG * kc * (KC / 2) * NB * 2;
-      for (int64_t m0 = 0; m0 < M; m0 += MB) {
+      for (int64_t m0 = p0; m0 < p1; m0 += MB) {
         _tile_zero(0);
         _tile_zero(1);
         _tile_zero(2);
@@ -118,6 +122,7 @@ at::Tensor amx_linear(const at::Tensor& x, const at::Tensor& packed, const c10::
     }
     _tile_release();
   });
+  }
   return out;
 }
 
