@@ -133,7 +133,9 @@ def test_streaming_with_text_iter(backend):
     assert s.text() == reference.text()
     s = multi_turn_chat.run("Stream this", "And this", stream=True, backend=backend, **GREEDY)
     answer_chunks = list(s.text_iter("answer_1"))
-    assert len(answer_chunks) > 1 and "".join(answer_chunks) == reference["answer_1"]
+    # How many pieces a 12-token answer comes in depends on timing: tokens the reader has not taken yet
+    # arrive together (a fast engine sent all 12 at once), so only the pieces' sum is checked.
+    assert answer_chunks and "".join(answer_chunks) == reference["answer_1"]
     s.sync()    # the program goes on after answer_1: let it end before the next one starts
 
     # Without iterating, reading a streamed state waits for the whole program.
