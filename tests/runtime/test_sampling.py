@@ -103,11 +103,14 @@ def test_max_new_tokens_zero_scores_prompt(engine):
 
 
 def test_async_streaming_matches_generate(engine):
-    expected = engine.generate(PROMPT, GREEDY)
+    # 64 tokens: tokens the reader has not taken yet arrive as one chunk, and a fast CPU makes 12 tokens
+    # in less than one GIL switch interval (5 ms)
+    params = {**GREEDY, "max_new_tokens": 64, "ignore_eos": True}
+    expected = engine.generate(PROMPT, params)
 
     async def collect():
         chunks = []
-        async for chunk in await engine.async_generate(PROMPT, GREEDY, stream=True):
+        async for chunk in await engine.async_generate(PROMPT, params, stream=True):
             chunks.append(chunk)
         return chunks
 
@@ -117,7 +120,7 @@ def test_async_streaming_matches_generate(engine):
     assert lengths == sorted(lengths)
     assert chunks[-1]["output_ids"] == expected["output_ids"]
     assert chunks[-1]["text"] == expected["text"]
-    single = asyncio.run(engine.async_generate(PROMPT, GREEDY))
+    single = asyncio.run(engine.async_generate(PROMPT, params))
     assert single["output_ids"] == expected["output_ids"]
 
 
