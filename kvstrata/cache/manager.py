@@ -177,6 +177,8 @@ class KVCacheManager:
     # ------------------------------------------------------------------ per step
     def begin_step(self) -> None:
         """Apply every tier's finished copies to the tree (once per step, before the tree is used)."""
+        if self.storage is not None and self.prefetch_policy != "best_effort":
+            self.storage.await_fresh_prefetches()   # requests that arrived together start together
         for tier in self.tiers:
             tier.apply_acks()
 

@@ -4,6 +4,11 @@ Like the CacheController it applies no policy and never touches the tree: the tr
 (L3 -> host pages it reserved) and backups (host pages it pinned -> L3), and applies the acknowledgements
 once per scheduler step. Backend failures arrive as short reads/writes: they cost hits, never requests.
 
+Prefetches and backups run on two threads, each with its own queue: a new request waits for its prefetch
+(--hicache-storage-prefetch-policy), and behind a burst of backups (every new prompt writes its pages) it
+would wait a whole forward step or more. They never touch the same object: a page being backed up is
+pinned in L2, so no prefetch looks for it.
+
 An L3 object is a page group: `group_pages` consecutive host pages of one sequence, stored as the
 concatenation of their bytes under one key, so object counts follow the data, not --page-size. An op's
 `keys[i]` names host_pages[i*group_pages : (i+1)*group_pages].
@@ -46,13 +51,14 @@ class StorageOp:
     keys: list[str]
     host_pages: list[int]
     tag: Any = None
+    submitted: float = 0.0    # time.monotonic() at submit
     done: int = 0
     seconds: float = 0.0
     applied: bool = False     # set by the tree once it has applied the ack
 
 
 class StorageIO:
-    """A worker thread running prefetch and backup batches against one backend."""
+    """Two worker threads, one for prefetches and one for backups, against one backend."""
 
     def __init__(self, backend: StorageBackend, host_pool: HostKVPool, group_pages: int = 1):
         if backend.page_bytes != group_pages * host_pool.page_bytes:
@@ -64,16 +70,19 @@ class StorageIO:
         self.zero_copy = host_pool.layout == "page_first" and group_pages == 1
         if self.zero_copy:
             backend.register_buffer(host_pool.whole_buffer())
-        self._todo: queue.Queue = queue.Queue()
+        self._todo: dict[str, queue.Queue] = {PREFETCH: queue.Queue(), STORAGE_BACKUP: queue.Queue()}
         self._acks: queue.Queue = queue.Queue()
         self._next_id = 0
         self._inflight = 0
-        self._idle = threading.Condition()
+        self._idle = threading.Condition()     # also guards `counters` (both workers count)
         self.counters = {"prefetch_ops": 0, "prefetched_pages": 0, "prefetch_bytes": 0, "prefetch_s": 0.0,
                          "backup_ops": 0, "backed_up_pages": 0, "backed_up_objects": 0, "backup_bytes": 0,
                          "backup_s": 0.0}
-        self._thread = threading.Thread(target=self._work, name="kvstrata-storage", daemon=True)
-        self._thread.start()
+        self._threads = [threading.Thread(target=self._work, args=(kind,), name=f"kvstrata-storage-{name}",
+                                          daemon=True)
+                         for kind, name in ((PREFETCH, "prefetch"), (STORAGE_BACKUP, "backup"))]
+        for thread in self._threads:
+            thread.start()
 
     # ---- submit / ack ---------------------------------------------------------------------------------
 
@@ -88,11 +97,11 @@ class StorageIO:
     def _submit(self, kind: str, keys: list[str], host_pages: list[int], tag: Any) -> StorageOp:
         if len(host_pages) != len(keys) * self.group_pages:
             raise ValueError(f"{len(host_pages)} host pages for {len(keys)} objects of {self.group_pages} pages")
-        op = StorageOp(self._next_id, kind, list(keys), list(host_pages), tag)
+        op = StorageOp(self._next_id, kind, list(keys), list(host_pages), tag, time.monotonic())
         self._next_id += 1
         with self._idle:
             self._inflight += 1
-        self._todo.put(op)
+        self._todo[kind].put(op)
         return op
 
     def poll_acks(self) -> list[StorageOp]:
@@ -104,6 +113,11 @@ class StorageIO:
             except queue.Empty:
                 return acks
 
+    def wait_for_ack(self, timeout: float) -> bool:
+        """Block until an acknowledgement is waiting to be polled, at most `timeout` seconds."""
+        with self._idle:
+            return self._idle.wait_for(lambda: not self._acks.empty(), timeout=max(timeout, 0.0))
+
     def wait_idle(self, timeout: float = 120.0) -> None:
         """Block until every submitted op has been acknowledged by the worker."""
         with self._idle:
@@ -111,7 +125,8 @@ class StorageIO:
 
     def stats(self) -> dict:
         """I/O counters plus the backend's own (errors, hits, ...)."""
-        c = dict(self.counters)
+        with self._idle:
+            c = dict(self.counters)
         c["prefetch_bytes_per_s"] = c["prefetch_bytes"] / c["prefetch_s"] if c["prefetch_s"] else 0.0
         c["backup_bytes_per_s"] = c["backup_bytes"] / c["backup_s"] if c["backup_s"] else 0.0
         c["backend"] = self.backend.stats()
@@ -119,17 +134,20 @@ class StorageIO:
         return c
 
     def shutdown(self) -> None:
-        """Finish queued work, stop the worker, close the backend."""
-        self._todo.put(None)
-        self._thread.join(timeout=60)
+        """Finish queued work, stop the workers, close the backend."""
+        for todo in self._todo.values():
+            todo.put(None)
+        for thread in self._threads:
+            thread.join(timeout=60)
         self.backend.close()
 
     # ---- worker -----------------------------------------------------------------------------------------
 
-    def _work(self) -> None:
+    def _work(self, kind: str) -> None:
         run_ops_on_this_thread_only()   # its page gathers must not start a second OpenMP pool
+        todo = self._todo[kind]
         while True:
-            op = self._todo.get()
+            op = todo.get()
             if op is None:
                 return
             start = time.perf_counter()
@@ -139,9 +157,9 @@ class StorageIO:
                 logger.exception("storage %s failed", op.kind)
                 op.done = 0
             op.seconds = time.perf_counter() - start
-            self._count(op)
-            self._acks.put(op)
             with self._idle:
+                self._count(op)
+                self._acks.put(op)
                 self._inflight -= 1
                 self._idle.notify_all()
 

@@ -27,6 +27,10 @@ logger = logging.getLogger(__name__)
 
 PREFETCH_MIN_GROUPS = 1             # fewer missing groups than this are not worth an L3 round trip
 PREFETCH_MAX_INFLIGHT_FRACTION = 0.75   # prefetches in flight may hold at most this share of the host pool
+# How long a step may wait for prefetches submitted just before it. Most prefetches of new prompts find
+# nothing (the new turn was never stored) and answer in well under a millisecond; without this, requests
+# that arrive together are ready one by one and the first starts a step the others then wait out.
+PREFETCH_GRACE_S = 0.004
 
 
 class StorageTier:
@@ -200,6 +204,17 @@ class StorageTier:
         self.prefetch_skipped[reason] += 1
         self.last_skip_reason = reason
         return None
+
+    def await_fresh_prefetches(self) -> None:
+        """Wait (at most PREFETCH_GRACE_S after each was submitted) for prefetches submitted moments ago."""
+        while self._prefetches:
+            now = time.monotonic()
+            newest = max(op.submitted for op in self._prefetches.values())
+            if now - newest >= PREFETCH_GRACE_S:
+                return
+            if not self.io.wait_for_ack(newest + PREFETCH_GRACE_S - now):
+                return
+            self.apply_acks()
 
     def apply_acks(self) -> None:
         """Attach prefetched pages, mark written nodes (the facade calls it once per step)."""

@@ -351,5 +351,5 @@ def test_copy_workers_start_no_openmp_pool_of_their_own(tmp_path):
     done = subprocess.run([sys.executable, "-c", _THREAD_COUNT, str(tmp_path)], capture_output=True, text=True,
                           timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]
-    # The load-back worker, the backup worker and the storage worker, and nothing else.
-    assert done.stdout.split()[-1] == "3", "threads beyond the copy workers: " + done.stdout
+    # The load-back worker, the backup worker and the storage prefetch and backup workers, and nothing else.
+    assert done.stdout.split()[-1] == "4", "threads beyond the copy workers: " + done.stdout

@@ -48,6 +48,16 @@ def settle(manager: KVCacheManager) -> None:
     manager.storage.wait_idle()
 
 
+def follow_up_after_history(manager: KVCacheManager) -> Req:
+    """Serve a 40-token history (L1, L2 and L3 then hold it), then start the prefetch of a follow-up."""
+    history = list(range(1, 41))
+    serve(manager, Req(rid="r0", prompt_ids=history, sampling=SamplingParams(max_new_tokens=1)))
+    settle(manager)
+    nxt = Req(rid="r1", prompt_ids=history + list(range(100, 120)), sampling=SamplingParams(max_new_tokens=1))
+    manager.start_prefetch(nxt)        # only the new question is looked up in L3: it is not there
+    return nxt
+
+
 def test_pages_evicted_from_l2_while_waiting_come_back_from_l3(tmp_path):
     manager = make_manager(tmp_path)
     try:
@@ -75,11 +85,7 @@ def test_pages_evicted_from_l2_while_waiting_come_back_from_l3(tmp_path):
 def test_nothing_is_refetched_while_l2_keeps_the_pages(tmp_path):
     manager = make_manager(tmp_path)
     try:
-        history = list(range(1, 41))
-        serve(manager, Req(rid="r0", prompt_ids=history, sampling=SamplingParams(max_new_tokens=1)))
-        settle(manager)
-        nxt = Req(rid="r1", prompt_ids=history + list(range(100, 120)), sampling=SamplingParams(max_new_tokens=1))
-        manager.start_prefetch(nxt)
+        nxt = follow_up_after_history(manager)
         settle(manager)
         for _ in range(3):
             assert manager.prefetch_ready(nxt)
