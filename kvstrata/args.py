@@ -62,6 +62,9 @@ _SINGLE_VALUE = {
     "lora_paths": (None, "LoRA adapters are not supported"),
 }
 DISAGGREGATION_MODES = ["null", "prefill", "decode"]
+# On CPU a step of 256 prefill tokens is compute-bound: prompts that arrive together are prefilled one per
+# step from there (multi-turn mean TTFT -10 to -19%, same throughput; docs/benchmarks.md, issue 19).
+CPU_PREFILL_ADMIT_THRESHOLD = 256
 TRANSFER_BACKENDS = ["mooncake"]
 
 
@@ -114,10 +117,10 @@ class ServerArgs:
         "CUDA; -1 disables chunking)."))
     max_prefill_tokens: int = field(default=16384, metadata=_opt(
         "Maximum prompt tokens admitted into one prefill step when chunking is disabled."))
-    prefill_admit_threshold: int = field(default=0, metadata=_opt(
-        "Stop admitting new prompts into a forward step once it holds this many prefill tokens (0, the "
-        "default: fill the --chunked-prefill-size budget, as SGLang does). On CPU a step of ~256 tokens is "
-        "already compute-bound, so a threshold there gives simultaneous long prompts their first tokens one "
+    prefill_admit_threshold: Optional[int] = field(default=None, metadata=_opt(
+        "Stop admitting new prompts into a forward step once it holds this many prefill tokens; 0 fills the "
+        "--chunked-prefill-size budget, as SGLang does (default: 256 on CPU, 0 on CUDA). A CPU step of ~256 "
+        "tokens is already compute-bound, so there prompts that arrive together get their first tokens one "
         "step after another instead of all at the end of one big step."))
     preempt_for_first_token: bool = field(default=True, metadata=_opt(
         "When the device pool is full, let a request still waiting for its first token pause decoding "
@@ -291,7 +294,7 @@ class ServerArgs:
                 raise ConfigError(
                     f"--chunked-prefill-size ({self.chunked_prefill_size}) must be a multiple of "
                     f"--page-size ({self.page_size})")
-        if self.prefill_admit_threshold < 0:
+        if self.prefill_admit_threshold is not None and self.prefill_admit_threshold < 0:
             raise ConfigError("--prefill-admit-threshold must be >= 0 (0: fill the prefill budget)")
         if self.mem_fraction_static is not None and not 0 < self.mem_fraction_static < 1:
             raise ConfigError("--mem-fraction-static must be in (0, 1)")
@@ -349,7 +352,7 @@ class ServerArgs:
     def resolve(self, with_device: bool = True) -> ServerArgs:
         """Return a copy with every 'auto'/None that has a derived value filled in.
 
-        Device, dtype and chunked_prefill_size depend on CUDA being available, which needs torch: with
+        Device, dtype, chunked_prefill_size and prefill_admit_threshold depend on CUDA being available, which needs torch: with
         `with_device=False` they stay as given, for the HTTP process, which never imports torch; the
         scheduler process resolves them (resolving twice changes nothing) and reports its copy back.
         """
@@ -377,7 +380,11 @@ class ServerArgs:
         if chunk is None:
             chunk = 8192 if device == "cuda" else 2048
             chunk -= chunk % self.page_size
-        return dataclasses.replace(self, device=device, dtype=dtype, chunked_prefill_size=chunk)
+        threshold = self.prefill_admit_threshold
+        if threshold is None:
+            threshold = 0 if device == "cuda" else CPU_PREFILL_ADMIT_THRESHOLD
+        return dataclasses.replace(self, device=device, dtype=dtype, chunked_prefill_size=chunk,
+                                   prefill_admit_threshold=threshold)
 
     def storage_group_pages(self) -> int:
         """Pages per storage (L3) object: --hicache-storage-page-tokens in pages, at least one."""

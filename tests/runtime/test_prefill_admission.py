@@ -68,6 +68,9 @@ def test_long_prompts_take_a_step_each_short_ones_share():
 
 
 def test_defaults_and_bad_value():
-    assert ServerArgs(model_path="tiny").prefill_admit_threshold == 0      # SGLang's behaviour unless asked
+    assert ServerArgs(model_path="tiny").prefill_admit_threshold is None
+    # CPU steps are compute-bound from ~256 tokens; on CUDA a step fills the budget, as SGLang does.
+    assert ServerArgs(model_path="tiny", device="cpu").resolve().prefill_admit_threshold == 256
+    assert ServerArgs(model_path="tiny", device="cpu", prefill_admit_threshold=0).resolve().prefill_admit_threshold == 0
     with pytest.raises(ConfigError, match="prefill-admit-threshold"):
         ServerArgs(model_path="tiny", prefill_admit_threshold=-1)
