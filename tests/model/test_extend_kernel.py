@@ -78,6 +78,23 @@ def test_extends_over_scattered_slots_match_sdpa(heads, kv_heads, dim, dtype, ti
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).removeprefix("torch."))
+def test_scores_that_grow_along_the_keys_stay_finite(dtype, tile):
+    """Each key scores higher than the one before, by ~2.5 in log2 units, ~500 over the sequence: a tile
+    whose running max lags the scores by more than it may (the AMX tile rescales lazily) overflows."""
+    kv_heads, dim, n = 2, 64, 200
+    direction = torch.ones(dim) / dim ** 0.5
+    growth = torch.arange(n, dtype=torch.float32)[:, None, None] * 1.73   # q.k * dim^-0.5 = 1.73 j nats
+    k_buf = (growth * direction).expand(n, kv_heads, dim).to(dtype).contiguous()
+    v_buf = torch.randn(n, kv_heads, dim).to(dtype)
+    q = (8 * direction).expand(n, 8, dim).to(dtype)
+    slots = torch.arange(n)
+    out = _run(q, k_buf, v_buf, [(slots, 0, n)])
+    ref = _reference(q, k_buf[slots], v_buf[slots], 0)
+    assert torch.isfinite(out.float()).all()
+    assert (out.float() - ref).abs().max() < MAX_ERROR[dtype] * 4
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).removeprefix("torch."))
 def test_row_bits_do_not_depend_on_chunk_batch_or_threads(dtype, tile):
     k_buf, v_buf = _pool(2048, 2, 64, dtype=dtype)
     slots = torch.randperm(2047, generator=torch.Generator().manual_seed(3))[:600] + 1

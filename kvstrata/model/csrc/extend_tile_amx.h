@@ -6,8 +6,10 @@
 // Transposed: a group of 16 query rows is the tile unit's 16 columns. Per block of KB keys, S^T = K Q^T
 // ([key][row] float32, so one vector holds one key's score in each of the 16 rows), then the softmax runs
 // down the keys with the rows in lanes (max, exp2, sums: vertical), and O^T += V^T P^T accumulates
-// [head dim][row] in tile registers (head dims up to 64; larger ones in memory), rescaled only when a row's
-// max moved. Blocks are packed per unit (sequence, KV head): K as [KB][D] bf16, V transposed as [D][KB].
+// [head dim][row] in tile registers (head dims up to 64; larger ones in memory). Rescaling is lazy: a row's
+// running max moves only when a block's max exceeds it by more than kLazyLog2 (probabilities stay <= 2^8),
+// so o^T leaves the tile registers about once per row group instead of in almost every block (with 16 rows
+// per group, some row's max moves in most blocks). Blocks are packed per unit (sequence, KV head): K as [KB][D] bf16, V transposed as [D][KB].
 // A row's arithmetic never involves another row (a tile's column sums only its own products), so a row's
 // bits do not depend on the chunk or batch it runs in; softmax blocks are counted from key 0.
 #pragma once
@@ -54,6 +56,7 @@ struct ExtendTileAmx {
   static constexpr int64_t KB = 32;   // keys per block
   static constexpr int64_t QB = 16;   // query positions per task
   static constexpr int TR = 16;       // rows per group: the tile unit's columns
+  static constexpr float kLazyLog2 = 8.0f;   // a row's max moves only by more than this (log2 units)
   static int64_t block_words(int64_t dim) { return dim * KB / 2; }   // of K, and of V
 
   // K block: [KB][D] bf16 (rows of the pool, copied); V block: [D][KB] bf16 (transposed). Keys past the
@@ -141,9 +144,10 @@ struct ExtendTileAmx {
           _mm512_store_ps(scores + j * TR, sc);
           block_max = _mm512_max_ps(block_max, sc);
         }
-        const __m512 m_new = _mm512_max_ps(m, block_max);
-        const __mmask16 moved = _mm512_cmp_ps_mask(m_new, m, _CMP_GT_OQ);
+        // Per row (lane) only, so a row's bits never depend on the other rows of its group.
+        const __mmask16 moved = _mm512_cmp_ps_mask(block_max, _mm512_add_ps(m, _mm512_set1_ps(kLazyLog2)), _CMP_GT_OQ);
         if (moved) {   // a row's first keys: its o and l are 0, any factor leaves them so
+          const __m512 m_new = _mm512_mask_blend_ps(moved, m, block_max);
           const __m512 alpha = _mm512_mask_blend_ps(moved, _mm512_set1_ps(1.0f), exp2_nonpositive(_mm512_sub_ps(m, m_new)));
           l = _mm512_mul_ps(l, alpha);
           if constexpr (kOInTiles) unroll<OT>([&](auto j) { OTile<decltype(j)::value>::store(ot + decltype(j)::value * 16 * TR); });
@@ -155,7 +159,8 @@ struct ExtendTileAmx {
                                                                 8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
         const __m512i pair_order = _mm512_load_si512(kPairOrder);   // lane 2n: key j's row n, 2n + 1: key j + 1's
         for (int j = 0; j < KB; j += 2) {
-          // Hidden keys (-inf) get exactly 0: the exp2 clamp alone would leave 2^-126.
+          // score - max <= kLazyLog2 here (exp2_nonpositive holds to 2^127). Hidden keys (-inf) get exactly 0:
+          // the exp2 clamp alone would leave 2^-126.
           const __m512 p0 = _mm512_maskz_mov_ps(seen[j], exp2_nonpositive(_mm512_sub_ps(_mm512_load_ps(scores + j * TR), m)));
           const __m512 p1 = _mm512_maskz_mov_ps(seen[j + 1], exp2_nonpositive(_mm512_sub_ps(_mm512_load_ps(scores + (j + 1) * TR), m)));
           l = _mm512_add_ps(_mm512_add_ps(l, p0), p1);
