@@ -74,6 +74,18 @@ inline __m512 exp2_nonpositive(__m512 x) {
   return _mm512_scalef_ps(exp_reduced(t), n);
 }
 
+// 2^x for -126 <= x <= 127 to 7.5e-5 relative: 2^n times a degree-3 minimax fit of 2^f on [-0.5, 0.5]. For
+// probabilities that are rounded to bf16 next (2^-9 relative) and summed in float32: the AMX extend tile.
+inline __m512 exp2_coarse(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-126.0f));
+  const __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 f = _mm512_sub_ps(x, n);
+  __m512 p = _mm512_fmadd_ps(_mm512_set1_ps(0.0551713444f), f, _mm512_set1_ps(0.242610335f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.693260968f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.999928117f));
+  return _mm512_scalef_ps(p, n);
+}
+
 // 16 float32 rounded to bf16 as c10::BFloat16 rounds each (to nearest, ties to even; NaN to 0x7FC0), packed.
 // Not _mm512_cvtneps_pbh: Intel's conversion flushes denormal inputs and results to zero (AMD's keeps them),
 // where torch keeps every denormal.
