@@ -135,15 +135,15 @@ struct ExtendTileAmx {
         }
         _tile_stored(0, scores, TR * sizeof(float));
         _tile_stored(1, scores + 16 * TR, TR * sizeof(float));
-        // Softmax down the keys, a row per lane: the block's max, o and l rescaled where it moved.
+        // Softmax down the keys, a row per lane: the block's max, o and l rescaled where it moved. Scores
+        // stay raw; the log2 scale is applied inside each probability's exponent (one FMA).
         const int32_t k0 = static_cast<int32_t>(b * KB);
         __m512 block_max = neg_inf;
         for (int j = 0; j < KB; ++j) {
           seen[j] = _mm512_cmp_epi32_mask(lim, _mm512_set1_epi32(k0 + j), _MM_CMPINT_NLT);
-          const __m512 sc = _mm512_mask_mul_ps(neg_inf, seen[j], _mm512_load_ps(scores + j * TR), scale_log2);
-          _mm512_store_ps(scores + j * TR, sc);
-          block_max = _mm512_max_ps(block_max, sc);
+          block_max = _mm512_mask_max_ps(block_max, seen[j], block_max, _mm512_load_ps(scores + j * TR));
         }
+        block_max = _mm512_mul_ps(block_max, scale_log2);
         // Per row (lane) only, so a row's bits never depend on the other rows of its group.
         const __mmask16 moved = _mm512_cmp_ps_mask(block_max, _mm512_add_ps(m, _mm512_set1_ps(kLazyLog2)), _CMP_GT_OQ);
         if (moved) {   // a row's first keys: its o and l are 0, any factor leaves them so
@@ -159,10 +159,10 @@ struct ExtendTileAmx {
                                                                 8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
         const __m512i pair_order = _mm512_load_si512(kPairOrder);   // lane 2n: key j's row n, 2n + 1: key j + 1's
         for (int j = 0; j < KB; j += 2) {
-          // score - max <= kLazyLog2 here. exp2_coarse's 7.5e-5 is far below the bf16 rounding p gets for the
+          // scaled score - max <= kLazyLog2 here. exp2_coarse's 7.5e-5 is far below the bf16 rounding p gets for the
           // product. Hidden keys (-inf) get exactly 0: the exp2 clamp alone would leave 2^-126.
-          const __m512 p0 = _mm512_maskz_mov_ps(seen[j], exp2_coarse(_mm512_sub_ps(_mm512_load_ps(scores + j * TR), m)));
-          const __m512 p1 = _mm512_maskz_mov_ps(seen[j + 1], exp2_coarse(_mm512_sub_ps(_mm512_load_ps(scores + (j + 1) * TR), m)));
+          const __m512 p0 = _mm512_maskz_mov_ps(seen[j], exp2_coarse(_mm512_fmsub_ps(_mm512_load_ps(scores + j * TR), scale_log2, m)));
+          const __m512 p1 = _mm512_maskz_mov_ps(seen[j + 1], exp2_coarse(_mm512_fmsub_ps(_mm512_load_ps(scores + (j + 1) * TR), scale_log2, m)));
           l = _mm512_add_ps(_mm512_add_ps(l, p0), p1);
           const __m512i both = reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(p1, p0));   // p0's 16, then p1's
           _mm512_store_si512(probs + (j / 2) * TR, _mm512_permutexvar_epi16(pair_order, both));
