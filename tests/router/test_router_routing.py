@@ -14,8 +14,11 @@ import requests
 from kvstrata.bench import multiturn
 from tests.router.conftest import run_router
 
+# Two conversations in flight at a time: with more, tier_aware rightly sends a returning turn away from a
+# worker whose queued prefill costs more than recomputing it (unit-tested in test_router_units.py), and how
+# often that happens depends on the machine's timing (a CI run once kept 0.565 of 0.631).
 WORKLOAD = ["--disable-random-sample", "--num-clients", "8", "--num-rounds", "4", "--request-length", "48",
-            "--output-length", "8", "--max-parallel", "4", "--request-rate", "inf", "--seed", "3",
+            "--output-length", "8", "--max-parallel", "2", "--request-rate", "inf", "--seed", "3",
             "--no-progress"]
 
 
