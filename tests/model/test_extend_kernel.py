@@ -162,6 +162,10 @@ def test_bad_plans_raise():
         _run(q.float(), k_buf, v_buf, [(torch.tensor([1, 2, 3]), 0, 3)])
     with pytest.raises(RuntimeError, match="bfloat16"):
         _run(q.half(), k_buf.half(), v_buf.half(), [(torch.tensor([1, 2, 3]), 0, 3)])
+    slots = torch.tensor([[1, 2, 3]])
+    one = torch.tensor([0]), torch.tensor([0]), torch.tensor([3])
+    with pytest.raises(RuntimeError, match="scale must be positive"):
+        OP(q, k_buf, v_buf, slots, *one, -0.125)
 
 
 def test_contexts_beyond_the_pack_budget_run_in_waves():

@@ -150,6 +150,8 @@ at::Tensor extend_attention(const at::Tensor& q, const at::Tensor& k_buf, const 
               "q, k_buf and v_buf must all be bfloat16 or all float32");
 #endif
   TORCH_CHECK(k_buf.sizes() == v_buf.sizes(), "K and V differ");
+  // The tiles take a block's max of raw scores as the max of scaled ones (the AMX tile applies the scale late).
+  TORCH_CHECK(scale > 0, "scale must be positive, got ", scale);
   TORCH_CHECK(q.size(1) % k_buf.size(1) == 0 && q.size(2) == k_buf.size(2), "head shapes do not match");
   kvstrata_cpu::with_head_dim(q.size(2), [](auto) {});   // an unserved head dim raises before any work
   TORCH_CHECK(slots.dim() == 2 && slots.scalar_type() == at::kLong && slots.is_contiguous(), "slots: [S, L] long");

@@ -9,7 +9,8 @@
 // [head dim][row] in tile registers (head dims up to 64; larger ones in memory). Rescaling is lazy: a row's
 // running max moves only when a block's max exceeds it by more than kLazyLog2 (probabilities stay <= 2^8),
 // so o^T leaves the tile registers about once per row group instead of in almost every block (with 16 rows
-// per group, some row's max moves in most blocks). Blocks are packed per unit (sequence, KV head): K as [KB][D] bf16, V transposed as [D][KB].
+// per group, some row's max moves in most blocks). Blocks are packed per unit (sequence, KV head): K as
+// [KB][D] bf16, V transposed as [D][KB].
 // A row's arithmetic never involves another row (a tile's column sums only its own products), so a row's
 // bits do not depend on the chunk or batch it runs in; softmax blocks are counted from key 0.
 #pragma once
@@ -159,8 +160,8 @@ struct ExtendTileAmx {
                                                                 8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
         const __m512i pair_order = _mm512_load_si512(kPairOrder);   // lane 2n: key j's row n, 2n + 1: key j + 1's
         for (int j = 0; j < KB; j += 2) {
-          // scaled score - max <= kLazyLog2 here. exp2_coarse's 7.5e-5 is far below the bf16 rounding p gets for the
-          // product. Hidden keys (-inf) get exactly 0: the exp2 clamp alone would leave 2^-126.
+          // scaled score - max <= kLazyLog2 here. exp2_coarse's 7.5e-5 is far below the bf16 rounding p gets
+          // for the product. Hidden keys (-inf) get exactly 0: the exp2 clamp alone would leave 2^-126.
           const __m512 p0 = _mm512_maskz_mov_ps(seen[j], exp2_coarse(_mm512_fmsub_ps(_mm512_load_ps(scores + j * TR), scale_log2, m)));
           const __m512 p1 = _mm512_maskz_mov_ps(seen[j + 1], exp2_coarse(_mm512_fmsub_ps(_mm512_load_ps(scores + (j + 1) * TR), scale_log2, m)));
           l = _mm512_add_ps(_mm512_add_ps(l, p0), p1);

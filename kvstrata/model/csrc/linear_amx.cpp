@@ -84,44 +84,44 @@ at::Tensor amx_linear(const at::Tensor& x, const at::Tensor& packed, const c10::
   const int64_t nb = packed.size(0), groups = (nb + NG - 1) / NG;   // 64-column groups
   // Panels of MP rows, one after another: a panel's x stays in cache while every column group reads it.
   for (int64_t p0 = 0; p0 < M; p0 += MP) {
-  const int64_t p1 = std::min(M, p0 + MP);
-  at::parallel_for(0, groups, 1, [&](int64_t begin, int64_t end) {
-    kvstrata_cpu::load_tile_config({16, 16, 16, 16, 16, 16, 0, 0}, {64, 64, 64, 64, 64, 64, 0, 0});
-    alignas(64) float c[MB * NG * NB];   // [row][64 columns]
-    for (int64_t g = begin; g < end; ++g) {
-      const int64_t tiles = std::min(NG, nb - g * NG);
-      const uint16_t* wg = wp + g * NG * kc * (KC / 2) * NB * 2;
-      for (int64_t m0 = p0; m0 < p1; m0 += MB) {
-        _tile_zero(0);
-        _tile_zero(1);
-        _tile_zero(2);
-        _tile_zero(3);
-        for (int64_t k = 0; k < kc; ++k) {
-          _tile_loadd(4, xa + m0 * Kp + k * KC, Kp * sizeof(uint16_t));
-          const int64_t step = kc * (KC / 2) * NB * 2, at = k * (KC / 2) * NB * 2;
-          accumulate<0>(wg + at);
-          if (tiles > 1) accumulate<1>(wg + step + at);
-          if (tiles > 2) accumulate<2>(wg + 2 * step + at);
-          if (tiles > 3) accumulate<3>(wg + 3 * step + at);
-        }
-        _tile_stored(0, c, NG * NB * sizeof(float));
-        _tile_stored(1, c + NB, NG * NB * sizeof(float));
-        _tile_stored(2, c + 2 * NB, NG * NB * sizeof(float));
-        _tile_stored(3, c + 3 * NB, NG * NB * sizeof(float));
-        for (int64_t r = 0; r < MB && m0 + r < M; ++r)
-          for (int64_t j = 0; j < tiles; ++j) {
-            const int64_t n0 = (g * NG + j) * NB, live = std::min(NB, N - n0);
-            const __mmask16 mask = live >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << live) - 1);
-            __m512 v = _mm512_load_ps(c + r * NG * NB + j * NB);
-            if (bp)
-              v = _mm512_add_ps(v, _mm512_castsi512_ps(_mm512_slli_epi32(
-                                       _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(mask, bp + n0)), 16)));
-            _mm256_mask_storeu_epi16(op + (m0 + r) * N + n0, mask, kvstrata_cpu::pack_bf16x16(v));
+    const int64_t p1 = std::min(M, p0 + MP);
+    at::parallel_for(0, groups, 1, [&](int64_t begin, int64_t end) {
+      kvstrata_cpu::load_tile_config({16, 16, 16, 16, 16, 16, 0, 0}, {64, 64, 64, 64, 64, 64, 0, 0});
+      alignas(64) float c[MB * NG * NB];   // [row][64 columns]
+      for (int64_t g = begin; g < end; ++g) {
+        const int64_t tiles = std::min(NG, nb - g * NG);
+        const uint16_t* wg = wp + g * NG * kc * (KC / 2) * NB * 2;
+        for (int64_t m0 = p0; m0 < p1; m0 += MB) {
+          _tile_zero(0);
+          _tile_zero(1);
+          _tile_zero(2);
+          _tile_zero(3);
+          for (int64_t k = 0; k < kc; ++k) {
+            _tile_loadd(4, xa + m0 * Kp + k * KC, Kp * sizeof(uint16_t));
+            const int64_t step = kc * (KC / 2) * NB * 2, at = k * (KC / 2) * NB * 2;
+            accumulate<0>(wg + at);
+            if (tiles > 1) accumulate<1>(wg + step + at);
+            if (tiles > 2) accumulate<2>(wg + 2 * step + at);
+            if (tiles > 3) accumulate<3>(wg + 3 * step + at);
           }
+          _tile_stored(0, c, NG * NB * sizeof(float));
+          _tile_stored(1, c + NB, NG * NB * sizeof(float));
+          _tile_stored(2, c + 2 * NB, NG * NB * sizeof(float));
+          _tile_stored(3, c + 3 * NB, NG * NB * sizeof(float));
+          for (int64_t r = 0; r < MB && m0 + r < M; ++r)
+            for (int64_t j = 0; j < tiles; ++j) {
+              const int64_t n0 = (g * NG + j) * NB, live = std::min(NB, N - n0);
+              const __mmask16 mask = live >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << live) - 1);
+              __m512 v = _mm512_load_ps(c + r * NG * NB + j * NB);
+              if (bp)
+                v = _mm512_add_ps(v, _mm512_castsi512_ps(_mm512_slli_epi32(
+                                         _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(mask, bp + n0)), 16)));
+              _mm256_mask_storeu_epi16(op + (m0 + r) * N + n0, mask, kvstrata_cpu::pack_bf16x16(v));
+            }
+        }
       }
-    }
-    _tile_release();
-  });
+      _tile_release();
+    });
   }
   return out;
 }

@@ -65,8 +65,7 @@ inline __m512 exp_reduced(__m512 r) {
 }
 
 // 2^x for x <= 0 (x = a log2-scaled score minus the running max): 2^n * e^(f ln 2), f in [-0.5, 0.5]
-// (relative error ~2e-7, far below the bf16 rounding the probabilities then get). Exact as well up to
-// x = 127, which the AMX tile's lazy rescaling uses (x <= 8).
+// (relative error ~2e-7, far below the bf16 rounding the probabilities then get).
 inline __m512 exp2_nonpositive(__m512 x) {
   x = _mm512_max_ps(x, _mm512_set1_ps(-126.0f));
   const __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
