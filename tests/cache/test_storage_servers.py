@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import time
 
 import pytest
 
@@ -15,6 +16,21 @@ def generate(server, input_ids: list[int]) -> dict:
     r = server.post("/generate", json={"input_ids": input_ids, "sampling_params": TURN})
     assert r.status_code == 200, r.text
     return r.json()
+
+
+def wait_backed_up(server, timeout: float = 30.0) -> None:
+    """Poll until every token in the server's tree has its L3 object (one object per token here).
+
+    A finished request's pages reach L3 later (host copy, then the store's put): a second server asks L3
+    for them only once they have landed, or it rightly misses."""
+    deadline = time.monotonic() + timeout
+    while True:
+        tree = server.scheduler_state()["hicache"]
+        if tree["storage"]["backed_up_objects"] >= tree["tree_tokens"]:
+            return
+        if time.monotonic() > deadline:
+            raise AssertionError(f"L3 writes still pending after {timeout} s: {tree}")
+        time.sleep(0.05)
 
 
 @pytest.mark.mooncake
@@ -36,6 +52,7 @@ def test_conversation_moves_between_servers(own_mooncake_cluster, tmp_path):
             out = generate(a, hist)
             histories[c] = hist + out["output_ids"]
         a.wait_idle()
+        wait_backed_up(a)
         for hist in histories:
             prompt = hist + [11, 12, 13, 14]
             meta = generate(b, prompt)["meta_info"]
