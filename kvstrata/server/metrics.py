@@ -195,9 +195,10 @@ class SchedulerCollector(Collector):
         gauges = (
             ("sglang:num_running_reqs", "Requests running (prefilling or decoding).", state.get("running_requests")),
             ("sglang:num_queue_reqs", "Requests waiting to be scheduled.", state.get("waiting_requests")),
-            ("sglang:num_used_tokens", "Device KV slots held by running requests (the cache's evictable "
-             "tokens are not counted).", state["used_tokens"]),
-            ("sglang:token_usage", "Fraction of the device KV pool held by running requests.",
+            ("sglang:num_used_tokens", "Device KV slots neither free nor evictable: held by running requests "
+             "and, for a moment after they finish, by pages still being copied to the host.",
+             state["used_tokens"]),
+            ("sglang:token_usage", "Fraction of the device KV pool neither free nor evictable.",
              state["used_tokens"] / capacity),
             ("sglang:cache_hit_rate", "Cached prompt tokens / prompt tokens of admitted requests since start.",
              state.get("cache_hit_rate")),
