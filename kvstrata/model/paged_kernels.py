@@ -134,8 +134,8 @@ def extend_amx(enable: bool) -> bool:
 
 
 def silu_and_mul_op() -> Optional[Callable]:
-    """`op(gate_up [T, 2I]) -> silu(gate) * up [T, I]` (bf16; torch's bits: AVX-512 BF16 builds compute silu,
-    others look up torch's own silu of every bf16 value), or None."""
+    """`op(gate_up [T, 2I]) -> silu(gate) * up [T, I]` (bf16; torch's bits: AVX-512 BF16 builds without AMX
+    compute silu, others look up torch's own silu of every bf16 value), or None."""
     return _bf16_op("silu_and_mul")
 
 

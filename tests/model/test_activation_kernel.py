@@ -1,15 +1,25 @@
 """The compiled silu(gate) * up (csrc/activation.cpp) gives the same bits as the two torch ops it replaces,
-alone, for every bf16 gate value, and inside a model forward. AVX-512 BF16 builds compute silu with their
-own exp; the others look up torch's own silu of every bf16 value. Skipped without a C++ compiler."""
+alone, for every bf16 gate value, and inside a model forward. AVX-512 BF16 builds without AMX compute silu
+with their own exp; the others look up torch's own silu of every bf16 value (AMX builds by vpgatherdd). On
+an AVX-512 BF16 CPU the other one of those two builds is compiled here too. Skipped without a C++ compiler."""
 
 from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
 
+from kvstrata.model import paged_kernels
 from kvstrata.model.layers import use_fused_activation
 from kvstrata.model.paged_kernels import silu_and_mul_op
+from tests.model.silu_cases import every_gate_value, same_bits
 from tests.model.test_llama_vs_hf import PROMPT_LENS, Pair, random_prompts
 
 OP = silu_and_mul_op()
@@ -29,15 +39,40 @@ def test_same_bits_as_torch(rows, inter):
 def test_every_bf16_gate_value(inter):
     """silu of a bf16 depends on its 16 bits only: all 65,536 of them, where torch's own loop is vectorized
     (rows of 1536) and where it is scalar (rows of 7, another exp), against random up values."""
-    every = torch.arange(65536, dtype=torch.int32).to(torch.int16).view(torch.bfloat16)
-    rows = -(-every.numel() // inter)
-    gate = torch.cat([every, every[:rows * inter - every.numel()]]).view(rows, inter)
-    up = (torch.randn(rows, inter, generator=torch.Generator().manual_seed(inter)) * 3).to(torch.bfloat16)
-    x = torch.cat([gate, up], dim=1)
-    want = F.silu(x[:, :inter]) * x[:, inter:]
-    got = OP(x)
-    assert torch.equal(got.isnan(), want.isnan())
-    assert torch.equal(got.nan_to_num(), want.nan_to_num())   # NaN payloads aside: every bit
+    x, want = every_gate_value(inter)
+    assert same_bits(OP(x), want)
+
+
+OTHER_BUILD = textwrap.dedent("""
+    import sys
+    import torch
+    from torch.utils import cpp_extension
+    from tests.model.silu_cases import every_gate_value, same_bits
+
+    cpp_extension.load(name="kvstrata_silu_other", sources=[sys.argv[1]], build_directory=sys.argv[2],
+                       extra_cflags=sys.argv[3].split(), extra_ldflags=["-fopenmp"], is_python_module=False)
+    for inter in (1536, 7):
+        x, want = every_gate_value(inter)
+        assert same_bits(torch.ops.kvstrata.silu_and_mul(x), want), inter
+    print("ok")
+""")
+
+
+@pytest.mark.skipif("avx512_bf16" not in paged_kernels._cpu_flags().split()
+                    or shutil.which(os.environ.get("CXX", "c++")) is None,
+                    reason="the two AVX-512 BF16 builds run on AVX-512 BF16 CPUs")
+def test_the_other_avx512_bf16_build(tmp_path):
+    """AMX CPUs gather the table; the others (Zen 4) compute silu. The build this CPU does not make is compiled
+    here (activation.cpp alone, in a subprocess) and checked on every gate value."""
+    has_amx = "amx_tile" in paged_kernels._cpu_flags().split()
+    amx = ["-mno-amx-tile", "-mno-amx-bf16", "-mno-amx-int8"] if has_amx else ["-mamx-tile", "-mamx-bf16"]
+    source = Path(paged_kernels.__file__).parent / "csrc" / "activation.cpp"
+    flags = " ".join(["-O3", "-march=native", *amx, "-fopenmp"])
+    root = Path(__file__).resolve().parents[2]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")]))}
+    done = subprocess.run([sys.executable, "-c", OTHER_BUILD, str(source), str(tmp_path), flags], env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stderr[-3000:]
 
 
 def test_model_forward_unchanged(checkpoint_dir):

@@ -96,9 +96,15 @@ inline __m256i pack_bf16x16(__m512 v) {
   return _mm512_cvtepi32_epi16(r);
 }
 
-// v rounded to bf16 (pack_bf16x16) and widened back to float32.
+// v rounded to bf16 as pack_bf16x16 rounds it, kept in float32 (the low 16 bits cleared in place: no pack
+// and widen).
 inline __m512 round_bf16(__m512 v) {
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(pack_bf16x16(v)), 16));
+  const __m512i bits = _mm512_castps_si512(v);
+  const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+  __m512i r = _mm512_and_si512(_mm512_add_epi32(bits, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7FFF))),
+                               _mm512_set1_epi32(static_cast<int>(0xFFFF0000u)));
+  r = _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), _mm512_set1_epi32(0x7FC00000));
+  return _mm512_castsi512_ps(r);
 }
 
 #ifdef __AVX512BF16__
@@ -134,9 +140,14 @@ inline __m128i pack_bf16x8(__m256 v) {
   return _mm256_castsi256_si128(_mm256_permute4x64_epi64(_mm256_packus_epi32(r, r), 0xD8));   // lanes 0-7 first
 }
 
-// v rounded to bf16 (pack_bf16x8) and widened back to float32.
+// v rounded to bf16 as pack_bf16x8 rounds it, kept in float32 (the low 16 bits cleared in place).
 inline __m256 round_bf16(__m256 v) {
-  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(pack_bf16x8(v)), 16));
+  const __m256i bits = _mm256_castps_si256(v);
+  const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
+  __m256i r = _mm256_and_si256(_mm256_add_epi32(bits, _mm256_add_epi32(odd, _mm256_set1_epi32(0x7FFF))),
+                               _mm256_set1_epi32(static_cast<int>(0xFFFF0000u)));
+  r = _mm256_blendv_epi8(r, _mm256_set1_epi32(0x7FC00000), _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q)));
+  return _mm256_castsi256_ps(r);
 }
 
 inline float sum_lanes8(__m256 v) {   // a fixed tree: halves, then pairs, then the last two
