@@ -6,7 +6,7 @@
 // table that gives torch's bits by construction: a load instead of an exp and a division per element. How
 // each CPU reads it is measured (torch's bf16 silu takes ~1 ns per element on Zen 3, nearly all of it Sleef's
 // exp):
-//   * AVX-512 with AMX (Intel): 16 entries per vpgatherdd, 1.9-2.2x computing silu as below;
+//   * AVX-512 with AMX (Intel): 16 entries per vpgatherdd, 2.0-2.6x computing silu as below (2-core Xeon);
 //   * AVX-512 BF16 without AMX (Zen 4): no table; silu computed with our own exp and a division, which
 //     matches torch's bits for every bf16 gate value (the tests check all 65,536);
 //   * otherwise (AVX2): eight scalar lookups, 1.5-2x faster than vpgatherdd on Zen 3; the one-pass lookup
@@ -54,7 +54,8 @@ using bf16 = c10::BFloat16;
   return table.data();
 }
 
-[[maybe_unused]] inline uint16_t product_bits(uint16_t silu, uint16_t up) {   // bf16(float(silu) * float(up)), as torch's mul
+// bf16(float(silu) * float(up)), as torch's mul rounds it.
+[[maybe_unused]] inline uint16_t product_bits(uint16_t silu, uint16_t up) {
   const bf16 p = static_cast<bf16>(static_cast<float>(bf16(silu, bf16::from_bits())) *
                                    static_cast<float>(bf16(up, bf16::from_bits())));
   return p.x;
