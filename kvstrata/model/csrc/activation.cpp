@@ -63,10 +63,6 @@ using bf16 = c10::BFloat16;
 
 #ifdef __AVX512BF16__
 
-inline __m512 load_bf16(const uint16_t* p, __mmask16 live) {
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(live, p)), 16));
-}
-
 #ifdef KVSTRATA_SILU_COMPUTE
 // e^x, 2^n * e^r with |r| <= ln2/2 (degree-6 Taylor, ~2e-7 relative); below -87 it is taken as e^-87, above
 // 100 as e^100, which is inf in float32 (scalef overflows), as torch's exp gives from 89 on.
@@ -87,7 +83,7 @@ inline __m512 silu16(const uint16_t* gate, __mmask16 live, [[maybe_unused]] cons
   const __m512i entries = _mm512_i32gather_epi32(index, reinterpret_cast<const int*>(table), 2);
   return _mm512_castsi512_ps(_mm512_slli_epi32(entries, 16));   // the low 16 bits are the entry
 #else
-  const __m512 g = load_bf16(gate, live);
+  const __m512 g = kvstrata_cpu::load_bf16x16(gate, live);
   return kvstrata_cpu::round_bf16(_mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.0f),
                                                                  exp16(_mm512_sub_ps(_mm512_setzero_ps(), g)))));
 #endif
@@ -112,7 +108,7 @@ at::Tensor silu_and_mul(const at::Tensor& x) {
       for (int64_t c = 0; c < inter; c += 16) {
         const __mmask16 live = inter - c >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (inter - c)) - 1);
         const __m256i prod = kvstrata_cpu::pack_bf16x16(_mm512_mul_ps(silu16(gate + c, live, table),
-                                                                      load_bf16(up + c, live)));
+                                                                      kvstrata_cpu::load_bf16x16(up + c, live)));
         _mm256_mask_storeu_epi16(dst + t * inter + c, live, prod);
       }
     }

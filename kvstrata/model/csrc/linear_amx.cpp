@@ -114,8 +114,7 @@ at::Tensor amx_linear(const at::Tensor& x, const at::Tensor& packed, const c10::
               const __mmask16 mask = live >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << live) - 1);
               __m512 v = _mm512_load_ps(c + r * NG * NB + j * NB);
               if (bp)
-                v = _mm512_add_ps(v, _mm512_castsi512_ps(_mm512_slli_epi32(
-                                         _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(mask, bp + n0)), 16)));
+                v = _mm512_add_ps(v, kvstrata_cpu::load_bf16x16(bp + n0, mask));
               _mm256_mask_storeu_epi16(op + (m0 + r) * N + n0, mask, kvstrata_cpu::pack_bf16x16(v));
             }
         }

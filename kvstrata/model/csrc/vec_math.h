@@ -85,19 +85,9 @@ inline __m512 exp2_coarse(__m512 x) {
   return _mm512_scalef_ps(p, n);
 }
 
-// 16 float32 rounded to bf16 as c10::BFloat16 rounds each (to nearest, ties to even; NaN to 0x7FC0), packed.
-// Not _mm512_cvtneps_pbh: Intel's conversion flushes denormal inputs and results to zero (AMD's keeps them),
-// where torch keeps every denormal.
-inline __m256i pack_bf16x16(__m512 v) {
-  const __m512i bits = _mm512_castps_si512(v);
-  const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
-  __m512i r = _mm512_srli_epi32(_mm512_add_epi32(bits, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7FFF))), 16);
-  r = _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), _mm512_set1_epi32(0x7FC0));
-  return _mm512_cvtepi32_epi16(r);
-}
-
-// v rounded to bf16 as pack_bf16x16 rounds it, kept in float32 (the low 16 bits cleared in place: no pack
-// and widen).
+// v rounded to bf16 as c10::BFloat16 rounds each lane (to nearest, ties to even; NaN to 0x7FC0), kept in
+// float32: the low 16 bits cleared in place. Not _mm512_cvtneps_pbh: Intel's conversion flushes denormal
+// inputs and results to zero (AMD's keeps them), where torch keeps every denormal.
 inline __m512 round_bf16(__m512 v) {
   const __m512i bits = _mm512_castps_si512(v);
   const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
@@ -105,6 +95,16 @@ inline __m512 round_bf16(__m512 v) {
                                _mm512_set1_epi32(static_cast<int>(0xFFFF0000u)));
   r = _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), _mm512_set1_epi32(0x7FC00000));
   return _mm512_castsi512_ps(r);
+}
+
+// 16 float32 rounded to bf16 (round_bf16), packed.
+inline __m256i pack_bf16x16(__m512 v) {
+  return _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_castps_si512(round_bf16(v)), 16));
+}
+
+// 16 bf16 (the `live` lanes; the others 0) widened to float32.
+inline __m512 load_bf16x16(const uint16_t* p, __mmask16 live) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(live, p)), 16));
 }
 
 #ifdef __AVX512BF16__
@@ -131,16 +131,8 @@ inline __m256 load8(const uint16_t* p) {
 }
 inline __m256 load8(const c10::BFloat16* p) { return load8(reinterpret_cast<const uint16_t*>(p)); }
 
-// 8 float32 rounded to bf16 as c10::BFloat16 rounds each (to nearest, ties to even; NaN to 0x7FC0), packed.
-inline __m128i pack_bf16x8(__m256 v) {
-  const __m256i bits = _mm256_castps_si256(v);
-  const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
-  __m256i r = _mm256_srli_epi32(_mm256_add_epi32(bits, _mm256_add_epi32(odd, _mm256_set1_epi32(0x7FFF))), 16);
-  r = _mm256_blendv_epi8(r, _mm256_set1_epi32(0x7FC0), _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q)));
-  return _mm256_castsi256_si128(_mm256_permute4x64_epi64(_mm256_packus_epi32(r, r), 0xD8));   // lanes 0-7 first
-}
-
-// v rounded to bf16 as pack_bf16x8 rounds it, kept in float32 (the low 16 bits cleared in place).
+// v rounded to bf16 as c10::BFloat16 rounds each lane (to nearest, ties to even; NaN to 0x7FC0), kept in
+// float32: the low 16 bits cleared in place.
 inline __m256 round_bf16(__m256 v) {
   const __m256i bits = _mm256_castps_si256(v);
   const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
@@ -148,6 +140,12 @@ inline __m256 round_bf16(__m256 v) {
                                _mm256_set1_epi32(static_cast<int>(0xFFFF0000u)));
   r = _mm256_blendv_epi8(r, _mm256_set1_epi32(0x7FC00000), _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q)));
   return _mm256_castsi256_ps(r);
+}
+
+// 8 float32 rounded to bf16 (round_bf16), packed.
+inline __m128i pack_bf16x8(__m256 v) {
+  const __m256i r = _mm256_srli_epi32(_mm256_castps_si256(round_bf16(v)), 16);
+  return _mm256_castsi256_si128(_mm256_permute4x64_epi64(_mm256_packus_epi32(r, r), 0xD8));   // lanes 0-7 first
 }
 
 inline float sum_lanes8(__m256 v) {   // a fixed tree: halves, then pairs, then the last two
