@@ -7,6 +7,8 @@ forward / generate on the same weights. With
 `--enable-deterministic-inference` the engine is measured a second time in that mode, side by side, and
 the cost of batch invariance is printed as ratios. `--compare-kv-runs` measures instead what keeping each
 request's new KV slots in one run buys (--kv-run-spare-tokens: default against 0), two engines alternating.
+`--load-back` measures what a prefix loaded back from the host tier costs (kvstrata/bench/load_back_bench.py).
+`--device cuda` runs the engine and transformers on the GPU.
 """
 
 from __future__ import annotations
@@ -35,14 +37,16 @@ def make_engine(args, deterministic: bool = False, radix_cache: bool = False, **
     `overrides`: further ServerArgs fields."""
     import kvstrata
 
-    return kvstrata.Engine(model_path=args.model_path, dtype=args.dtype, disable_radix_cache=not radix_cache,
-                           # room for the 1-stream and the S-stream prompts cached side by side
-                           max_total_tokens=(args.streams + 1) * (args.context + args.decode_tokens) + 1024,
-                           num_threads=args.threads, random_seed=0, chunked_prefill_size=args.context,
-                           page_size=args.page_size, enable_deterministic_inference=deterministic,
-                           # the host tier backs up every cached prompt while the streams decode
-                           enable_hierarchical_cache=radix_cache and args.enable_hierarchical_cache,
-                           hicache_ratio=2.0, **overrides)
+    options = dict(model_path=args.model_path, dtype=args.dtype, device=args.device,
+                   disable_radix_cache=not radix_cache,
+                   # room for the 1-stream and the S-stream prompts cached side by side
+                   max_total_tokens=(args.streams + 1) * (args.context + args.decode_tokens) + 1024,
+                   num_threads=args.threads, random_seed=0, chunked_prefill_size=args.context,
+                   page_size=args.page_size, enable_deterministic_inference=deterministic,
+                   # the host tier backs up every cached prompt while the streams decode
+                   enable_hierarchical_cache=radix_cache and args.enable_hierarchical_cache,
+                   hicache_ratio=2.0)
+    return kvstrata.Engine(**{**options, **overrides})
 
 
 def prompt_maker(vocab: int, seed: int = 0):
@@ -150,13 +154,15 @@ def bench_transformers(args) -> dict:
     from kvstrata.model.builtin import resolve_model_path
 
     dtype = {"bfloat16": torch.bfloat16, "float32": torch.float32}[args.dtype]
-    model = AutoModelForCausalLM.from_pretrained(resolve_model_path(args.model_path), dtype=dtype).eval()
-    ids = torch.randint(100, model.config.vocab_size - 1, (1, args.context))
+    model = AutoModelForCausalLM.from_pretrained(resolve_model_path(args.model_path), dtype=dtype)
+    model = model.to(args.device).eval()
+    ids = torch.randint(100, model.config.vocab_size - 1, (1, args.context), device=args.device)
     with torch.inference_mode():
-        fwd = _timeit(lambda: model(ids, logits_to_keep=1), args.repeat)
+        # .cpu(): the time includes the device's work (CUDA runs asynchronously)
+        fwd = _timeit(lambda: model(ids, logits_to_keep=1).logits.cpu(), args.repeat)
         n = args.decode_tokens
         t = time.perf_counter()
-        model.generate(ids, max_new_tokens=n + 1, min_new_tokens=n + 1, do_sample=False)
+        model.generate(ids, max_new_tokens=n + 1, min_new_tokens=n + 1, do_sample=False).cpu()
         single = n / (time.perf_counter() - t - fwd)
     return {"forward_s": fwd, "decode_tok_s_1": single}
 
@@ -179,7 +185,8 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="kvstrata bench engine", description=__doc__)
     p.add_argument("--model-path", default="bench")
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
-    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    p.add_argument("--threads", type=int, default=2, help="CPU threads (on CUDA: of the host side)")
     p.add_argument("--context", type=int, default=2048)
     p.add_argument("--decode-tokens", type=int, default=64)
     p.add_argument("--streams", type=int, default=16)
@@ -196,6 +203,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--enable-hierarchical-cache", action="store_true",
                    help="measure the rates with the host tier (L2, --hicache-ratio 2) on: its copy threads run "
                         "next to the decode steps")
+    p.add_argument("--load-back", action="store_true",
+                   help="instead of the rates: TTFT of a --context prefix + --suffix prompt with the prefix in the "
+                        "device pool (L1), only in the host tier (L2, loaded back layer by layer) and uncached")
+    p.add_argument("--suffix", type=int, default=256, help="new tokens after the prefix, for --load-back")
     p.add_argument("--compare-kv-runs", action="store_true",
                    help="instead of the rates: --streams streams decoding with their new KV slots in runs (default "
                         "--kv-run-spare-tokens) and slot by slot (0), two engines alternating; try a long "
@@ -206,7 +217,23 @@ def main(argv: list[str] | None = None) -> int:
     if args.compare_kv_runs and (args.profile or args.attention or args.enable_deterministic_inference):
         p.error("--compare-kv-runs is a measurement of its own: not with --profile, --attention or "
                 "--enable-deterministic-inference")
+    if args.load_back and (args.profile or args.attention or args.compare_kv_runs):
+        p.error("--load-back is a measurement of its own: not with --profile, --attention or --compare-kv-runs")
+    from kvstrata.bench.load_back_bench import SPARE_TOKENS, bench_load_back, format_load_back
+
+    if args.load_back and args.context <= 2 * args.suffix + SPARE_TOKENS:
+        p.error(f"--load-back needs --context > 2 x --suffix + {SPARE_TOKENS}: the pool must hold one prefix, "
+                "not two, so that the filler pushes the prefix out to the host tier")
+    if args.device == "auto":
+        args.device = "cuda" if torch.cuda.is_available() else "cpu"
+    if args.device != "cpu" and (args.profile or args.attention):
+        p.error("--profile and --attention time the CPU path (their timers do not wait for a GPU): add --device cpu")
     torch.set_num_threads(args.threads)
+    if args.load_back:
+        result = bench_load_back(args)
+        print(json.dumps(result, indent=2))
+        print(format_load_back(result, args))
+        return 0
     if args.compare_kv_runs:
         result = bench_kv_runs(args)
         print(json.dumps(result, indent=2))

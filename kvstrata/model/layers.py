@@ -37,7 +37,7 @@ class Linear(nn.Linear):
         super().__init__(in_features, out_features, bias=bias)
         self.upcast_min_rows = upcast_min_rows
         self.min_rows = 1   # inputs with fewer rows are zero-padded (batch-invariant mode)
-        self.batch_invariant = False   # low-precision CPU products in float32 at every row count
+        self.batch_invariant = False   # CPU: low-precision products in float32; GPU: fixed-size blocks
         self.decode_gemv: Optional[DecodeLinear] = None   # compiled bf16 GEMV (decode rows; AVX2: all rows)
         self.decode_weight: Optional[torch.Tensor] = None   # the weight as decode_gemv reads it (packed)
         self.onednn_weight: Optional[torch.Tensor] = None   # the weight prepacked for oneDNN (use_onednn_weights)
@@ -50,9 +50,18 @@ class Linear(nn.Linear):
         gemv = self.decode_gemv
         if gemv is not None and x.dtype == self.weight.dtype and (gemv.max_rows is None or rows <= gemv.max_rows):
             return gemv.run(x.contiguous(), self.decode_weight, self.bias, self.out_features)
+        if self.batch_invariant and x.device.type != "cpu":
+            return self._forward_in_blocks(x)
         if rows < self.min_rows:
             return self._forward(F.pad(x, (0, 0, 0, self.min_rows - rows)))[:rows]
         return self._forward(x)
+
+    def _forward_in_blocks(self, x: torch.Tensor) -> torch.Tensor:
+        """Batch-invariant products on a GPU: every GEMM has exactly DEVICE_INVARIANT_BLOCK_ROWS rows (the
+        input zero-padded), so the library runs one kernel, one reduction order, whatever the batch."""
+        rows, block = x.shape[0], DEVICE_INVARIANT_BLOCK_ROWS
+        padded = F.pad(x, (0, 0, 0, -rows % block))
+        return torch.cat([self._forward(part) for part in padded.split(block)])[:rows]
 
     def _forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dtype != self.weight.dtype:
@@ -70,13 +79,17 @@ class Linear(nn.Linear):
 # were, on an Intel Xeon with AMX a 512 -> 3072 row changes at 1 to 33 rows. tests/model/test_batch_invariance.py
 # checks the float32 claim on every machine.
 BATCH_INVARIANT_MIN_ROWS = 16
+# On CUDA, cuBLAS picks a kernel (tile shape, split-K) per problem shape: on an H200 a float32 row changed
+# between 1 and 300 rows at every shape of tests/model/test_batch_invariance.py. The batch-invariant mode
+# runs GPU products as GEMMs of this many rows each.
+DEVICE_INVARIANT_BLOCK_ROWS = 64
 
 
 def make_batch_invariant(model: nn.Module) -> None:
     """Configure every Linear of `model` so that a row's output never depends on the other rows.
 
     Low-precision CPU products run in float32 at every row count, and inputs are padded to
-    BATCH_INVARIANT_MIN_ROWS rows. A compiled GEMV that serves every row count (`use_decode_linear` with
+    BATCH_INVARIANT_MIN_ROWS rows; GPU products run in blocks of DEVICE_INVARIANT_BLOCK_ROWS rows. A compiled GEMV that serves every row count (`use_decode_linear` with
     `decode_linear_op(every_row=True)`, row-invariant by construction) takes the bf16 products before that.
     """
     for module in model.modules():

@@ -47,3 +47,22 @@ def test_engine_bench_compares_slot_runs_with_slot_by_slot_and_the_outputs_match
     assert result["kv_run_spare_tokens"] == {"runs": 128, "slot_by_slot": 0}
     assert all(_rate(r) for r in result["decode_tok_s"].values()) and len(result["slot_by_slot_over_runs_time"]) == 2
     assert result["same_outputs"] is True and "same outputs: True" in out
+
+
+def test_load_back_bench_hits_the_host_tier_for_the_whole_prefix(capsys):
+    assert main(["--model-path", "tiny", "--dtype", "float32", "--context", "96", "--suffix", "16",
+                 "--repeat", "1", "--threads", "1", "--load-back", "--device", "cpu"]) == 0
+    out = capsys.readouterr().out
+    result = json.loads(out[: out.rindex("}") + 1])
+    (row,) = result["rounds"]
+    # The filler pushed the prefix out of the device pool; the timed prompt found all of it in L2.
+    assert row["host_hit_tokens"] == 96 and row["load_back_bytes"] > 0 and row["load_back_busy_s"] > 0
+    assert min(row["l1_s"], row["l2_s"], row["cold_s"]) > 0 and "L2 - L1" in out
+
+
+def test_load_back_is_a_measurement_of_its_own(capsys):
+    import pytest
+
+    with pytest.raises(SystemExit):
+        main(["--load-back", "--profile"])
+    assert "--load-back is a measurement of its own" in capsys.readouterr().err

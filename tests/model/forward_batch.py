@@ -8,6 +8,7 @@ import torch
 
 from kvstrata.memory.device_pool import DeviceKVPool
 from kvstrata.model.forward_meta import ForwardMetadata
+from tests.device import TEST_DEVICE
 
 
 class PagedSequences:
@@ -52,6 +53,7 @@ class PagedSequences:
 
         `logits`: "all" rows, or "last" row of each sequence.
         """
+        dev = self.pool.device
         ids, positions, out_slots, logits_rows = [], [], [], []
         prefix_lens, extend_lens, kv_slots = [], [], []
         for seq, tokens in chunks:
@@ -63,17 +65,18 @@ class PagedSequences:
             positions += range(prefix, prefix + len(tokens))
             prefix_lens.append(prefix)
             extend_lens.append(len(tokens))
-            kv_slots.append(torch.tensor(self.slots[seq], dtype=torch.long))
+            kv_slots.append(torch.tensor(self.slots[seq], dtype=torch.long, device=dev))
         meta = ForwardMetadata(extend_lens=extend_lens, prefix_lens=prefix_lens, kv_slots=kv_slots,
-                               out_slots=torch.tensor(out_slots, dtype=torch.long),
-                               logits_indices=torch.tensor(logits_rows, dtype=torch.long),
+                               out_slots=torch.tensor(out_slots, dtype=torch.long, device=dev),
+                               logits_indices=torch.tensor(logits_rows, dtype=torch.long, device=dev),
                                batch_invariant=self.batch_invariant, paged_kernel=self.paged_kernel,
                                extend_kernel=self.extend_kernel)
-        return torch.tensor(ids, dtype=torch.long), torch.tensor(positions, dtype=torch.long), meta
+        return (torch.tensor(ids, dtype=torch.long, device=dev), torch.tensor(positions, dtype=torch.long, device=dev),
+                meta)
 
 
 def make_pool(model_config, num_pages: int = 64, page_size: int = 4,
-              dtype: torch.dtype = torch.float32) -> DeviceKVPool:
-    """A CPU pool shaped for `model_config`."""
+              dtype: torch.dtype = torch.float32, device: torch.device = TEST_DEVICE) -> DeviceKVPool:
+    """A pool shaped for `model_config` (on the test device unless told otherwise)."""
     return DeviceKVPool(num_pages, page_size, model_config.num_layers, model_config.num_kv_heads,
-                        model_config.head_dim, dtype, "cpu")
+                        model_config.head_dim, dtype, device)

@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from kvstrata.model import invariant_attention as ia
 from kvstrata.model import layers
 from kvstrata.model.layers import Linear, make_batch_invariant
+from tests.device import TEST_DEVICE
 
 DTYPES = [torch.float32, torch.bfloat16]
 
@@ -35,9 +36,9 @@ def test_linear_row_does_not_depend_on_row_count_or_position(dtype, native_bf16,
     torch.set_num_threads(threads)
     try:
         torch.manual_seed(0)
-        layer = Linear(*shape).to(dtype)
+        layer = Linear(*shape).to(dtype).to(TEST_DEVICE)
         make_batch_invariant(layer)
-        x = torch.randn(300, shape[0]).to(dtype)
+        x = torch.randn(300, shape[0]).to(dtype).to(TEST_DEVICE)
         with torch.inference_mode():
             ref = layer(x)
             for rows in (1, 2, 3, 5, 7, 11, 13, 16, 31, 64, 129):
@@ -47,10 +48,21 @@ def test_linear_row_does_not_depend_on_row_count_or_position(dtype, native_bf16,
         torch.set_num_threads(before)
 
 
+@pytest.mark.parametrize("rows", [1, 63, 64, 65, 130])
+def test_device_blocks_compute_the_same_product(rows):
+    # The GPU path of the batch-invariant mode (fixed 64-row GEMMs); its invariance is checked on a GPU by
+    # test_linear_row_does_not_depend_on_row_count_or_position with KVSTRATA_TEST_DEVICE=cuda.
+    torch.manual_seed(0)
+    layer = Linear(128, 96, bias=True)
+    x = torch.randn(rows, 128)
+    with torch.inference_mode():
+        assert torch.allclose(layer._forward_in_blocks(x), F.linear(x, layer.weight, layer.bias), atol=1e-5)
+
+
 def _sequence(n: int, heads: int = 8, kv_heads: int = 2, dim: int = 64, dtype=torch.float32):
     g = torch.Generator().manual_seed(n)
     def make(h):
-        return torch.randn(n, h, dim, generator=g).to(dtype)
+        return torch.randn(n, h, dim, generator=g).to(dtype).to(TEST_DEVICE)
     return make(heads), make(kv_heads), make(kv_heads)
 
 
@@ -66,12 +78,12 @@ def test_attention_row_same_in_decode_prefill_and_chunks(dtype):
     # decode steps, batched with other sequences of other lengths (zero padding past each length)
     for pos in (0, 255, 256, 599):
         lens = [pos + 1, 17, 450]
-        keys = torch.zeros(3, max(lens), 2, 64, dtype=dtype)
+        keys = torch.zeros(3, max(lens), 2, 64, dtype=dtype, device=TEST_DEVICE)
         values = torch.zeros_like(keys)
         keys[0, :pos + 1], values[0, :pos + 1] = k[:pos + 1], v[:pos + 1]
         keys[1:, :17].normal_()
         keys[2, :450].normal_()
-        queries = torch.randn(3, 8, 64).to(dtype)
+        queries = torch.randn(3, 8, 64).to(dtype).to(TEST_DEVICE)
         queries[0] = q[pos]
         out = ia.attend_decodes(queries, keys, values, lens, scale)
         assert torch.equal(out[0], full[pos]), f"decode at position {pos}"

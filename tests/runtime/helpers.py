@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import kvstrata
+from tests.device import TEST_DEVICE
 
 GREEDY = {"temperature": 0, "max_new_tokens": 12}
 
@@ -27,6 +28,7 @@ def make_engine(**kwargs) -> kvstrata.Engine:
     """A tiny-model engine with a deterministic seed, a small pool and batch-invariant inference unless told
     otherwise (tests compare outputs whose batches and cache hits differ)."""
     opts = {"model_path": "tiny", "max_total_tokens": 4096, "random_seed": 0, "dtype": "float32",
+            "device": TEST_DEVICE.type,
             "enable_deterministic_inference": True}
     opts.update(kwargs)
     return kvstrata.Engine(**opts)
