@@ -14,7 +14,7 @@ from kvstrata.model.paged_kernels import paged_attention_op
 
 def test_profile_breaks_each_step_down():
     args = argparse.Namespace(model_path="tiny", dtype="bfloat16", threads=1, context=96, decode_tokens=4,
-                              streams=2, repeat=1, page_size=1)
+                              streams=2, repeat=1, page_size=1, device="cpu")
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
