@@ -2,7 +2,8 @@
 
 Each round takes a fresh prefix A of --context tokens and:
 1. computes A (the host tier backs it up);
-2. computes a fresh filler B of the same length, which evicts A from the device pool (L2 keeps it);
+2. computes a fresh filler B of the same length, which evicts A from the device pool (L2 keeps it), and
+   waits until the host tier has no copy in flight (B's backup), so that step 3 times the load-back alone;
 3. times A + a new --suffix (the "L2" TTFT: A is loaded back layer by layer while the suffix is computed);
 4. times A + another suffix (the "L1" TTFT: A is now in the device pool);
 5. times a fresh prompt of --context + --suffix tokens (the "cold" TTFT: everything computed).
@@ -29,6 +30,15 @@ def _hicache(eng) -> dict:
     return {"host_hit_tokens": state.get("host_hit_tokens", 0), **state["hicache"]}
 
 
+def _wait_for_copies(eng, timeout: float = 60.0) -> None:
+    """Block until the host tier has no backup or load-back in flight."""
+    deadline = time.monotonic() + timeout
+    while _hicache(eng)["ops_in_flight"]:
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"host tier copies still in flight after {timeout} s")
+        time.sleep(0.005)
+
+
 def _ttft(eng, ids: list[int]) -> float:
     start = time.perf_counter()
     eng.generate(input_ids=ids, sampling_params=GREEDY1)
@@ -48,6 +58,7 @@ def bench_load_back(args) -> dict:
             prefix = prompt(context)
             eng.generate(input_ids=prefix, sampling_params=GREEDY1)
             eng.generate(input_ids=prompt(context), sampling_params=GREEDY1)   # evicts the prefix to L2
+            _wait_for_copies(eng)
             before = _hicache(eng)
             l2 = _ttft(eng, prefix + prompt(suffix))
             after = _hicache(eng)

@@ -82,9 +82,15 @@ class LayerLoadHandle:
     def wait_layer(self, layer_id: int, timeout: float | None = None) -> None:
         """Block until layer `layer_id` of this load is in device memory (on CUDA: for the current stream).
 
+        On CUDA the thread waits until every layer's copy is queued, and the stream waits for this layer's
+        copy: the GPU still overlaps layer i+1's copy with layer i's compute. The worker queues with Python
+        between torch calls; interleaved with the forward's own Python, each of its steps can wait up to the
+        interpreter's switch interval (5 ms) for the GIL. (Not yet measured against per-layer CPU waits.)
+
         Raises CopyError if that layer could not be copied, TimeoutError after `timeout` seconds.
         """
-        if not self._copied[layer_id].wait(timeout):
+        queued = self._copied[-1 if self._cuda_events is not None else layer_id]
+        if not queued.wait(timeout):
             raise TimeoutError(f"load-back op {self.op_id}: layer {layer_id} not copied after {timeout} s")
         if layer_id >= self._layers_ok:
             raise CopyError(f"load-back op {self.op_id} failed before layer {layer_id}: {self._error}")
