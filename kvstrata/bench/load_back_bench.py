@@ -86,4 +86,3 @@ def format_load_back(result: dict, args) -> str:
             f"{m['l1_s'] * 1000:.1f} ms | L2 {m['l2_s'] * 1000:.1f} ms | cold {m['cold_s'] * 1000:.1f} ms | host hit "
             f"{m['host_hit_tokens']:.0f} tokens | copy busy {m['load_back_busy_s'] * 1000:.1f} ms at {result['load_back_gb_per_s']:.2f} GB/s "
             f"| L2 - L1 {result['load_back_penalty_s'] * 1000:.1f} ms | hidden {result['hidden']:.2f}")
-
