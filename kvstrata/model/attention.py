@@ -240,6 +240,18 @@ def _decode_group(meta: ForwardMetadata, seqs: list[int], rows: list[int], num_r
     return DecodeGroup(rows=row_index, kv=kv, mask=mask, batch=len(seqs), max_len=max_len, lens=lens)
 
 
+# Every SDPA backend but cuDNN's: cuDNN builds an execution graph for each new sequence length, and a
+# server's lengths are new at every step (on an H200, bf16 decode of the bench model ran at 32 tok/s with
+# it and at 295 tok/s in float32, which cuDNN does not take).
+_NO_CUDNN = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+
+
+def sdpa_backends(device: torch.device) -> contextlib.AbstractContextManager:
+    """The SDPA backends a forward on `device` uses, as a context around its layers: on CUDA every one but
+    cuDNN's. Entered once per forward rather than per SDPA call: each entry costs ~10 us of Python."""
+    return sdpa_kernel(_NO_CUDNN) if device.type == "cuda" else contextlib.nullcontext()
+
+
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int,
                     meta: ForwardMetadata, kv_pool) -> torch.Tensor:
     """Write the new tokens' K/V into the pool, then attend. q `[T, H, D]`, k/v `[T, KVH, D]` -> `[T, H*D]`."""
@@ -318,18 +330,6 @@ def _gather(buffer: torch.Tensor, kv: KVIndex, dtype: torch.dtype) -> torch.Tens
     return rows if rows.dtype == dtype else rows.to(dtype)
 
 
-# Every SDPA backend but cuDNN's: cuDNN builds an execution graph for each new sequence length, and a
-# server's lengths are new at every step (on an H200, bf16 decode of the bench model ran at 32 tok/s with
-# it and at 295 tok/s in float32, which cuDNN does not take).
-_NO_CUDNN = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
-
-
-def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **kwargs) -> torch.Tensor:
-    """F.scaled_dot_product_attention, off cuDNN's backend on CUDA."""
-    with sdpa_kernel(_NO_CUDNN) if q.is_cuda else contextlib.nullcontext():
-        return F.scaled_dot_product_attention(q, k, v, **kwargs)
-
-
 def _extend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int, span: ExtendSpan,
             kv_pool) -> torch.Tensor:
     """Attention output `[extend, H, D]` of one sequence's new tokens."""
@@ -344,8 +344,9 @@ def _extend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int, sp
         # O(n^2)-memory math fallback. The CPU flash kernel handles GQA and masks itself.
         group = q.shape[1] // k_seq.shape[1]
         k_seq, v_seq = k_seq.repeat_interleave(group, dim=1), v_seq.repeat_interleave(group, dim=1)
-    out = _sdpa(q_seq, k_seq.transpose(0, 1).unsqueeze(0), v_seq.transpose(0, 1).unsqueeze(0),
-                attn_mask=span.mask, is_causal=span.mask is None, enable_gqa=True)
+    out = F.scaled_dot_product_attention(
+        q_seq, k_seq.transpose(0, 1).unsqueeze(0), v_seq.transpose(0, 1).unsqueeze(0),
+        attn_mask=span.mask, is_causal=span.mask is None, enable_gqa=True)
     return out[0].transpose(0, 1)
 
 
@@ -360,5 +361,5 @@ def _decode(q: torch.Tensor, layer_id: int, group: DecodeGroup, kv_pool) -> torc
     values = _gather(kv_pool.v_buffer[layer_id], group.kv, q.dtype)
     keys = keys.view(batch, group.max_len, num_kv_heads, head_dim).transpose(1, 2)
     values = values.view(batch, group.max_len, num_kv_heads, head_dim).transpose(1, 2)
-    out = _sdpa(q_grouped, keys, values, attn_mask=group.mask)
+    out = F.scaled_dot_product_attention(q_grouped, keys, values, attn_mask=group.mask)
     return out.reshape(batch, num_heads, head_dim)

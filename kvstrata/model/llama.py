@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from kvstrata.model.attention import paged_attention
+from kvstrata.model.attention import paged_attention, sdpa_backends
 from kvstrata.model.config import ModelConfig
 from kvstrata.model.forward_meta import ForwardMetadata
 from kvstrata.model.layers import GatedMLP, Linear, RMSNorm, upcasts_on_cpu
@@ -129,8 +129,9 @@ class LlamaForCausalLM(nn.Module):
         max_position = max(meta.seq_lens) - 1
         rotation = self.rotary.rotation(positions, max_position, hidden.dtype)
         residual = None
-        for layer in self.model.layers:
-            hidden, residual = layer(hidden, residual, rotation, meta, kv_pool)
+        with sdpa_backends(hidden.device):
+            for layer in self.model.layers:
+                hidden, residual = layer(hidden, residual, rotation, meta, kv_pool)
         # Only the requested rows go through the final norm and lm_head (prefill needs the last one).
         rows = meta.logits_indices
         hidden, _ = self.model.norm.add_norm(hidden[rows], residual[rows])
