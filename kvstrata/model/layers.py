@@ -60,8 +60,8 @@ class Linear(nn.Linear):
         """Batch-invariant products on a GPU: every GEMM has exactly DEVICE_INVARIANT_BLOCK_ROWS rows (the
         input zero-padded), so the library runs one kernel, one reduction order, whatever the batch."""
         rows, block = x.shape[0], DEVICE_INVARIANT_BLOCK_ROWS
-        padded = F.pad(x, (0, 0, 0, -rows % block))
-        return torch.cat([self._forward(part) for part in padded.split(block)])[:rows]
+        parts = [self._forward(part) for part in F.pad(x, (0, 0, 0, -rows % block)).split(block)]
+        return (parts[0] if len(parts) == 1 else torch.cat(parts))[:rows]
 
     def _forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dtype != self.weight.dtype:
@@ -89,8 +89,9 @@ def make_batch_invariant(model: nn.Module) -> None:
     """Configure every Linear of `model` so that a row's output never depends on the other rows.
 
     Low-precision CPU products run in float32 at every row count, and inputs are padded to
-    BATCH_INVARIANT_MIN_ROWS rows; GPU products run in blocks of DEVICE_INVARIANT_BLOCK_ROWS rows. A compiled GEMV that serves every row count (`use_decode_linear` with
-    `decode_linear_op(every_row=True)`, row-invariant by construction) takes the bf16 products before that.
+    BATCH_INVARIANT_MIN_ROWS rows; GPU products run in blocks of DEVICE_INVARIANT_BLOCK_ROWS rows. A
+    compiled GEMV that serves every row count (`use_decode_linear` with `decode_linear_op(every_row=True)`,
+    row-invariant by construction) takes the bf16 products before that.
     """
     for module in model.modules():
         if isinstance(module, Linear):

@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 import math
 
+import pytest
+
 from kvstrata.bench.engine_bench import main
 
 
@@ -61,8 +63,6 @@ def test_load_back_bench_hits_the_host_tier_for_the_whole_prefix(capsys):
 
 
 def test_load_back_is_a_measurement_of_its_own(capsys):
-    import pytest
-
     with pytest.raises(SystemExit):
         main(["--load-back", "--profile"])
     assert "--load-back is a measurement of its own" in capsys.readouterr().err
