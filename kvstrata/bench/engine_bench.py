@@ -174,7 +174,7 @@ def profile_main(args) -> int:
 
     modes = [False, True] if args.enable_deterministic_inference else [False]
     for deterministic in modes:
-        results = run_profile(args, lambda d=deterministic: make_engine(args, d), prompt_maker)
+        results = run_profile(args, lambda d=deterministic: make_engine(args, d, radix_cache=True), prompt_maker)
         print(json.dumps({"deterministic": deterministic, "profile": results}, indent=2))
         print(f"\n{'deterministic' if deterministic else 'default'} mode, ms per step:\n{format_table(results)}\n")
     return 0
@@ -194,7 +194,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--page-size", type=int, default=1)
     p.add_argument("--skip-transformers", action="store_true")
     p.add_argument("--profile", action="store_true",
-                   help="per-step breakdown (prefill, decode with 1 and --streams streams) instead of the rates")
+                   help="per-step breakdown (prefill, --suffix tokens after a cached --context prefix, decode with 1 "
+                        "and --streams streams) instead of the rates")
     p.add_argument("--attention", action="store_true",
                    help="one layer's attention: the compiled extend and decode kernels next to the torch path "
                         "(gather + SDPA); --streams decode rows at --context")
@@ -206,7 +207,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--load-back", action="store_true",
                    help="instead of the rates: TTFT of a --context prefix + --suffix prompt with the prefix in the "
                         "device pool (L1), only in the host tier (L2, loaded back layer by layer) and uncached")
-    p.add_argument("--suffix", type=int, default=256, help="new tokens after the prefix, for --load-back")
+    p.add_argument("--suffix", type=int, default=256, help="new tokens after the prefix, for --load-back and for --profile's extend step "
+                        "(0: no extend step)")
     p.add_argument("--compare-kv-runs", action="store_true",
                    help="instead of the rates: --streams streams decoding with their new KV slots in runs (default "
                         "--kv-run-spare-tokens) and slot by slot (0), two engines alternating; try a long "

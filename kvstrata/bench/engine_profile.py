@@ -1,7 +1,9 @@
 """`kvstrata bench engine --profile`: where one prefill step and one decode step spend their time.
 
-Three scenarios on one model, measured in one process: a fresh N-token prefill, and a decode step at
-context N with 1 and with S streams. Each is reported as a breakdown of the step:
+Four scenarios on one model, measured in one process with the radix cache on: a fresh N-token prefill; an
+M-token extend after an N-token prefix already in the cache (one multi-turn step: a new question after the
+history); and a decode step at context N with 1 and with S streams. Each is reported as a breakdown of the
+step:
 
   * scheduler (schedule, process outputs, cache bookkeeping), batch metadata (the runner building the
     forward's inputs), sampler, and the model forward, timed with `perf_counter` (no profiler running;
@@ -22,6 +24,7 @@ import time
 import uuid
 from collections import defaultdict
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 
 from torch.profiler import ProfilerActivity, profile, record_function
 
@@ -164,6 +167,18 @@ def _profile_steps(scheduler, steps: int, setup: Callable[[], None]) -> dict[str
     return _kernel_breakdown(prof, steps)
 
 
+@dataclass
+class Scenario:
+    """One kind of step to break down."""
+
+    name: str
+    start: Callable[[], None]          # queues one round's requests and steps until the measured steps are next
+    steps: int                         # scheduler steps measured per round
+    engine_prompts: list[list[int]]    # steps of the same shape through kvstrata.Engine, for the IPC row
+    engine_new_tokens: int
+    verify: Callable[[], None] = lambda: None   # after each measured round: raise if it measured something else
+
+
 def _decode_ready(scheduler, prompts: list[list[int]], max_new_tokens: int) -> None:
     """Queue the prompts and step until every one is decoding."""
     for ids in prompts:
@@ -177,32 +192,55 @@ def _drain(scheduler) -> None:
         scheduler.step()
 
 
-def profile_scenario(scheduler, timer: StepTimer, prompts: list[list[int]], steps: int, repeat: int
-                     ) -> dict[str, float]:
-    """Seconds per step of each breakdown row for one scenario (prefill when steps == 0)."""
-    prefill = steps == 0
+def scenarios(scheduler, args, prompt: Callable[[int], list[int]]) -> list[Scenario]:
+    """The scenarios of `run_profile`; the extend one only with `args.suffix` > 0."""
+    context, streams = args.context, args.streams
+    decode_steps = max(4, min(args.decode_tokens, 32))
+    add = scheduler.add_request
+
+    extends = []
+
+    def extend_after_cached_prefix() -> None:
+        prefix = prompt(context)
+        add(_request(prefix, 1))
+        _drain(scheduler)                                    # the prefix is in the radix cache now
+        add(_request(prefix + prompt(args.suffix), 1))
+        extends.append(scheduler.waiting[-1])
+
+    def extended_after_prefix() -> None:
+        req = extends[-1]
+        if req.cached_tokens < context - scheduler.args.page_size:
+            raise RuntimeError(f"the extend step found {req.cached_tokens} of its {context} prefix tokens cached "
+                               "(is the radix cache on?)")
+
+    one, many = [prompt(context)], [prompt(context) for _ in range(streams)]
+    out = [Scenario(f"prefill {context}", lambda: add(_request(prompt(context), 1)), 1,
+                    [prompt(context)], 1)]
+    if getattr(args, "suffix", 0) > 0:
+        out.append(Scenario(f"extend {args.suffix} after {context}", extend_after_cached_prefix, 1,
+                            [prompt(args.suffix)], 1, extended_after_prefix))
+    out.append(Scenario("decode 1 stream", lambda: _decode_ready(scheduler, one, decode_steps * 4 + 8),
+                        decode_steps, one, decode_steps))
+    out.append(Scenario(f"decode {streams} streams", lambda: _decode_ready(scheduler, many, decode_steps * 4 + 8),
+                        decode_steps, many, decode_steps))
+    return out
+
+
+def profile_scenario(scheduler, timer: StepTimer, scenario: Scenario, repeat: int) -> dict[str, float]:
+    """Seconds per step of each breakdown row for one scenario."""
     per_step: list[dict[str, float]] = []
     for _ in range(repeat + 1):        # the first round warms up
-        if prefill:
-            scheduler.add_request(_request(prompts[0], 1))
-            timer.reset()
+        scenario.start()
+        timer.reset()
+        for _ in range(scenario.steps):
             scheduler.step()
-            count = 1
-        else:
-            _decode_ready(scheduler, prompts, steps * 4 + 8)
-            timer.reset()
-            for _ in range(steps):
-                scheduler.step()
-            count = steps
-        per_step.append({k: v / count for k, v in timer.totals.items()})
+        per_step.append({k: v / scenario.steps for k, v in timer.totals.items()})
+        scenario.verify()
         _drain(scheduler)
     # The fastest round, part by part: on a shared machine the minimum is the least disturbed estimate.
     walls = {k: min(p[k] for p in per_step[1:]) for k in per_step[1]}
 
-    if prefill:
-        kernels = _profile_steps(scheduler, 1, lambda: scheduler.add_request(_request(prompts[0], 1)))
-    else:
-        kernels = _profile_steps(scheduler, steps, lambda: _decode_ready(scheduler, prompts, steps * 4 + 8))
+    kernels = _profile_steps(scheduler, scenario.steps, scenario.start)
     _drain(scheduler)
     row = {"step": walls["step"], "scheduler": walls["step"] - walls["runner"],
            "batch metadata": walls["runner"] - walls["model"] - walls.get("sampler", 0.0),
@@ -248,19 +286,14 @@ def format_table(results: dict[str, dict[str, float]]) -> str:
 
 
 def run_profile(args, make_engine: Callable, prompt_maker: Callable) -> dict[str, dict[str, float]]:
-    """All three scenarios; `make_engine()` builds a fresh kvstrata.Engine with the bench's settings,
-    `prompt_maker(vocab)` a function n -> n random token ids."""
+    """Every scenario; `make_engine()` builds a fresh kvstrata.Engine with the bench's settings and the radix
+    cache on, `prompt_maker(vocab)` a function n -> n random token ids."""
     engine = make_engine()
     prompt = prompt_maker(engine.scheduler.runner.vocab_size)
-    decode_steps = max(4, min(args.decode_tokens, 32))
-    scenarios = {f"prefill {args.context}": ([prompt(args.context)], 0),
-                 "decode 1 stream": ([prompt(args.context)], decode_steps),
-                 f"decode {args.streams} streams": ([prompt(args.context) for _ in range(args.streams)],
-                                                    decode_steps)}
-    engine.generate(input_ids=prompt(64), sampling_params={"max_new_tokens": 4})   # warm-up
-    overheads = {name: engine_step_overhead(engine, prompts, max(steps, 1))
-                 for name, (prompts, steps) in scenarios.items()}
     scheduler = engine.scheduler
+    todo = scenarios(scheduler, args, prompt)
+    engine.generate(input_ids=prompt(64), sampling_params={"max_new_tokens": 4})   # warm-up
+    overheads = {s.name: engine_step_overhead(engine, s.engine_prompts, s.engine_new_tokens) for s in todo}
     # Stop the engine's loop thread but keep its scheduler: it is driven from this thread from now on
     # (Engine.shutdown would also close the scheduler).
     engine._inbox.put(None)
@@ -268,9 +301,9 @@ def run_profile(args, make_engine: Callable, prompt_maker: Callable) -> dict[str
     timer = _instrument(scheduler)
     results = {}
     try:
-        for name, (prompts, steps) in scenarios.items():
-            results[name] = profile_scenario(scheduler, timer, prompts, steps, args.repeat)
-            results[name]["IPC/result handling (Engine)"] = overheads[name]
+        for scenario in todo:
+            results[scenario.name] = profile_scenario(scheduler, timer, scenario, args.repeat)
+            results[scenario.name]["IPC/result handling (Engine)"] = overheads[scenario.name]
     finally:
         scheduler.close()
     return results
