@@ -251,7 +251,11 @@ class HostKVPool:
 
     def _page_index(self, host_pages: list[int]) -> torch.Tensor:
         """`host_pages` as a long tensor, each checked (page 0 is reserved)."""
-        return torch.tensor([self._check_page(p) for p in host_pages], dtype=torch.long)
+        idx = torch.as_tensor(host_pages, dtype=torch.long).reshape(-1)
+        if idx.numel() and (int(idx.min()) < 1 or int(idx.max()) >= self.num_pages):
+            bad = idx[(idx < 1) | (idx >= self.num_pages)]
+            self._check_page(int(bad[0]))
+        return idx
 
     def _check_page(self, host_page: int) -> int:
         page = int(host_page)

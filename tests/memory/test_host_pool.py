@@ -143,6 +143,8 @@ def test_page_bytes_round_trip_in_the_same_order_for_both_layouts(layout):
         host.write_page_bytes(5, data[:-1])
     with pytest.raises(IndexError):
         host.page_tensor_copy(0)                                    # page 0 is reserved
+    with pytest.raises(IndexError, match="host page 12 out of range"):
+        host.pages_bytes([5, 12, 6])                                # past the pool, among valid pages
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
