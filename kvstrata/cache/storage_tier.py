@@ -91,12 +91,25 @@ class StorageTier:
         return node.storage
 
     def _groups_ending_in(self, node: TreeNode) -> StorageCopy:
-        """Keys and end offsets of the page groups whose last token lies in `node` (from its whole path)."""
-        tokens, namespace = _path_tokens(node)
-        gt, start = self.group_tokens, len(tokens) - len(node.key)
+        """Keys and end offsets of the page groups whose last token lies in `node`.
+
+        A key chains every group before it, but the chain is not rehashed from the root: the key before
+        node's first group is the last key of the ancestor that group ends in, when that ancestor's record is
+        known (it usually is: ancestors are written first); otherwise the path is hashed from the root.
+        """
+        start, namespace = _depth(node.parent)              # tokens before node
+        gt = self.group_tokens
         first = start // gt                                 # group i covers tokens [i*gt, (i+1)*gt)
-        prior = page_keys(tokens[:first * gt], gt, self._namespace_key(namespace))[-1] if first else None
-        return self._groups_after(tokens[first * gt:start], prior, node.key, namespace)[0]
+        tail, holder, holder_end = _tokens_before(node, start - first * gt, start)
+        prior = None
+        if first:
+            record = holder.storage                         # holder ends at holder_end and holds token first*gt-1
+            if record is not None and record.keys and record.ends[-1] == first * gt - (holder_end - len(holder.key)):
+                prior = record.keys[-1]
+            else:
+                tokens = _path_tokens(holder)[0][:first * gt]
+                prior = page_keys(tokens, gt, self._namespace_key(namespace))[-1]
+        return self._groups_after(tail, prior, node.key, namespace)[0]
 
     def _groups_after(self, tail: tuple | list, prior: str | None, key: tuple,
                       namespace: str | None) -> tuple[StorageCopy, tuple, str | None]:
@@ -151,9 +164,13 @@ class StorageTier:
 
     def _group_host_pages(self, node: TreeNode, record: StorageCopy) -> list[int] | None:
         """The host pages of every group in `record`, in order; None if one of them is not on the host."""
+        if not record.ends:
+            return []
         ps, chunks, up = self.tree.page_size, [], node
-        while not up.is_root:
+        reach = len(node.key) + max(0, self.group_tokens - record.ends[0])   # node + its first group's head
+        while not up.is_root and reach > 0:
             chunks.append(up.host.pages.tolist() if up.host_ready else [None] * (len(up.key) // ps))
+            reach -= len(up.key)
             up = up.parent
         path = [p for chunk in reversed(chunks) for p in chunk]
         start = len(path) - len(node.key) // ps
@@ -303,6 +320,30 @@ class StorageTier:
         m["prefetch_skipped"] = dict(self.prefetch_skipped)
         m["storage"] = self.io.stats()
         return m
+
+
+def _depth(node: TreeNode) -> tuple[int, str | None]:
+    """Tokens from the root to the end of `node`, and the namespace of its root."""
+    tokens, up = 0, node
+    while not up.is_root:
+        tokens += len(up.key)
+        up = up.parent
+    return tokens, up.namespace
+
+
+def _tokens_before(node: TreeNode, count: int, start: int) -> tuple[list[int], TreeNode, int]:
+    """The `count` tokens just before `node` (which begins `start` tokens from the root), and the ancestor that
+    holds the token before them, with the offset just past that ancestor's end."""
+    chunks, up, end = [], node.parent, start
+    while count > 0:
+        take = min(count, len(up.key))
+        chunks.append(up.key[len(up.key) - take:])
+        count -= take
+        if take < len(up.key):
+            break                                           # the token before them is in `up` too
+        end -= len(up.key)
+        up = up.parent
+    return [t for chunk in reversed(chunks) for t in chunk], up, end
 
 
 def _path_tokens(node: TreeNode) -> tuple[list[int], str | None]:

@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 
 from kvstrata.args import ServerArgs
 from kvstrata.cache.manager import KVCacheManager, build_cache_stack
+from kvstrata.cache.page_hash import page_keys
 from kvstrata.memory.allocator import PageAllocator
 from kvstrata.memory.device_pool import DeviceKVPool
 from kvstrata.memory.req_slots import ReqSlotTable
@@ -88,8 +89,28 @@ def test_random_workloads_with_storage_keep_accounting(tmp_path_factory, policy,
         manager.check_integrity([])
         stats = manager.storage.stats
         assert stats["storage_hit_tokens"] <= stats["prefetch_attached_tokens"] <= stats["prefetched_tokens"]
+        check_storage_keys(manager)
     finally:
         manager.close()
+
+
+def check_storage_keys(manager: KVCacheManager) -> None:
+    """Every node's L3 record names the keys its groups have when the whole path is hashed from the root
+    (records are built from an ancestor's last key; splits cut them)."""
+    storage = manager.storage
+    for node in manager.tree.nodes():
+        if node.is_root or node.storage is None:
+            continue
+        path, up = [], node
+        while not up.is_root:
+            path[:0] = list(up.key)
+            up = up.parent
+        start = len(path) - len(node.key)
+        gt = storage.group_tokens
+        expected = page_keys(path, gt, storage._namespace_key(up.namespace))
+        ends = [(i + 1) * gt - start for i in range(len(expected)) if start < (i + 1) * gt <= len(path)]
+        assert node.storage.ends == ends, node
+        assert node.storage.keys == expected[len(expected) - len(ends):], node
 
 
 @pytest.mark.parametrize("page_size, group_tokens", [(1, 4), (1, 32), (4, 8), (4, 16)])
