@@ -17,7 +17,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Sequence
 
 from kvstrata.cache.page_hash import page_keys, request_namespace
 from kvstrata.cache.radix_tree import RadixTree, StorageCopy, TreeNode, require
@@ -98,18 +98,22 @@ class StorageTier:
         known (it usually is: ancestors are written first); otherwise the path is hashed from the root.
         """
         start, namespace = _depth(node.parent)              # tokens before node
-        gt = self.group_tokens
-        first = start // gt                                 # group i covers tokens [i*gt, (i+1)*gt)
-        tail, holder, holder_end = _tokens_before(node, start - first * gt, start)
-        prior = None
-        if first:
-            record = holder.storage                         # holder ends at holder_end and holds token first*gt-1
-            if record is not None and record.keys and record.ends[-1] == first * gt - (holder_end - len(holder.key)):
-                prior = record.keys[-1]
-            else:
-                tokens = _path_tokens(holder)[0][:first * gt]
-                prior = page_keys(tokens, gt, self._namespace_key(namespace))[-1]
+        first = start // self.group_tokens                  # group i covers tokens [i*gt, (i+1)*gt)
+        tail, holder, holder_end = _tokens_before(node, start - first * self.group_tokens, start)
+        prior = self._key_before(first, holder, holder_end, namespace, lambda: _path_tokens(holder)[0])
         return self._groups_after(tail, prior, node.key, namespace)[0]
+
+    def _key_before(self, first: int, holder: TreeNode, holder_end: int, namespace: str | None,
+                    path_tokens: Callable[[], Sequence[int]]) -> str | None:
+        """The key of group first-1 (None before the first group): the last key of `holder`, the node that
+        holds that group's last token and ends `holder_end` tokens from the root, when its record is known;
+        otherwise hashed from the root over `path_tokens()` (at least first * group_tokens of them)."""
+        if not first:
+            return None
+        gt, record = self.group_tokens, holder.storage
+        if record is not None and record.keys and record.ends[-1] == first * gt - (holder_end - len(holder.key)):
+            return record.keys[-1]
+        return page_keys(path_tokens()[:first * gt], gt, self._namespace_key(namespace))[-1]
 
     def _groups_after(self, tail: tuple | list, prior: str | None, key: tuple,
                       namespace: str | None) -> tuple[StorageCopy, tuple, str | None]:
@@ -210,7 +214,12 @@ class StorageTier:
             self.tree.dec_lock_ref(anchor)
             return self._skip("host_full")
         tokens = tuple(token_ids[:count * gt])
-        keys = page_keys(tokens, gt, self._namespace_key(namespace))[first:]
+        holder, holder_end = anchor, match.cached_tokens    # walk up to the node holding token first*gt-1
+        while first and holder_end - len(holder.key) > first * gt - 1:
+            holder_end -= len(holder.key)
+            holder = holder.parent
+        prior = self._key_before(first, holder, holder_end, namespace, lambda: tokens)
+        keys = page_keys(tokens[first * gt:], gt, self._namespace_key(namespace), prior)
         self._prefetch_inflight_pages += missing
         self.last_skip_reason = None
         op = self.io.submit_prefetch(keys, pages, (tokens, namespace, first * gt, anchor))

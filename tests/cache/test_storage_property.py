@@ -143,3 +143,33 @@ def test_pages_come_back_from_storage_with_their_data(tmp_path, page_size, group
         manager.check_integrity([])
     finally:
         manager.close()
+
+
+@pytest.mark.parametrize("page_size, group_tokens", [(1, 4), (1, 8), (4, 8)])
+@pytest.mark.parametrize("records_known", [True, False])
+def test_prefetch_keys_continue_the_cached_chain(tmp_path, page_size, group_tokens, records_known):
+    """A prefetch after a cached prefix asks L3 for the keys the whole prompt has when hashed from the root,
+    whether the key before its first group comes from a node's record or is hashed again."""
+    manager, _ = make_manager("write_through", page_size, str(tmp_path), group_tokens)
+    tree, storage = manager.tree, manager.storage
+    try:
+        seq: list[int] = []
+        for turn in range(4):                       # a conversation of uneven turns: nodes end mid-group
+            seq += [(turn * 5 + j) % 7 + 1 for j in range(4 + 3 * turn * page_size)]
+            whole = len(seq) // page_size * page_size
+            tree.insert(seq[:whole], torch.arange(page_size, page_size + whole))
+        if records_known:
+            for node in tree.nodes():
+                if not node.is_root:
+                    storage._record(node)
+        prompt = seq[:len(seq) // page_size * page_size] + [9] * (3 * group_tokens)
+        asked = []
+        submit = storage.io.submit_prefetch
+        storage.io.submit_prefetch = lambda keys, pages, tag: (asked.append(keys), submit(keys, pages, tag))[1]
+        match = tree.match_prefix(prompt, record=False)
+        assert storage.prefetch(prompt) is not None
+        first = match.cached_tokens // group_tokens
+        assert asked == [page_keys(prompt, group_tokens, storage._namespace_key(None))[first:]]
+        storage.wait_idle()
+    finally:
+        manager.close()
