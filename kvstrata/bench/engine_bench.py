@@ -207,8 +207,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--load-back", action="store_true",
                    help="instead of the rates: TTFT of a --context prefix + --suffix prompt with the prefix in the "
                         "device pool (L1), only in the host tier (L2, loaded back layer by layer) and uncached")
-    p.add_argument("--suffix", type=int, default=256, help="new tokens after the prefix, for --load-back and for --profile's extend step "
-                        "(0: no extend step)")
+    p.add_argument("--suffix", type=int, default=256,
+                   help="new tokens after the prefix, for --load-back and for --profile's extend step (0: none)")
     p.add_argument("--compare-kv-runs", action="store_true",
                    help="instead of the rates: --streams streams decoding with their new KV slots in runs (default "
                         "--kv-run-spare-tokens) and slot by slot (0), two engines alternating; try a long "

@@ -216,7 +216,7 @@ def scenarios(scheduler, args, prompt: Callable[[int], list[int]]) -> list[Scena
     one, many = [prompt(context)], [prompt(context) for _ in range(streams)]
     out = [Scenario(f"prefill {context}", lambda: add(_request(prompt(context), 1)), 1,
                     [prompt(context)], 1)]
-    if getattr(args, "suffix", 0) > 0:
+    if args.suffix > 0:
         out.append(Scenario(f"extend {args.suffix} after {context}", extend_after_cached_prefix, 1,
                             [prompt(args.suffix)], 1, extended_after_prefix))
     out.append(Scenario("decode 1 stream", lambda: _decode_ready(scheduler, one, decode_steps * 4 + 8),

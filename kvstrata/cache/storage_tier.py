@@ -99,7 +99,7 @@ class StorageTier:
         """
         start, namespace = _depth(node.parent)              # tokens before node
         first = start // self.group_tokens                  # group i covers tokens [i*gt, (i+1)*gt)
-        tail, holder, holder_end = _tokens_before(node, start - first * self.group_tokens, start)
+        tail, holder, holder_end = _tokens_before(node.parent, start - first * self.group_tokens, start)
         prior = self._key_before(first, holder, holder_end, namespace, lambda: _path_tokens(holder)[0])
         return self._groups_after(tail, prior, node.key, namespace)[0]
 
@@ -214,10 +214,7 @@ class StorageTier:
             self.tree.dec_lock_ref(anchor)
             return self._skip("host_full")
         tokens = tuple(token_ids[:count * gt])
-        holder, holder_end = anchor, match.cached_tokens    # walk up to the node holding token first*gt-1
-        while first and holder_end - len(holder.key) > first * gt - 1:
-            holder_end -= len(holder.key)
-            holder = holder.parent
+        _, holder, holder_end = _tokens_before(anchor, match.cached_tokens - first * gt, match.cached_tokens)
         prior = self._key_before(first, holder, holder_end, namespace, lambda: tokens)
         keys = page_keys(tokens[first * gt:], gt, self._namespace_key(namespace), prior)
         self._prefetch_inflight_pages += missing
@@ -340,10 +337,10 @@ def _depth(node: TreeNode) -> tuple[int, str | None]:
     return tokens, up.namespace
 
 
-def _tokens_before(node: TreeNode, count: int, start: int) -> tuple[list[int], TreeNode, int]:
-    """The `count` tokens just before `node` (which begins `start` tokens from the root), and the ancestor that
-    holds the token before them, with the offset just past that ancestor's end."""
-    chunks, up, end = [], node.parent, start
+def _tokens_before(last: TreeNode, count: int, end: int) -> tuple[list[int], TreeNode, int]:
+    """The last `count` tokens of the path that ends with node `last` (`end` tokens from the root), and the
+    node holding the token before them, with the offset just past that node's end."""
+    chunks, up = [], last
     while count > 0:
         take = min(count, len(up.key))
         chunks.append(up.key[len(up.key) - take:])
