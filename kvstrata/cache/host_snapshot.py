@@ -8,7 +8,7 @@ reports ready, so returning sessions hit L2 instead of re-prefilling.
     file    = MAGIC || frame(header) || record*            frame(x) = 4-byte little-endian length || JSON x
     header  = {"namespace", "page_size", "page_bytes"}     the engine's KV namespace (weights, dtype, page)
     record  = frame({"parent", "ns", "key"}) || page*      parent: an earlier record's index, or -1 (a root)
-    page    = page bytes (canonical order) || SHA-256 trailer bound to the page's key (storage/page_checksum)
+    page    = page bytes (canonical order) || checksum trailer bound to the page's key (storage/page_checksum)
 
 Nothing in the file is trusted: each page's key is recomputed on load from the tokens of its whole path
 (cache/page_hash's chain, in the engine's own namespace), and its trailer must match it. A record that
@@ -36,7 +36,7 @@ from kvstrata.storage.page_checksum import TRAILER_BYTES, page_digest, page_is_i
 
 logger = logging.getLogger(__name__)
 
-MAGIC = b"kvstrata-l2-snapshot-v1\n"
+MAGIC = b"kvstrata-l2-snapshot-v2\n"   # v2: 16-byte XXH3 page trailers (v1: SHA-256)
 _LEN = struct.Struct("<I")
 MAX_FRAME_BYTES = 64 << 20      # a record's JSON (its tokens) is far below this; more means a broken file
 

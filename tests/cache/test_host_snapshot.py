@@ -79,7 +79,7 @@ def _corrupt_last_page(path: str) -> None:
         fh.write(bytes([byte[0] ^ 0xFF]))
 
 
-@pytest.mark.parametrize("damage", ["flip", "truncate", "other_page_size", "garbage"])
+@pytest.mark.parametrize("damage", ["flip", "truncate", "other_page_size", "garbage", "older_format"])
 def test_damaged_or_foreign_snapshot_is_never_trusted(tmp_path, damage):
     path = str(tmp_path / "l2.snapshot")
     ref = make_engine(disable_radix_cache=True)
@@ -100,6 +100,9 @@ def test_damaged_or_foreign_snapshot_is_never_trusted(tmp_path, damage):
     elif damage == "garbage":
         with open(path, "wb") as fh:
             fh.write(MAGIC + b"\xff" * 64)
+    elif damage == "older_format":    # a v1 file (SHA-256 trailers): another magic, ignored whole
+        with open(path, "r+b") as fh:
+            fh.write(b"kvstrata-l2-snapshot-v1\n")
     else:
         extra = {"page_size": 2}
 
