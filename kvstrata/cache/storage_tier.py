@@ -205,18 +205,21 @@ class StorageTier:
         limit = int(host.allocator.capacity_pages * PREFETCH_MAX_INFLIGHT_FRACTION)
         if self._prefetch_inflight_pages + missing > limit:
             return self._skip("rate_limited")
+        anchor = match.host_nodes[-1] if match.host_nodes else match.last_node
+        tokens = tuple(token_ids[:count * gt])
+        _, holder, holder_end = _tokens_before(anchor, match.cached_tokens - first * gt, match.cached_tokens)
+        prior = self._key_before(first, holder, holder_end, namespace, lambda: tokens)
+        keys = page_keys(tokens[first * gt:], gt, self._namespace_key(namespace), prior)
+        backend = self.io.backend
+        if backend.local_lookup and not backend.batch_exists(keys[:1]):
+            return self._skip("not_stored")     # a new turn's question: nothing in L3 to wait for
         # The cached path the pages will hang under stays locked until the ack: making room in the host
         # pool must not evict it, nor may anything else before the pages are attached.
-        anchor = match.host_nodes[-1] if match.host_nodes else match.last_node
         self.tree.inc_lock_ref(anchor)
         pages = host.alloc(missing)
         if pages is None:
             self.tree.dec_lock_ref(anchor)
             return self._skip("host_full")
-        tokens = tuple(token_ids[:count * gt])
-        _, holder, holder_end = _tokens_before(anchor, match.cached_tokens - first * gt, match.cached_tokens)
-        prior = self._key_before(first, holder, holder_end, namespace, lambda: tokens)
-        keys = page_keys(tokens[first * gt:], gt, self._namespace_key(namespace), prior)
         self._prefetch_inflight_pages += missing
         self.last_skip_reason = None
         op = self.io.submit_prefetch(keys, pages, (tokens, namespace, first * gt, anchor))

@@ -54,6 +54,7 @@ class FileBackend(StorageBackend):
     """Pages as files under one directory, with an optional capacity limit and LRU eviction."""
 
     name = "file"
+    local_lookup = True          # batch_exists is a stat per key
 
     def __init__(self, page_bytes: int, root: str | os.PathLike | None = None,
                  capacity_bytes: int | None = None, rescan_interval_s: float = 30.0,

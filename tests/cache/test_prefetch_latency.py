@@ -24,7 +24,7 @@ from kvstrata.memory.host_pool import HostKVPool
 from kvstrata.runtime.req import Req
 from kvstrata.runtime.sampling_params import SamplingParams
 from kvstrata.storage.file_backend import FileBackend
-from tests.cache.test_prefetch_refetch import follow_up_after_history, make_manager, settle
+from tests.cache.test_prefetch_refetch import follow_up_after_history, make_manager, serve_history, settle
 
 
 class GatedFileBackend(FileBackend):
@@ -70,9 +70,15 @@ def test_a_prefetch_does_not_wait_behind_backups(tmp_path):
         io.shutdown()
 
 
+def _remote_lookups(manager, monkeypatch) -> None:
+    """Make the file backend answer lookups on the prefetch worker, as a remote store (Mooncake) does."""
+    monkeypatch.setattr(manager.storage.io.backend, "local_lookup", False)
+
+
 def test_a_step_waits_for_a_fresh_prefetch(tmp_path, monkeypatch):
     monkeypatch.setattr(storage_tier, "PREFETCH_GRACE_S", 30.0)   # a slow machine must not change the outcome
     manager = make_manager(tmp_path)
+    _remote_lookups(manager, monkeypatch)
     try:
         nxt = follow_up_after_history(manager)
         assert nxt.kv.prefetch_op is not None
@@ -88,6 +94,7 @@ def test_a_step_waits_for_a_fresh_prefetch(tmp_path, monkeypatch):
 def test_a_slow_prefetch_holds_a_step_only_for_the_grace_period(tmp_path, monkeypatch):
     monkeypatch.setattr(storage_tier, "PREFETCH_GRACE_S", 0.2)
     manager = make_manager(tmp_path)
+    _remote_lookups(manager, monkeypatch)
     backend = manager.storage.io.backend
     gate = threading.Event()
     real_exists = backend.batch_exists
@@ -106,4 +113,37 @@ def test_a_slow_prefetch_holds_a_step_only_for_the_grace_period(tmp_path, monkey
         assert req.kv.prefetch_op.applied and manager.prefetch_ready(req)
     finally:
         gate.set()
+        manager.close()
+
+
+def test_a_local_miss_is_skipped_without_a_lookup_or_host_pages(tmp_path):
+    manager = make_manager(tmp_path)
+    try:
+        nxt = serve_history(manager)
+        host = manager.host
+        free, evicted = host.allocator.free_pages, host.stats["host_evicted_pages"]
+        manager.start_prefetch(nxt)                     # the question is not in L3: a stat says so at once
+        assert nxt.kv.prefetch_op is None and not nxt.kv.prefetch_retry
+        assert manager.storage.last_skip_reason == "not_stored"
+        assert manager.prefetch_ready(nxt)              # nothing to wait for, not even a step
+        # No host pages taken (so none evicted) for a read that could only miss, and no worker round trip.
+        assert (host.allocator.free_pages, host.stats["host_evicted_pages"]) == (free, evicted)
+        settle(manager)
+        assert manager.storage.io.stats()["prefetch_ops"] == 0
+    finally:
+        manager.close()
+
+
+def test_a_stored_prefix_is_still_read_from_l3(tmp_path):
+    manager = make_manager(tmp_path)
+    try:
+        nxt = serve_history(manager)                     # on the host, then in L3
+        manager.device.evict(manager.tree.total_size())
+        manager.host.evict(manager.host.allocator.capacity_pages)   # now only L3 has the history
+        manager.start_prefetch(nxt)
+        assert nxt.kv.prefetch_op is not None            # its first object is stored: read on the worker
+        settle(manager)
+        manager.begin_step()
+        assert nxt.kv.prefetch_op.applied and nxt.kv.prefetch_op.done > 0 and manager.prefetch_ready(nxt)
+    finally:
         manager.close()

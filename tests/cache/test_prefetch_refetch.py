@@ -48,12 +48,20 @@ def settle(manager: KVCacheManager) -> None:
     manager.storage.wait_idle()
 
 
-def follow_up_after_history(manager: KVCacheManager) -> Req:
-    """Serve a 40-token history (L1, L2 and L3 then hold it), then start the prefetch of a follow-up."""
-    history = list(range(1, 41))
+HISTORY_TOKENS = 40
+
+
+def serve_history(manager: KVCacheManager) -> Req:
+    """Serve a 40-token history (L1, L2 and L3 then hold it); returns its follow-up, not yet started."""
+    history = list(range(1, HISTORY_TOKENS + 1))
     serve(manager, Req(rid="r0", prompt_ids=history, sampling=SamplingParams(max_new_tokens=1)))
     settle(manager)
-    nxt = Req(rid="r1", prompt_ids=history + list(range(100, 120)), sampling=SamplingParams(max_new_tokens=1))
+    return Req(rid="r1", prompt_ids=history + list(range(100, 120)), sampling=SamplingParams(max_new_tokens=1))
+
+
+def follow_up_after_history(manager: KVCacheManager) -> Req:
+    """Serve a 40-token history, then start the prefetch of a follow-up."""
+    nxt = serve_history(manager)
     manager.start_prefetch(nxt)        # only the new question is looked up in L3: it is not there
     return nxt
 
@@ -61,11 +69,8 @@ def follow_up_after_history(manager: KVCacheManager) -> Req:
 def test_pages_evicted_from_l2_while_waiting_come_back_from_l3(tmp_path):
     manager = make_manager(tmp_path)
     try:
-        history = list(range(1, 41))
-        serve(manager, Req(rid="r0", prompt_ids=history, sampling=SamplingParams(max_new_tokens=1)))
-        settle(manager)                                  # on the host, then in L3
+        nxt = serve_history(manager)                     # on the host, then in L3
         manager.device.evict(manager.tree.total_size())  # demoted: L2 only
-        nxt = Req(rid="r1", prompt_ids=history + list(range(100, 120)), sampling=SamplingParams(max_new_tokens=1))
         manager.start_prefetch(nxt)                      # L2 has the history: only the question is looked up
         settle(manager)
         assert manager.prefetch_ready(nxt)
@@ -74,7 +79,7 @@ def test_pages_evicted_from_l2_while_waiting_come_back_from_l3(tmp_path):
         settle(manager)
         assert manager.prefetch_ready(nxt)
         assert manager.admit(nxt)
-        assert nxt.kv_len == len(history) and nxt.kv.tier_hits == (0, 0, len(history))   # ... and hit in full
+        assert nxt.kv_len == HISTORY_TOKENS and nxt.kv.tier_hits == (0, 0, HISTORY_TOKENS)   # ... and hit in full
         assert manager.stats()["l3_refetches"] == 1
         manager.release(nxt, cache=False)
         manager.check_integrity([])

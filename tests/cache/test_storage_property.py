@@ -163,13 +163,18 @@ def test_prefetch_keys_continue_the_cached_chain(tmp_path, page_size, group_toke
                 if not node.is_root:
                     storage._record(node)
         prompt = seq[:len(seq) // page_size * page_size] + [9] * (3 * group_tokens)
-        asked = []
-        submit = storage.io.submit_prefetch
+        asked, looked_up = [], []
+        submit, backend = storage.io.submit_prefetch, storage.io.backend
         storage.io.submit_prefetch = lambda keys, pages, tag: (asked.append(keys), submit(keys, pages, tag))[1]
+        exists = backend.batch_exists
+        backend.batch_exists = lambda keys: (looked_up.append(list(keys)), exists(keys))[1]
         match = tree.match_prefix(prompt, record=False)
+        expected = page_keys(prompt, group_tokens, storage._namespace_key(None))[match.cached_tokens // group_tokens:]
+        # The file backend checks the first key on the spot: it is not stored, so nothing is submitted.
+        assert storage.prefetch(prompt) is None and looked_up == [expected[:1]] and asked == []
+        backend.local_lookup = False                # as a remote store: every key goes to the worker
         assert storage.prefetch(prompt) is not None
-        first = match.cached_tokens // group_tokens
-        assert asked == [page_keys(prompt, group_tokens, storage._namespace_key(None))[first:]]
+        assert asked == [expected]
         storage.wait_idle()
     finally:
         manager.close()
