@@ -64,9 +64,9 @@ class StorageBackend(ABC):
     """One L3 backend: a key -> page store shared across processes (and machines, for distributed ones)."""
 
     name: str = "base"
-    # True where batch_exists is a local check (a stat), cheap enough to run on the scheduler thread: a
-    # prefetch whose first object is not stored is then skipped at once, with no worker round trip, no
-    # step waiting for its answer and no host pages taken for it.
+    # True where batch_exists is a local check (a stat on a local disk), cheap enough to run on the
+    # scheduler thread: a prefetch whose first object is not stored is then skipped at once, with no worker
+    # round trip, no step waiting for its answer and no host pages taken for it.
     local_lookup: bool = False
 
     def __init__(self, page_bytes: int):

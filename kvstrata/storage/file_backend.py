@@ -30,6 +30,7 @@ import torch
 
 from kvstrata.args import env_flag
 from kvstrata.storage.base import StorageBackend, StorageError, byte_view
+from kvstrata.storage.local_fs import is_local_filesystem
 from kvstrata.storage.page_checksum import TRAILER_BYTES, page_digest, page_is_intact
 
 logger = logging.getLogger(__name__)
@@ -54,7 +55,6 @@ class FileBackend(StorageBackend):
     """Pages as files under one directory, with an optional capacity limit and LRU eviction."""
 
     name = "file"
-    local_lookup = True          # batch_exists is a stat per key
 
     def __init__(self, page_bytes: int, root: str | os.PathLike | None = None,
                  capacity_bytes: int | None = None, rescan_interval_s: float = 30.0,
@@ -75,6 +75,8 @@ class FileBackend(StorageBackend):
             raise StorageError(f"cannot create storage directory {self.root}: {e}") from e
         if not os.access(self.root, os.W_OK):
             raise StorageError(f"storage directory {self.root} is not writable")
+        # batch_exists is a stat per key: cheap enough for the scheduler thread on a local disk only.
+        self.local_lookup = is_local_filesystem(self.root)
         self._scan_lock = threading.Lock()
         self._estimated_bytes = 0
         self._last_scan = 0.0
