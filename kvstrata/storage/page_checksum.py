@@ -11,9 +11,9 @@ the store can compute a matching trailer for bytes of their choice; tenants that
 other need separate stores or namespaces (`cache_salt`, a different storage dir / Mooncake cluster).
 
 Why XXH3 and not SHA-256: the checksum guards against accidents, not adversaries (see above), and it
-runs on the storage thread that shares the cores with the model. XXH3-128 hashes ~19 GB/s where SHA-256
-(with the CPU's SHA extensions) does ~1.6 GB/s; a 128-bit digest misses a random corruption with
-probability 2^-128. Page keys, which name content across processes, stay a SHA-256 chain (page_hash.py).
+runs on the storage thread that shares the cores with the model. XXH3-128 hashes 20-40 GB/s where
+SHA-256 (with the CPU's SHA extensions) does ~1.6 GB/s (docs/benchmarks.md, issue 19's nineteenth round);
+a 128-bit digest misses a random corruption with probability 2^-128. Page keys, which name content across processes, stay a SHA-256 chain (page_hash.py).
 """
 
 from __future__ import annotations
