@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from kvstrata.cache.write_policy import WRITE_POLICIES
+from kvstrata.platform import cpu_has_fast_bf16
 
 
 class ConfigError(ValueError):
@@ -418,25 +419,6 @@ class ServerArgs:
     def url(self) -> str:
         """Base URL of the HTTP server."""
         return f"http://{self.host}:{self.port}"
-
-
-def _cpuinfo() -> str:
-    try:
-        with open("/proc/cpuinfo") as fh:
-            return fh.read()
-    except OSError:
-        return ""
-
-
-def cpu_has_fast_bf16() -> bool:
-    """True when the CPU has native bf16 matmul (AVX-512 BF16 or AMX)."""
-    flags = _cpuinfo()
-    return "avx512_bf16" in flags or "amx_bf16" in flags
-
-
-def cpu_has_amx() -> bool:
-    """True when the CPU has AMX tiles with bf16 (Intel Xeon, Sapphire Rapids on)."""
-    return "amx_bf16" in _cpuinfo()
 
 
 def env_flag(name: str, default: str = "") -> str:

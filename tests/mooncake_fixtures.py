@@ -2,7 +2,8 @@
 127.0.0.1, started once per session, plus a private one for tests that kill its services.
 
 Mooncake tests skip only when the package cannot be imported (the reason is printed in the report
-header and on every skip); with KVSTRATA_REQUIRE_MOONCAKE=1 (CI) they fail instead of skipping.
+header and on every skip); with KVSTRATA_REQUIRE_MOONCAKE=1 or where everything must run (CI=true,
+KVSTRATA_REQUIRE_ALL=1: tests/capabilities.py) they fail instead of skipping.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import pytest
 from kvstrata.storage.errors import StorageError
 from kvstrata.storage.mooncake_config import MIB, import_mooncake
 from kvstrata.storage.mooncake_services import MOONCAKE_ENV, MooncakeCluster
+from tests.capabilities import REQUIRE_ALL
 
 
 def _mooncake_unavailable() -> str | None:
@@ -38,7 +40,7 @@ def mooncake_env():
     """The Mooncake client settings of this process: bind to 127.0.0.1 (restored afterwards)."""
     if MOONCAKE_MISSING:
         message = f"MOONCAKE UNAVAILABLE: {MOONCAKE_MISSING}"
-        if os.environ.get("KVSTRATA_REQUIRE_MOONCAKE") == "1":
+        if os.environ.get("KVSTRATA_REQUIRE_MOONCAKE") == "1" or REQUIRE_ALL:
             pytest.fail(message)
         pytest.skip(message)
     saved = {key: os.environ.get(key) for key in MOONCAKE_ENV}

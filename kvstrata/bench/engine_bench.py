@@ -56,25 +56,26 @@ def prompt_maker(vocab: int, seed: int = 0):
 
 
 def _tok_s(tokens: int, seconds: float) -> float:
-    """Tokens per second; NaN when the difference of two timings came out non-positive (a noisy machine)."""
-    return tokens / seconds if seconds > 0 else float("nan")
+    """Tokens per second of one wall-clock interval."""
+    return tokens / seconds
 
 
 def _decode_seconds(eng, prompts: list[list[int]], n: int) -> tuple[float, list[list[int]]]:
-    """Seconds of n decode steps of `prompts` side by side, and their greedy output ids.
+    """Wall seconds of n tokens of each of `prompts` side by side, and their greedy output ids.
 
-    The time is (time with n+1 tokens − time with 1 token), both on cached prompts: each call prefills only
-    its prompts' last token, so the difference is n decode steps. (Uncached, the two prefills of streams x N
-    tokens could differ by more than the whole decode on a noisy machine.)
+    The prompts are cached: the call's first step computes only each prompt's last token, a step of one
+    token per stream like the n - 1 decode steps after it, so the call is n token-per-stream steps. (The
+    difference of an n- and a 1-token call would leave the first step out, but can come out non-positive
+    on a noisy machine; uncached, two prefills of streams x N tokens could differ by more than the decode.)
     """
-    greedy1 = {"temperature": 0, "max_new_tokens": 1, "ignore_eos": True}
-    decode = {"temperature": 0, "max_new_tokens": n + 1, "ignore_eos": True}
-    t0 = time.perf_counter()
-    eng.generate(input_ids=prompts, sampling_params=greedy1)
-    t1 = time.perf_counter()
+    decode = {"temperature": 0, "max_new_tokens": n, "ignore_eos": True}
+    start = time.perf_counter()
     outputs = eng.generate(input_ids=prompts, sampling_params=decode)
-    seconds = (time.perf_counter() - t1) - (t1 - t0)
-    return seconds, [out["output_ids"] for out in outputs]
+    seconds = time.perf_counter() - start
+    ids = [out["output_ids"] for out in outputs]
+    if any(len(out) != n for out in ids):
+        raise RuntimeError(f"asked for {n} tokens per stream, got {[len(out) for out in ids]}")
+    return seconds, ids
 
 
 def bench_kv_runs(args) -> dict:

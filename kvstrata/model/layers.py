@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kvstrata.args import cpu_has_fast_bf16
+from kvstrata.platform import cpu_has_amx, cpu_has_fast_bf16, cpu_has_onednn_bf16_reorder
 
 if TYPE_CHECKING:
     from kvstrata.model.paged_kernels import DecodeLinear
@@ -121,6 +121,13 @@ def use_decode_linear(model: nn.Module, gemv: Optional[DecodeLinear]) -> None:
 # Row count oneDNN chooses the prepacked layout for: with it, products of 1 to 2048 rows ran as fast as or
 # faster than on the plain weight, with the same bits (an Intel Xeon with AMX; a hint of 1 was slower at 300).
 ONEDNN_PACK_ROWS = 16
+
+
+def onednn_weights_apply(dtype: torch.dtype, deterministic: bool) -> bool:
+    """Whether the runner prepacks `dtype` weights for oneDNN (`use_onednn_weights`): bf16 on AMX CPUs whose
+    torch has oneDNN and whose ISA oneDNN can reorder bf16 with, outside batch-invariant mode."""
+    return (dtype == torch.bfloat16 and not deterministic and cpu_has_amx() and cpu_has_onednn_bf16_reorder()
+            and torch.backends.mkldnn.is_available())
 
 
 def use_onednn_weights(model: nn.Module) -> None:

@@ -12,7 +12,6 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
-import platform
 import shutil
 import threading
 import time
@@ -21,6 +20,8 @@ from pathlib import Path
 from typing import NamedTuple, Optional
 
 import torch
+
+from kvstrata.platform import cpu_flags_line
 
 logger = logging.getLogger(__name__)
 
@@ -32,18 +33,8 @@ _lock = threading.Lock()
 _state: dict[str, object] = {}
 
 
-def _cpu_flags() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
-                return line
-    except OSError:
-        pass
-    return platform.processor()
-
-
 def _build_dir() -> Path:
-    parts = [*(src.read_bytes() for src in SOURCES + HEADERS), torch.__version__.encode(), _cpu_flags().encode(),
+    parts = [*(src.read_bytes() for src in SOURCES + HEADERS), torch.__version__.encode(), cpu_flags_line().encode(),
              " ".join(CFLAGS).encode()]
     key = hashlib.sha256(b"\0".join(parts)).hexdigest()
     root = Path(os.environ.get("KVSTRATA_CACHE_DIR") or Path.home() / ".cache" / "kvstrata")

@@ -11,7 +11,7 @@ from typing import Optional
 
 import torch
 
-from kvstrata.args import ServerArgs, cpu_has_amx
+from kvstrata.args import ServerArgs
 from kvstrata.memory.device_pool import DeviceKVPool
 from kvstrata.memory.req_slots import ReqSlotTable
 from kvstrata.model.builtin import resolve_model_path
@@ -19,6 +19,7 @@ from kvstrata.model.config import ModelConfig
 from kvstrata.model.forward_meta import ForwardMetadata
 from kvstrata.model.layers import (
     make_batch_invariant,
+    onednn_weights_apply,
     use_decode_linear,
     use_fused_activation,
     use_fused_norms,
@@ -117,8 +118,7 @@ class ModelRunner:
             use_fused_activation(self.model, silu_and_mul_op())
         deterministic = self.args.enable_deterministic_inference
         gemv = decode_linear_op(every_row=deterministic)
-        if (self.dtype == torch.bfloat16 and not deterministic and cpu_has_amx()
-                and torch.backends.mkldnn.is_available()):
+        if onednn_weights_apply(self.dtype, deterministic):
             use_onednn_weights(self.model)
         elif gemv is not None:
             use_decode_linear(self.model, gemv)

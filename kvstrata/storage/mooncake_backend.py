@@ -68,6 +68,8 @@ class MooncakeBackend(StorageBackend):
         self._staging_lock = threading.Lock()
         self._staging: torch.Tensor | None = None
         self._trailers: torch.Tensor | None = None
+        # Pages moved in place from/to registered memory, and pages copied through the staging buffer.
+        self.zero_copy_pages = self.staged_pages = 0
         self.stored_bytes = page_bytes + TRAILER_BYTES
         self._retired: list = []  # replaced clients, closed at close() (another thread may still use one)
         self._failed_probes = 0
@@ -143,7 +145,8 @@ class MooncakeBackend(StorageBackend):
     def stats(self) -> dict:
         """Counters plus availability and client recreations."""
         return {**super().stats(), "available": self.availability.up, "outages": self.availability.outages,
-                "client_recreations": self.client_recreations}
+                "client_recreations": self.client_recreations, "zero_copy_pages": self.zero_copy_pages,
+                "staged_pages": self.staged_pages}
 
     def close(self) -> None:
         """Close the client(s); later calls answer 0."""
@@ -199,6 +202,8 @@ class MooncakeBackend(StorageBackend):
                 byte_view(trailers[i])[:] = page_digest(key, byte_view(buffer))
             for slot, page in copies:
                 slot.copy_(page)
+        self.zero_copy_pages += len(keys) - len(copies)   # under _staging_lock, as every transfer is
+        self.staged_pages += len(copies)
         codes = self._multi_buffer(op, keys, ptrs, [trailers[i].data_ptr() for i in range(len(keys))])
         if op == "get":
             for slot, page in copies:

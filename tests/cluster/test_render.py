@@ -12,10 +12,9 @@ from kvstrata.cluster.plan import KubeNetwork, member_command
 from kvstrata.cluster.render import API_VERSION, render
 from kvstrata.cluster.spec import load_spec, parse_spec
 from kvstrata.cluster.supervisor import Supervisor
-from tests.cluster.k8s_schema import crd_dir, validate_core, validate_crd_object
+from tests.capabilities import requires_rbg_crd
+from tests.cluster.k8s_schema import validate_core, validate_crd_object
 
-needs_crd = pytest.mark.skipif(crd_dir() is None, reason="RBG CRD not found at ../shared/rbg-crd "
-                               "(nor $KVSTRATA_RBG_CRD_DIR): schema validation skipped")
 # Flags whose values are addresses: 127.0.0.1 and free ports locally, pod IP and Service names on Kubernetes.
 ADDRESS_FLAGS = {"--host", "--port", "--rpc-port", "--metadata-port", "--metrics-port", "--master",
                  "--metadata", "--local-hostname", "--ready-file", "--worker-urls", "--prefill", "--decode",
@@ -28,14 +27,14 @@ def docs():
     return render(load_spec(), image="registry.example/kvstrata:0.1")
 
 
-@needs_crd
+@requires_rbg_crd
 def test_rolebasedgroup_fits_the_crd_schema(docs):
     rbg = docs[0]
     assert rbg["apiVersion"] == API_VERSION and rbg["kind"] == "RoleBasedGroup"
     validate_crd_object(rbg, "v1alpha1")
 
 
-@needs_crd
+@requires_rbg_crd
 def test_schema_check_catches_mistakes(docs):
     bad = yaml.safe_load(yaml.safe_dump(docs[0]))
     bad["spec"]["roles"][0]["replicas"] = "two"
@@ -131,11 +130,11 @@ roles:
 """
 
 
+@requires_rbg_crd
 def test_prefill_decode_group(tmp_path):
     spec = parse_spec(PD_SPEC)
     docs = render(spec)
-    if crd_dir() is not None:
-        validate_crd_object(docs[0], "v1alpha1")
+    validate_crd_object(docs[0], "v1alpha1")
     for svc in docs[1:]:
         validate_core(svc)
     roles = {r["name"]: r["template"]["spec"]["containers"][0] for r in docs[0]["spec"]["roles"]}

@@ -123,10 +123,20 @@ class Constraint:
         else:
             assert EBNF[self.name][1](output), f"{output!r} does not parse under grammar {self.name}"
 
+    def check_output(self, output: str, finish_type: str) -> None:
+        """A stopped output satisfies the constraint; one cut at its token limit is a prefix of one."""
+        if finish_type == "stop":
+            self.check_complete(output)
+        else:
+            assert finish_type == "length", f"finished by {finish_type!r}: {output!r}"
+            self.check_prefix(output)
+
     def check_prefix(self, output: str) -> None:
         """`output` (cut short) is valid UTF-8 but for its last character, and a prefix of a regex match."""
         output = output.rstrip("\ufffd")      # the last character may be cut in the middle of its bytes
         assert "\ufffd" not in output, f"invalid UTF-8 in {output!r}"
+        if self.kind == "json_schema" and json.loads(self.text).get("type") == "object":
+            assert output.lstrip()[:1] in ("", "{"), f"{output!r} does not start an object"
         if self.kind == "regex":
             assert partial_re.fullmatch(self.text, output, partial_re.DOTALL, partial=True), \
                 f"{output!r} is not a prefix of a match of {self.text!r}"

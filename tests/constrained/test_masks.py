@@ -175,7 +175,7 @@ def test_bounded_json_strings_refuse_raw_control_characters(backend, tokenizer):
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.gpu
 def test_apply_bitmask_on_cuda_matches_cpu(backend):
     generator = torch.Generator().manual_seed(1)
     bitmask = torch.randint(-(2**31), 2**31 - 1, (4, backend.allocate_bitmask(1).shape[1]), dtype=torch.int32,

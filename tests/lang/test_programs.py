@@ -114,7 +114,8 @@ def test_streamed_fork_branches(backend):
 
     s = streamed.run(backend=backend, stream=True, **GREEDY)
     assert "".join(s.text_iter()) == SHARED_PREFIX
-    for pieces, point in zip(s["pieces"], s["point"]):
+    assert len(s["pieces"]) == len(s["point"]) == 2
+    for pieces, point in zip(s["pieces"], s["point"], strict=True):
         assert "".join(pieces) == "Point:" + point      # a branch streams what it adds
 
 

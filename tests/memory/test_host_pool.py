@@ -8,10 +8,10 @@ import torch
 
 from kvstrata.memory.device_pool import DeviceKVPool
 from kvstrata.memory.host_pool import HostKVPool, HostMemoryError
+from tests.capabilities import requires_no_cuda
 
 LAYOUTS = ["layer_first", "page_first"]
 PAGE, LAYERS, HEADS, DIM = 4, 3, 2, 8
-needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
 
 def make_device_pool(num_pages: int = 16, device: str = "cpu", dtype=torch.float32) -> DeviceKVPool:
@@ -96,11 +96,15 @@ def test_layer_wise_copies_touch_only_that_layer(pools):
 
 def test_empty_copy_is_a_no_op_and_mismatched_lengths_raise(pools):
     device, host = pools
+    device_before = [buf.clone() for buf in (*device.k_buffer, *device.v_buffer)]
     host.backup_from_device(torch.tensor([], dtype=torch.long), torch.tensor([], dtype=torch.long))
     with pytest.raises(ValueError):
         host.backup_from_device(torch.tensor([1, 2]), torch.tensor([3]))
     with pytest.raises(IndexError):
         host.load_to_device(torch.tensor([3]), torch.tensor([1]), layer_id=LAYERS)
+    # nothing was copied either way: the host pool is still all zeros, the device pool unchanged
+    assert torch.count_nonzero(host.whole_buffer()) == 0
+    assert all(torch.equal(a, b) for a, b in zip(device_before, (*device.k_buffer, *device.v_buffer), strict=True))
 
 
 def test_page_first_page_buffer_is_a_zero_copy_view():
@@ -203,7 +207,7 @@ def test_pinned_only_where_cuda_exists():
     assert host.pinned == torch.cuda.is_available()
 
 
-@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the fallback when pinning is impossible")
+@requires_no_cuda   # checks the fallback when pinning is impossible
 def test_pinning_without_cuda_falls_back_to_pageable_memory(caplog):
     host = HostKVPool(make_device_pool(), 8, pin_memory=True)
     assert not host.pinned and "could not pin" in caplog.text
@@ -218,7 +222,7 @@ def test_bad_layout_or_size_is_rejected():
 
 
 @pytest.mark.gpu
-@needs_cuda
+@pytest.mark.gpu
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_cuda_round_trip_with_pinned_pool(layout):
     device = make_device_pool(device="cuda", dtype=torch.bfloat16)

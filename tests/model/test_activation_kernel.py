@@ -6,7 +6,6 @@ an AVX-512 BF16 CPU the other one of those two builds is compiled here too. Skip
 from __future__ import annotations
 
 import os
-import shutil
 import subprocess
 import sys
 import textwrap
@@ -19,11 +18,13 @@ import torch.nn.functional as F
 from kvstrata.model import paged_kernels
 from kvstrata.model.layers import use_fused_activation
 from kvstrata.model.paged_kernels import silu_and_mul_op
+from kvstrata.platform import cpu_has_amx
+from tests.capabilities import requires_avx512_bf16, requires_cpu_kernels
 from tests.model.silu_cases import every_gate_value, same_bits
 from tests.model.test_llama_vs_hf import PROMPT_LENS, Pair, random_prompts
 
 OP = silu_and_mul_op()
-pytestmark = pytest.mark.skipif(OP is None, reason="no C++ compiler: torch ops serve")
+pytestmark = requires_cpu_kernels
 
 
 @pytest.mark.parametrize("rows,inter", [(1, 1536), (5, 1000), (300, 64), (2, 7)])
@@ -58,13 +59,11 @@ OTHER_BUILD = textwrap.dedent("""
 """)
 
 
-@pytest.mark.skipif("avx512_bf16" not in paged_kernels._cpu_flags().split()
-                    or shutil.which(os.environ.get("CXX", "c++")) is None,
-                    reason="the two AVX-512 BF16 builds run on AVX-512 BF16 CPUs")
+@requires_avx512_bf16   # the two AVX-512 BF16 builds run on AVX-512 BF16 CPUs
 def test_the_other_avx512_bf16_build(tmp_path):
     """AMX CPUs gather the table; the others (Zen 4) compute silu. The build this CPU does not make is compiled
     here (activation.cpp alone, in a subprocess) and checked on every gate value."""
-    has_amx = "amx_tile" in paged_kernels._cpu_flags().split()
+    has_amx = cpu_has_amx()
     amx = ["-mno-amx-tile", "-mno-amx-bf16", "-mno-amx-int8"] if has_amx else ["-mamx-tile", "-mamx-bf16"]
     source = Path(paged_kernels.__file__).parent / "csrc" / "activation.cpp"
     flags = " ".join(["-O3", "-march=native", *amx, "-fopenmp"])

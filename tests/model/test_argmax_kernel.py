@@ -10,9 +10,10 @@ from kvstrata.model.paged_kernels import argmax_op
 from kvstrata.runtime.req import Req
 from kvstrata.runtime.sampler import Sampler
 from kvstrata.runtime.sampling_params import SamplingParams
+from tests.capabilities import requires_cpu_kernels
 
 OP = argmax_op()
-pytestmark = pytest.mark.skipif(OP is None, reason="no C++ compiler (or the build failed): torch.argmax serves")
+pytestmark = requires_cpu_kernels
 DTYPES = (torch.float32, torch.bfloat16)
 NAN, INF = float("nan"), float("inf")
 

@@ -13,12 +13,13 @@ import pytest
 import torch
 
 from kvstrata.model.paged_kernels import BF16_HEAD_DIMS, decode_attention_op, paged_attention_op
+from tests.capabilities import requires_avx512_bf16, requires_cpu_kernels
 from tests.model.hf_ckpt import CASES
 from tests.model.test_llama_vs_hf import PROMPT_LENS, TOLERANCE, Pair, random_prompts, relative_error
 from tests.model.test_paged_kernel import _reference  # float32 causal SDPA over the same keys
 
 OP = decode_attention_op()
-pytestmark = pytest.mark.skipif(OP is None, reason="no AVX-512 BF16 (or no C++ compiler): the float32 kernel serves")
+pytestmark = [requires_cpu_kernels, requires_avx512_bf16]   # elsewhere the op is not built: the float32 kernel serves
 BF16 = torch.bfloat16
 LENS = [1, 2, 15, 16, 17, 255, 256, 257, 700]   # inside a block, on block and tile edges, several tiles
 

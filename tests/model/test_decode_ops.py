@@ -14,8 +14,15 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kvstrata.args import ServerArgs, cpu_has_amx
-from kvstrata.model.layers import Linear, RMSNorm, use_decode_linear, use_fused_norms, use_onednn_weights
+from kvstrata.args import ServerArgs
+from kvstrata.model.layers import (
+    Linear,
+    RMSNorm,
+    onednn_weights_apply,
+    use_decode_linear,
+    use_fused_norms,
+    use_onednn_weights,
+)
 from kvstrata.model.paged_kernels import (
     DECODE_LINEAR_MAX_ROWS,
     decode_linear_op,
@@ -23,14 +30,13 @@ from kvstrata.model.paged_kernels import (
     paged_attention_op,
 )
 from kvstrata.runtime.model_runner import ModelRunner
+from tests.capabilities import requires_avx2, requires_cpu_kernels, requires_onednn_bf16_reorder
 from tests.model.hf_ckpt import CASES
 from tests.model.test_llama_vs_hf import PROMPT_LENS, TOLERANCE, Pair, random_prompts, relative_error
 
-AMX = cpu_has_amx() and torch.backends.mkldnn.is_available()
 LINEAR = decode_linear_op(every_row=True)   # as deterministic mode runs it: products of any row count
 NORMS = norm_ops()
-pytestmark = pytest.mark.skipif(NORMS is None, reason="the CPU kernels do not build here (no C++ compiler?)")
-needs_gemv = pytest.mark.skipif(LINEAR is None, reason="neither AVX-512 BF16 nor AVX2 on this CPU: the GEMV is not built")
+pytestmark = requires_cpu_kernels
 DTYPES = [torch.float32, torch.bfloat16]
 # Row counts: decode batches, and prefill-sized products (AVX2: from 65 rows, products are swept in panels of
 # 30-96 rows at these K).
@@ -48,7 +54,7 @@ def _hf_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Ten
     return weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
 
 
-@needs_gemv
+@requires_avx2  # the GEMV: its AVX2 build, or the AVX-512 BF16 one (those CPUs have AVX2 too)
 @pytest.mark.parametrize("n", [777, 3], ids=["n777-tail", "n3-one-block"])
 @pytest.mark.parametrize("k", [512, 1536, 100, 16], ids=["k512", "k1536", "k100-tail", "k16-tail"])
 def test_gemv_matches_float32_product_up_to_rounding(k, n):
@@ -65,7 +71,7 @@ def test_gemv_matches_float32_product_up_to_rounding(k, n):
             assert ((out.float() - expected).abs() <= expected.abs() * 2**-8 + 1e-3 * k ** 0.5).all(), rows
 
 
-@needs_gemv
+@requires_avx2  # the GEMV: its AVX2 build, or the AVX-512 BF16 one (those CPUs have AVX2 too)
 @pytest.mark.parametrize("n, k", [(3000, 512), (1001, 100)], ids=["n3000-k512", "n1001-k100-tails"])
 def test_gemv_row_bits_do_not_depend_on_row_count_or_threads(n, k):
     """Rows go through register tiles of different shapes by row count: the same sums, bit for bit."""
@@ -86,7 +92,7 @@ def test_gemv_row_bits_do_not_depend_on_row_count_or_threads(n, k):
         torch.set_num_threads(threads)
 
 
-@needs_gemv
+@requires_avx2  # the GEMV: its AVX2 build, or the AVX-512 BF16 one (those CPUs have AVX2 too)
 def test_gemv_rounds_every_output_as_torch_rounds_a_float():
     """Full 16-row blocks are rounded 8 lanes at a time on AVX2, a ragged block one value at a time (as
     torch's float -> bf16): both give the same bits, NaN and infinity included."""
@@ -98,13 +104,13 @@ def test_gemv_rounds_every_output_as_torch_rounds_a_float():
     assert torch.equal(gemv(x, w, None).view(torch.int16), one_row_each.view(torch.int16))
 
 
-@needs_gemv
+@requires_avx2  # the GEMV: its AVX2 build, or the AVX-512 BF16 one (those CPUs have AVX2 too)
 def test_gemv_takes_zero_rows():
     w = torch.randn(40, 16).bfloat16()
     assert gemv(torch.empty(0, 16).bfloat16(), w, torch.randn(40).bfloat16()).shape == (0, 40)
 
 
-@needs_gemv
+@requires_avx2  # the GEMV: its AVX2 build, or the AVX-512 BF16 one (those CPUs have AVX2 too)
 def test_gemv_rejects_what_it_cannot_read():
     w = torch.randn(8, 16).bfloat16()
     with pytest.raises(RuntimeError, match="bf16"):
@@ -176,7 +182,7 @@ def test_model_through_decode_kernels_matches_hf(checkpoint_dir, case, dtype):
             tokens[i].append(int(logits[row].argmax()))
 
 
-@needs_gemv
+@requires_avx2  # the GEMV: its AVX2 build, or the AVX-512 BF16 one (those CPUs have AVX2 too)
 def test_lm_head_and_layers_take_the_gemv_only_where_it_reads_the_weight():
     layer = Linear(64, 32, bias=True).bfloat16()
     column_major = Linear(64, 32).bfloat16()
@@ -190,7 +196,7 @@ def test_lm_head_and_layers_take_the_gemv_only_where_it_reads_the_weight():
         assert torch.equal(column_major(x), F.linear(x, column_major.weight, column_major.bias))
 
 
-@pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="no oneDNN in this torch build")
+@requires_onednn_bf16_reorder
 def test_prepacked_linears_match_plain_ones_and_release_the_weight():
     """use_onednn_weights: the same products (bias too) at decode and prefill row counts; the row-major
     copy is released, except where another module shares it (a tied lm_head keeps the embedding's)."""
@@ -226,7 +232,7 @@ def test_runner_uses_the_kernels_where_they_apply(flags, linear, norms):
     assert (runner.sampler.argmax_op is not None) == norms   # the greedy argmax: on wherever the norms are
     assert (runner.model.rotary.kernel is not None) == norms   # and the rotary embedding
     # AMX CPUs in the default mode run every product through oneDNN on prepacked weights instead
-    onednn_here = AMX and linear is True
+    onednn_here = onednn_weights_apply(torch.bfloat16, deterministic=False) and linear is True
     assert (layer.mlp.down_proj.onednn_weight is not None) == onednn_here
     assert (runner.model.lm_head.onednn_weight is not None) == onednn_here
     gemv_here = LINEAR is not None and linear is not False and not onednn_here

@@ -16,12 +16,13 @@ import pytest
 import torch
 
 from kvstrata.model.paged_kernels import BF16_HEAD_DIMS, extend_amx, extend_attention_op
+from tests.capabilities import requires_avx2, requires_cpu_kernels
 from tests.model.hf_ckpt import CASES
 from tests.model.test_llama_vs_hf import PROMPT_LENS, TOLERANCE, Pair, random_prompts, relative_error
 from tests.model.test_paged_kernel import _reference  # float32 causal SDPA over the same keys
 
 OP = extend_attention_op()
-pytestmark = pytest.mark.skipif(OP is None, reason="no extend tile for this CPU (or no C++ compiler): SDPA serves")
+pytestmark = [requires_cpu_kernels, requires_avx2]   # the AVX2 tile, or the AVX-512 BF16 / AMX ones
 BF16 = torch.bfloat16
 # The dtypes this build serves; float32 only with the AVX2 tile.
 DTYPES = [dtype for dtype in (BF16, torch.float32) if extend_attention_op(dtype) is not None]

@@ -11,20 +11,24 @@ target, its own build is the one checked.
 from __future__ import annotations
 
 import os
-import platform
-import shutil
 import subprocess
 import sys
 import textwrap
 
 import pytest
 
-from kvstrata.model.paged_kernels import _cpu_flags, paged_attention_op
+from kvstrata.platform import cpu_flags
+from tests.capabilities import (
+    requires_avx2,
+    requires_avx512f,
+    requires_compiler,
+    requires_cpu_kernels,
+    requires_x86_64,
+)
 
-pytestmark = pytest.mark.skipif(paged_attention_op() is None or shutil.which(os.environ.get("CXX", "c++")) is None
-                                or platform.machine() != "x86_64",
-                                reason="x86-64 targets, built with the C++ compiler the kernels use")
-FLAGS = set(_cpu_flags().split())
+# x86-64 targets, built with the C++ compiler the kernels use
+pytestmark = [requires_x86_64, requires_compiler, requires_cpu_kernels]
+FLAGS = cpu_flags()
 
 CHECK = textwrap.dedent("""
     import sys
@@ -99,12 +103,10 @@ CHECK = textwrap.dedent("""
 """)
 
 
-@pytest.mark.parametrize("march,needs,lacks", [("-march=x86-64-v3", "avx2", "avx512f"),
-                                               ("-march=icelake-server", "avx512f", "avx512_bf16")],
-                         ids=["avx2", "avx512-no-bf16"])
-def test_kernels_build_and_match_torch_without_avx512_bf16(march, needs, lacks, tmp_path):
-    if needs not in FLAGS:
-        pytest.skip(f"this CPU cannot run a {march} build (no {needs})")
+@pytest.mark.parametrize("march,lacks", [pytest.param("-march=x86-64-v3", "avx512f", marks=requires_avx2, id="avx2"),
+                                          pytest.param("-march=icelake-server", "avx512_bf16", marks=requires_avx512f,
+                                                       id="avx512-no-bf16")])
+def test_kernels_build_and_match_torch_without_avx512_bf16(march, lacks, tmp_path):
     env = {**os.environ, "KVSTRATA_CACHE_DIR": str(tmp_path)}
     if lacks not in FLAGS:
         # This CPU is that target: its own build (-march=native, already in the kernel cache) takes the same

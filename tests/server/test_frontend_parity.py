@@ -164,10 +164,12 @@ def test_n_is_expanded_in_i_times_n_plus_j_order(server, engine):
 def test_logprob_shapes(server, engine):
     out = both(server, engine, CASES["logprobs"])["meta_info"]
     assert len(out["input_token_logprobs"]) == out["prompt_tokens"] - 2      # from position 2 on
+    assert len(out["output_top_logprobs"]) == len(out["output_token_logprobs"]) == out["completion_tokens"] > 0
     assert all(len(top) == 3 for top in out["output_top_logprobs"])
     assert all(entry[2] is None for entry in out["output_token_logprobs"])
-    texts = both(server, engine, CASES["logprobs-text"])["meta_info"]["output_token_logprobs"]
-    assert all(isinstance(entry[2], str) for entry in texts)
+    texts = both(server, engine, CASES["logprobs-text"])["meta_info"]
+    assert len(texts["output_token_logprobs"]) == texts["completion_tokens"] > 0
+    assert all(isinstance(entry[2], str) for entry in texts["output_token_logprobs"])
 
 
 def test_stop_string_spanning_tokens(server, engine, stop_cases):

@@ -13,14 +13,8 @@ import pytest
 import requests
 
 from kvstrata.net import free_port
+from tests.capabilities import requires_no_cuda
 from tests.server.conftest import launch_server, pid_alive, stop_server
-
-
-def torch_has_cuda() -> bool:
-    """Whether this machine has CUDA (the test process has torch anyway)."""
-    import torch
-
-    return torch.cuda.is_available()
 
 
 def test_api_key_is_enforced(server):
@@ -48,7 +42,7 @@ def test_http_process_has_no_torch_and_serves_resolved_args(server):
         assert "libtorch" not in fh.read()
 
 
-@pytest.mark.skipif(torch_has_cuda(), reason="needs a machine without CUDA")
+@requires_no_cuda
 def test_cuda_without_cuda_is_a_flag_error():
     r = subprocess.run([sys.executable, "-m", "kvstrata.launch_server", "--device", "cuda", "--port", str(free_port())],
                        capture_output=True, text=True, timeout=180)

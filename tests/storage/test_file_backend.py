@@ -186,11 +186,14 @@ def test_misuse_raises(tmp_path):
 
 
 # ---------------------------------------------------------------------- several processes
-def _writer(root: str, ks: list[str], fill: int, rounds: int) -> None:
-    """Write every key `rounds` times; the odd writer deletes first, so pages really get rewritten."""
+def _writer(root: str, ks: list[str], fill: int, rounds: int, stop) -> None:
+    """Write every key, round after round, until `stop` is set (at most `rounds` rounds); the odd writer
+    deletes first, so pages really get rewritten."""
     backend = FileBackend(PAGE_BYTES, root)
     page = torch.full((PAGE_BYTES,), fill, dtype=torch.uint8)
     for _ in range(rounds):
+        if stop.is_set():
+            return
         for k in ks:
             if fill % 2:
                 backend.page_path(k).unlink(missing_ok=True)
@@ -201,18 +204,23 @@ def test_concurrent_writers_leave_only_whole_pages(tmp_path):
     ks = keys("race", 16)
     # fork: children inherit the imported modules (no torch import per child); they only do file I/O.
     ctx = multiprocessing.get_context("fork")
-    writers = [ctx.Process(target=_writer, args=(str(tmp_path), ks, fill, 20)) for fill in (1, 2)]
+    stop = ctx.Event()   # set once the reader has read enough pages while both writers were writing
+    writers = [ctx.Process(target=_writer, args=(str(tmp_path), ks, fill, 100_000, stop)) for fill in (1, 2)]
     reader = FileBackend(PAGE_BYTES, tmp_path)
     try:
         for w in writers:
             w.start()
         out = [torch.zeros(PAGE_BYTES, dtype=torch.uint8)]
         reads = 0
-        while any(w.is_alive() for w in writers):
+        deadline = time.monotonic() + 60
+        while reads < 200 and time.monotonic() < deadline:
+            assert all(w.is_alive() for w in writers), "a writer ended before the reader was done"
             for k in ks:
                 if reader.batch_get([k], out) == 1:
                     reads += 1
                     assert out[0].min() == out[0].max() and int(out[0][0]) in (1, 2)  # never torn
+        stop.set()
+        assert reads >= 200, f"only {reads} reads overlapped the writers"
         for w in writers:
             w.join(timeout=60)
             assert w.exitcode == 0

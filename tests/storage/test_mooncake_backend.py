@@ -57,14 +57,22 @@ def test_zero_copy_round_trip(backend, host_pool):
     assert after["bytes_written"] - before["bytes_written"] == 8 * PAGE_BYTES
     assert after["bytes_read"] - before["bytes_read"] == 8 * PAGE_BYTES
     assert after["errors"] == before["errors"] and after["skipped_unavailable"] == 0
+    # in place: the pool is registered, so nothing went through the staging copy
+    assert after["zero_copy_pages"] - before["zero_copy_pages"] == 16
+    assert after["staged_pages"] == before["staged_pages"]
 
 
 def test_unregistered_buffers_of_any_dtype_go_through_staging(backend, host_pool):
     ks = unique_keys(3)
     data = [torch.randn(PAGE_BYTES // 2).to(torch.bfloat16) for _ in range(3)]
+    before = backend.stats()
     assert backend.batch_set(ks, data) == 3
     out = [torch.zeros(PAGE_BYTES // 4, dtype=torch.float32) for _ in range(2)] + [host_pool[20]]
     assert backend.batch_get(ks, out) == 3
+    after = backend.stats()
+    # 3 staged writes, 2 staged reads; the read into the registered pool went in place
+    assert after["staged_pages"] - before["staged_pages"] == 5
+    assert after["zero_copy_pages"] - before["zero_copy_pages"] == 1
     assert torch.equal(out[0].view(torch.bfloat16), data[0]) and torch.equal(out[1].view(torch.bfloat16), data[1])
     assert torch.equal(host_pool[20].view(torch.bfloat16), data[2])
 

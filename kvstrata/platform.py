@@ -1,0 +1,70 @@
+"""What this machine's CPU offers: feature probes read once from /proc/cpuinfo.
+
+These are the probes the runtime chooses its paths with (the dtype, the compiled kernels' variants, oneDNN's
+prepacked weights), and the ones the test suite's capability markers read (tests/capabilities.py), so a test
+is skipped exactly where the server would not take the path it checks. No torch here: the HTTP process
+imports this module through `args`.
+"""
+
+from __future__ import annotations
+
+import functools
+import platform
+from pathlib import Path
+
+# oneDNN reorders a bf16 weight into its blocked layout only where it has bf16 conversions: AVX-512 BW/VL/DQ
+# or AVX-NE-CONVERT (its error otherwise: "bf16 path needs the cpu support avx_ne_convert or avx512bw, ...").
+_ONEDNN_BF16_REORDER_ISAS = ({"avx512bw", "avx512vl", "avx512dq"}, {"avx_ne_convert"})
+
+
+@functools.lru_cache(maxsize=1)
+def cpu_flags_line() -> str:
+    """The `flags` line of /proc/cpuinfo (the processor name where there is none): part of the kernel cache key."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return line
+    except OSError:
+        pass
+    return platform.processor()
+
+
+def cpu_flags() -> frozenset[str]:
+    """The CPU's feature flags, as Linux names them (`avx2`, `avx512_bf16`, `amx_tile`, ...)."""
+    return frozenset(cpu_flags_line().split(":", 1)[-1].split())
+
+
+def is_x86_64() -> bool:
+    """True on x86-64, the only target of the compiled kernels' ISA variants."""
+    return platform.machine() in ("x86_64", "AMD64")
+
+
+def cpu_has_avx2() -> bool:
+    """AVX2 + FMA: the compiled kernels' AVX2 variants (Zen 3 and newer, Haswell and newer)."""
+    return {"avx2", "fma"} <= cpu_flags()
+
+
+def cpu_has_avx512f() -> bool:
+    """AVX-512 Foundation: the float32 paged kernel's and the norms' AVX-512 variants."""
+    return "avx512f" in cpu_flags()
+
+
+def cpu_has_avx512_bf16() -> bool:
+    """AVX-512 BF16 dot products: the bf16 decode/extend attention, the bf16 GEMV (Zen 4, Xeon)."""
+    return "avx512_bf16" in cpu_flags()
+
+
+def cpu_has_amx() -> bool:
+    """AMX tiles with bf16 (Intel Xeon, Sapphire Rapids on)."""
+    return {"amx_tile", "amx_bf16"} <= cpu_flags()
+
+
+def cpu_has_fast_bf16() -> bool:
+    """Native bf16 products (AVX-512 BF16 or AMX): where `--dtype auto` picks bfloat16 on a CPU."""
+    return cpu_has_avx512_bf16() or cpu_has_amx()
+
+
+def cpu_has_onednn_bf16_reorder() -> bool:
+    """The ISA oneDNN needs to prepack a bf16 weight (torch.ops.mkldnn._reorder_linear_weight)."""
+    flags = cpu_flags()
+    return any(isas <= flags for isas in _ONEDNN_BF16_REORDER_ISAS)

@@ -1,0 +1,52 @@
+"""The CPU probes on the three kinds of machine seen so far, and the paths the runtime picks from them."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvstrata import platform
+from kvstrata.model.layers import onednn_weights_apply
+
+COMMON = "flags\t\t: fpu sse sse2 ssse3 sse4_1 sse4_2 popcnt aes xsave avx f16c bmi1 bmi2 avx2 fma"
+KINDS = {
+    # AMD EPYC Zen 3: AVX2 only
+    "zen3": COMMON + " sha_ni vaes vpclmulqdq",
+    # AMD EPYC Zen 4: AVX-512 with BF16, no AMX
+    "zen4": COMMON + " avx512f avx512dq avx512cd avx512bw avx512vl avx512_bf16 avx512_vnni avx512vbmi",
+    # Intel Xeon (Sapphire Rapids on): AVX-512 BF16 and AMX
+    "xeon": COMMON + " avx512f avx512dq avx512cd avx512bw avx512vl avx512_bf16 amx_bf16 amx_tile amx_int8",
+}
+# kind: (avx2, avx512f, avx512_bf16, amx, fast bf16 -> dtype auto is bf16, oneDNN bf16 reorder)
+EXPECTED = {
+    "zen3": (True, False, False, False, False, False),
+    "zen4": (True, True, True, False, True, True),
+    "xeon": (True, True, True, True, True, True),
+}
+
+
+@pytest.fixture(params=sorted(KINDS))
+def kind(request, monkeypatch) -> str:
+    """Pretend this machine's /proc/cpuinfo flags are those of one kind."""
+    monkeypatch.setattr(platform, "cpu_flags_line", lambda: KINDS[request.param])
+    return request.param
+
+
+def test_probes_on_each_kind(kind):
+    got = (platform.cpu_has_avx2(), platform.cpu_has_avx512f(), platform.cpu_has_avx512_bf16(),
+           platform.cpu_has_amx(), platform.cpu_has_fast_bf16(), platform.cpu_has_onednn_bf16_reorder())
+    assert got == EXPECTED[kind]
+
+
+def test_only_amx_cpus_prepack_weights_for_onednn(kind):
+    """Zen 3 has no bf16 reorder in oneDNN at all (the suite once asked it for one there): never prepacked."""
+    prepack = onednn_weights_apply(torch.bfloat16, deterministic=False)
+    assert prepack == (kind == "xeon" and torch.backends.mkldnn.is_available())
+    assert not onednn_weights_apply(torch.float32, deterministic=False)
+    assert not onednn_weights_apply(torch.bfloat16, deterministic=True)   # oneDNN's AMX sums are not row-invariant
+
+
+def test_this_machine_reads_its_own_flags():
+    assert platform.cpu_flags() == frozenset(platform.cpu_flags_line().split(":", 1)[-1].split())
+    if platform.is_x86_64():
+        assert "sse2" in platform.cpu_flags()
