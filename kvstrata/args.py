@@ -18,6 +18,7 @@ import typing
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
+from kvstrata.cache.config import CacheConfig
 from kvstrata.cache.write_policy import WRITE_POLICIES
 from kvstrata.platform import cpu_has_fast_bf16
 
@@ -386,6 +387,20 @@ class ServerArgs:
             threshold = 0 if device == "cuda" else CPU_PREFILL_ADMIT_THRESHOLD
         return dataclasses.replace(self, device=device, dtype=dtype, chunked_prefill_size=chunk,
                                    prefill_admit_threshold=threshold)
+
+    def cache_config(self) -> CacheConfig:
+        """The cache stack's settings (the radix, hicache and storage flags), as build_kv_cache takes them."""
+        # One slot-table row more than running requests, as ever; unresolved settings keep the default rows.
+        rows = self.max_running_requests + 1 if self.max_running_requests else CacheConfig.request_rows
+        return CacheConfig(
+            page_size=self.page_size, request_rows=rows,
+            prefix_cache=not self.disable_radix_cache, eviction_policy=self.radix_eviction_policy,
+            spare_tokens=self.kv_run_spare_tokens, host_tier=self.enable_hierarchical_cache,
+            host_ratio=self.hicache_ratio, host_size_gb=self.hicache_size, write_policy=self.hicache_write_policy,
+            host_layout=self.hicache_mem_layout, snapshot_path=self.hicache_snapshot_path,
+            storage_backend=self.hicache_storage_backend, storage_dir=self.hicache_storage_dir,
+            storage_group_pages=self.storage_group_pages(), prefetch_policy=self.hicache_storage_prefetch_policy,
+            storage_extra_config=self.storage_extra_config() if self.hicache_storage_backend else {})
 
     def storage_group_pages(self) -> int:
         """Pages per storage (L3) object: --hicache-storage-page-tokens in pages, at least one."""

@@ -9,10 +9,14 @@ loaded back without it). The write policy may first give the node a host copy (w
 from __future__ import annotations
 
 from collections.abc import Iterator
+from typing import TYPE_CHECKING
 
-from kvstrata.cache.radix_tree import RadixTree, TreeNode, require
-from kvstrata.cache.tier import Tier
+from kvstrata.cache.radix_tree import RadixTree, TreeMatch, TreeNode, require
 from kvstrata.memory.allocator import PageAllocator
+
+if TYPE_CHECKING:
+    from kvstrata.cache.cache_controller import LayerLoadHandle
+    from kvstrata.cache.host_tier import HostTier
 
 
 class DeviceTier:
@@ -20,25 +24,14 @@ class DeviceTier:
 
     name = "device"
 
-    def __init__(self, tree: RadixTree, allocator: PageAllocator):
+    def __init__(self, tree: RadixTree, allocator: PageAllocator, host: HostTier | None = None):
         if tree.page_size != allocator.page_size:
             raise ValueError(f"page_size {tree.page_size} != allocator page size {allocator.page_size}")
         self.tree = tree
         self.allocator = allocator
+        self.host = host                  # L2, where a node leaving the device is demoted to (None: lost)
         self.page_size = allocator.page_size
-        self.above: Tier | None = None
-        self.below: Tier | None = None
         self.stats = {"demoted_pages": 0, "lost_pages": 0}
-
-    # ---- protocol -------------------------------------------------------------------------------------
-
-    def holds(self, node: TreeNode) -> bool:
-        """Whether node's tokens are in device slots."""
-        return node.device_slots is not None
-
-    def can_take(self, num_pages: int) -> bool:
-        """Whether `num_pages` are free or evictable from the tree now."""
-        return self.available_pages() >= num_pages
 
     def available_pages(self) -> int:
         """Pages obtainable now: free plus evictable from the tree."""
@@ -55,27 +48,25 @@ class DeviceTier:
     def drop(self, node: TreeNode) -> None:
         """Free node's device pages: demote it if a lower tier holds it, else remove it (and its subtree)."""
         pages = len(node.key) // self.page_size
-        if self.below is not None:
-            self.below.accept_demotion(node)     # write_back: copied down now, so nothing is lost
-        if self.below is not None and self.below.holds(node):
-            self._free(node)
-            self.stats["demoted_pages"] += pages
-            return
+        host = self.host
+        if host is not None:
+            host.accept_demotion(node)           # write_back: copied down now, so nothing is lost
+            if host.holds(node):
+                self._free(node)
+                self.stats["demoted_pages"] += pages
+                return
         self.stats["lost_pages"] += pages
-        if self.below is not None:
+        if host is not None:
             for child in list(node.children.values()):
-                self.below.drop_subtree(child)
-            self.below.drop(node)
+                host.drop_subtree(child)
+            host.drop(node)
         self._free(node)
         self.tree.remove_leaf(node)
 
-    def drop_subtree(self, node: TreeNode) -> None:
-        """The device is the top tier: no tier above removes nodes through it."""
-
-    def accept_demotion(self, node: TreeNode) -> None:
-        """The device is the top tier: nothing is demoted into it."""
-
     def apply_acks(self) -> None:
+        """The device tier starts no copies of its own."""
+
+    def wait_idle(self) -> None:
         """The device tier starts no copies of its own."""
 
     def close(self) -> None:
@@ -107,6 +98,32 @@ class DeviceTier:
         if not self.ensure_free_pages(num_pages):
             return None
         return self.allocator.extend(None, num_pages)
+
+    def on_insert(self, leaf: TreeNode) -> None:
+        """A new device leaf: the host tier's write policy may back it up."""
+        if self.host is not None:
+            self.host.on_insert(leaf)
+
+    def on_hit(self, node: TreeNode) -> None:
+        """A request matched up to device node `node`: the host tier's write policy may back the path up."""
+        if self.host is not None:
+            self.host.on_hit(node)
+
+    def load_back(self, match: TreeMatch) -> tuple[TreeMatch, LayerLoadHandle] | None:
+        """Take device pages for the host continuation of `match` and have the host tier fill them (whole
+        chain or nothing): the extended match and the per-layer wait handle (HostTier.load_back), or None
+        when the device has no room (or there is no host tier)."""
+        nodes = match.host_nodes
+        if self.host is None or not nodes:
+            return None
+        self.tree.inc_lock_ref(nodes[-1])       # keep the whole chain while we make room (write_back copies)
+        try:
+            pages = self.alloc(match.host_tokens // self.page_size)
+        finally:
+            self.tree.dec_lock_ref(nodes[-1])
+        if pages is None:
+            return None
+        return self.host.load_back(match, pages)
 
     def _free(self, node: TreeNode) -> None:
         """The one place where a node's device pages go back to the allocator."""

@@ -10,23 +10,27 @@ A node's host record (node.host) is set here only. Rules:
     the write's ack, not before.
 
 The tier submits copies to the CacheController; `apply_acks` (once per step, from the facade) applies
-them. The write policy decides what is backed up when.
+them. The write policy decides what is backed up when. Every completed host copy is offered to the
+storage tier below (L3), which this tier builds at construction and which reaches back only through the
+HostPages verbs (tier.py).
 """
 
 from __future__ import annotations
 
 import logging
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 
 from kvstrata.cache.cache_controller import BACKUP, CacheController, LayerLoadHandle
-from kvstrata.cache.device_tier import DeviceTier
 from kvstrata.cache.radix_tree import HostCopy, Key, RadixTree, TreeMatch, TreeNode, require
-from kvstrata.cache.tier import Tier
+from kvstrata.cache.storage_tier import StorageTier
+from kvstrata.cache.tier import HostPages
 from kvstrata.cache.write_policy import WritePolicy
 from kvstrata.memory.host_pool import HostKVPool
+
+StorageBuilder = Callable[[HostPages], StorageTier]   # L3, built over the host tier it reads into
 
 logger = logging.getLogger(__name__)
 
@@ -36,32 +40,28 @@ class HostTier:
 
     name = "host"
 
-    def __init__(self, tree: RadixTree, host_pool: HostKVPool, controller: CacheController, policy: WritePolicy):
+    def __init__(self, tree: RadixTree, host_pool: HostKVPool, controller: CacheController, policy: WritePolicy,
+                 storage: StorageBuilder | None = None):
         self.tree = tree
         self.host_pool = host_pool
         self.allocator = host_pool.allocator
         self.controller = controller
         self.policy = policy
         self.page_size = tree.page_size
-        self.above: Tier | None = None
-        self.below: Tier | None = None
         self._backups: dict[int, TreeNode] = {}   # backup op id -> the node it was submitted for
         self._readers: Counter = Counter()              # host page -> in-flight L3 writes reading it
         self._orphans: set[int] = set()                 # pinned pages whose node is gone: freed on unpin
         self._loading: dict[int, TreeNode] = {}         # load-back op id -> the deepest node it fills
         self.stats = {"backup_pages": 0, "backup_skipped_host_full": 0, "load_back_pages": 0,
                       "host_evicted_pages": 0}
+        # L3 (None: none): offered every completed host copy; it reaches back through HostPages only.
+        self.storage: StorageTier | None = storage(self) if storage is not None else None
 
-    # ---- protocol -------------------------------------------------------------------------------------
+    # ---- what the device tier asks of L2 ------------------------------------------------------------------
 
     def holds(self, node: TreeNode) -> bool:
         """Whether node has a complete host copy."""
         return node.host_ready
-
-    def can_take(self, num_pages: int) -> bool:
-        """Whether `num_pages` host pages are free or evictable now."""
-        free = self.allocator.free_pages
-        return free >= num_pages or free + sum(n.host.pages.numel() for n in self.eviction_candidates()) >= num_pages
 
     def eviction_candidates(self) -> Iterator[TreeNode]:
         """Unlocked nodes with a settled host copy that no child's host copy hangs below, in policy order."""
@@ -79,6 +79,7 @@ class HostTier:
             return
         assert host.op_id is None, f"dropping the host copy of {node} while its backup is in flight"
         node.host = None
+        self.tree.mark_changed()
         pages = host.pages.tolist()
         self._orphans.update(p for p in pages if self._readers[p])
         self.allocator.free([p for p in pages if not self._readers[p]])
@@ -94,6 +95,8 @@ class HostTier:
         """The device is about to free node's pages: the write policy may copy them down first."""
         self.policy.on_demote(self, node)
 
+    # ---- lifecycle (the Tier protocol) --------------------------------------------------------------------
+
     def apply_acks(self) -> None:
         """Apply the controller's completed copies: mark host copies ready, unlock nodes."""
         for op in self.controller.poll_acks():
@@ -107,6 +110,7 @@ class HostTier:
                 node.host.op_id = None
                 if op.error is None:
                     node.host.ready = True
+                    self.tree.mark_changed()
                     self._host_ready(node)
                 else:
                     logger.warning("backup to host failed (%s); the pages stay device-only", op.error)
@@ -174,25 +178,18 @@ class HostTier:
         host_pages = torch.tensor(pages, dtype=torch.long)
         self.host_pool.backup_from_device(self._device_pages(node), host_pages)
         node.host = HostCopy(host_pages, ready=True)
+        self.tree.mark_changed()
         self.stats["backup_pages"] += num_pages
         self._host_ready(node)
 
-    def load_back(self, match: TreeMatch, device: DeviceTier) -> tuple[TreeMatch, LayerLoadHandle] | None:
-        """Copy the host continuation of `match` into new device pages (whole chain or nothing).
+    def load_back(self, match: TreeMatch, pages: list[int]) -> tuple[TreeMatch, LayerLoadHandle]:
+        """Copy the host continuation of `match` into the device pages `pages` (the device tier took them).
 
         Returns the extended match (its last_node, the deepest loaded node, is locked until the ack; the
-        caller locks it again for the request) and the handle the forward waits on per layer; None if the
-        device has no room.
+        caller locks it again for the request) and the handle the forward waits on per layer.
         """
         nodes = match.host_nodes
-        num_pages = match.host_tokens // self.page_size
-        self.tree.inc_lock_ref(nodes[-1])       # keep the whole chain while we make room (write_back copies)
-        try:
-            pages = device.alloc(num_pages)
-        finally:
-            self.tree.dec_lock_ref(nodes[-1])
-        if pages is None:
-            return None
+        num_pages = len(pages)
         device_pages = torch.tensor(pages, dtype=torch.long)
         handle = self.controller.submit_load_back(torch.cat([n.host.pages for n in nodes]), device_pages, nodes[-1])
         slots = (device_pages.unsqueeze(1) * self.page_size + torch.arange(self.page_size)).reshape(-1)
@@ -210,10 +207,19 @@ class HostTier:
         return node.device_slots[::self.page_size] // self.page_size
 
     def _host_ready(self, node: TreeNode) -> None:
-        if self.below is not None:
-            self.below.on_host_ready(node)
+        if self.storage is not None:
+            self.storage.on_host_ready(node)
 
-    # ---- allocation and eviction ------------------------------------------------------------------------
+    # ---- allocation and eviction (also the HostPages verbs of the storage tier) ----------------------------
+
+    @property
+    def capacity_pages(self) -> int:
+        """Allocatable host pages."""
+        return self.allocator.capacity_pages
+
+    def free(self, pages: list[int]) -> None:
+        """Give back host pages that no node holds."""
+        self.allocator.free(pages)
 
     def alloc(self, num_pages: int) -> list[int] | None:
         """`num_pages` host pages, evicting host copies for them; None if there is not enough room."""
@@ -270,6 +276,7 @@ class HostTier:
         self.allocator.free(host_pages[:used])
         leaf = self.tree.add_leaf(parent, key[pos:], None)
         leaf.host = HostCopy(torch.tensor(host_pages[used:], dtype=torch.long), ready=True)
+        self.tree.mark_changed()
         return leaf
 
     # ---- whole-tier views (the L2 snapshot) -------------------------------------------------------------
@@ -309,8 +316,8 @@ class HostTier:
     def check_integrity(self) -> None:
         """Every host page has one owner: a node, an L3 write, an in-flight prefetch, or the free list."""
         owned = self.owned_pages()
-        if self.below is not None:
-            owned += self.below.host_pages_in_flight()
+        if self.storage is not None:
+            owned += self.storage.host_pages_in_flight()
         require(len(owned) == len(set(owned)), "a host page is held twice")
         free = set(owned) & self.allocator.free_page_ids()
         require(not free, f"host pages both owned and free: {sorted(free)[:16]}")

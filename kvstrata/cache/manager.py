@@ -1,10 +1,12 @@
 """KVCacheManager: the one cache facade the scheduler sees.
 
-It owns the L1 page allocator, the request-to-slot table and (unless disabled) the radix tree with its
-ordered list of tiers (device, host, storage), and keeps the page ownership rule: every allocatable
-device page belongs to exactly one of {free list, radix tree, one running request}. A request's KV state
-is a KVHandle (kv_handle.py) that this facade creates and alone writes; the request holds it as `req.kv`.
-Its pages split at the handle's `tree_len`:
+It owns the L1 page allocator, the request-to-slot table and the radix tree with its chain of tiers
+(device -> host -> storage, each holding the next: tier.py), and keeps the page ownership rule: every
+allocatable device page belongs to exactly one of {free list, radix tree, one running request}. Without
+the prefix cache (--disable-radix-cache) the tree stays empty: commit hands it nothing, so every match is
+empty. build_kv_cache (build.py) is its one constructor. It reads requests through the CacheRequest
+protocol; a request's KV state is a KVHandle (kv_handle.py) that this facade creates and alone writes; the
+request holds it as `req.kv`. Its pages split at the handle's `tree_len`:
 
     tokens [0, tree_len)        pages owned by the tree, locked through the handle's last_node
     tokens [tree_len, slot_len) the request's private pages (freed or handed to the tree on commit)
@@ -13,6 +15,8 @@ Verbs: `plan_admit` (what an admission would take; pure) and `admit` (take it, c
 `reserve` (slots for new tokens, evicting if needed), `advance` (the forward computed more KV),
 `commit` (hand computed full pages to the tree), `release` (request done: commit, unlock, free),
 `begin_step` (apply every tier's completed copies: the one place per step), `check_integrity`.
+A request's prompt is matched against the tree once per step however many of these ask (`_match`: the
+match is memoised on its handle until the tree's version stamp moves).
 """
 
 from __future__ import annotations
@@ -25,14 +29,14 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from kvstrata.args import ServerArgs
+from kvstrata.cache.config import CacheConfig
 from kvstrata.cache.device_tier import DeviceTier
 from kvstrata.cache.integrity import check_slot_accounting
-from kvstrata.cache.kv_handle import KVHandle
-from kvstrata.cache.radix_tree import RadixTree
+from kvstrata.cache.kv_handle import CacheRequest, KVHandle
+from kvstrata.cache.radix_tree import TreeMatch, TreeNode
+from kvstrata.cache.tier import Tier
 from kvstrata.memory.allocator import PageAllocator, pages_needed, pages_of_slots, slots_for_extend
 from kvstrata.memory.req_slots import ReqSlotTable
-from kvstrata.runtime.req import Req
 
 if TYPE_CHECKING:
     from kvstrata.cache.host_snapshot import HostSnapshot
@@ -42,19 +46,6 @@ logger = logging.getLogger(__name__)
 LOAD_BACK_MIN_TOKENS = 16   # a shorter host hit is cheaper to recompute than to copy back
 PREFETCH_RETRY_REASONS = ("host_full", "rate_limited")
 MAX_REFETCHES = 2           # re-prefetches per request after its local pages were evicted while it waited
-
-
-class CacheStack:
-    """The radix tree and its tiers, fastest first; each tier is linked to its neighbours."""
-
-    def __init__(self, tree: RadixTree, tiers: list):
-        self.tree = tree
-        self.tiers = tiers
-        for upper, lower in zip(tiers, tiers[1:]):
-            upper.below, lower.above = lower, upper
-        self.device: DeviceTier = tiers[0]
-        self.host = tiers[1] if len(tiers) > 1 else None
-        self.storage = tiers[2] if len(tiers) > 2 else None
 
 
 @dataclass(frozen=True)
@@ -80,22 +71,22 @@ class AdmitPlan:
 class KVCacheManager:
     """Allocation, prefix reuse and accounting of the device KV pool."""
 
-    def __init__(self, allocator: PageAllocator, slot_table: ReqSlotTable, stack: CacheStack | None = None,
-                 prefetch_policy: str = "best_effort", host_snapshot: HostSnapshot | None = None,
-                 spare_tokens: int = ServerArgs.kv_run_spare_tokens):
+    def __init__(self, allocator: PageAllocator, slot_table: ReqSlotTable, device: DeviceTier,
+                 config: CacheConfig, host_snapshot: HostSnapshot | None = None):
+        """Use build_kv_cache (build.py): it builds the parts this takes."""
         self.allocator = allocator
         self.slot_table = slot_table
-        self.stack = stack
-        self.tree = stack.tree if stack is not None else None
-        self.tiers = stack.tiers if stack is not None else []
-        self.device = stack.device if stack is not None else None
-        self.host = stack.host if stack is not None else None
-        self.storage = stack.storage if stack is not None else None
+        self.device = device
+        self.tree = device.tree
+        self.host = device.host                                         # L2 (None: no host tier)
+        self.storage = self.host.storage if self.host is not None else None   # L3 (None: no storage tier)
+        self.tiers: list[Tier] = [t for t in (device, self.host, self.storage) if t is not None]
+        self.shares_prefixes = config.prefix_cache   # False: the tree stays empty (--disable-radix-cache)
         self.page_size = allocator.page_size
         # Free pages set aside behind a request's new ones, so that its next tokens follow them in one run
         # (--kv-run-spare-tokens; PageAllocator.extend says why).
-        self.spare_pages = -(-spare_tokens // self.page_size)
-        self.prefetch_policy = prefetch_policy
+        self.spare_pages = -(-config.spare_tokens // self.page_size)
+        self.prefetch_policy = config.prefetch_policy
         self._loads: list = []          # load-backs submitted for the coming forward
         self.metrics = {"device_hit_tokens": 0, "host_hit_tokens": 0, "storage_hit_tokens": 0}
         self.refetches = 0              # prefetches re-issued because L1/L2 lost pages a request waited on
@@ -104,13 +95,13 @@ class KVCacheManager:
             self.host_snapshot.load(self.host)
 
     @staticmethod
-    def _handle(req: Req) -> KVHandle:
+    def _handle(req: CacheRequest) -> KVHandle:
         """req's KV handle, created on first use: the cache owns it, the request holds it."""
         if req.kv is None:
             req.kv = KVHandle()
         return req.kv
 
-    def advance(self, req: Req, kv_len: int) -> None:
+    def advance(self, req: CacheRequest, kv_len: int) -> None:
         """The forward computed req's KV up to `kv_len` tokens (within the slots reserved for it)."""
         h = self._handle(req)
         if not h.kv_len <= kv_len <= h.slot_len:
@@ -118,14 +109,15 @@ class KVCacheManager:
         h.kv_len = kv_len
 
     # ------------------------------------------------------------------ L3 prefetch
-    def start_prefetch(self, req: Req) -> None:
+    def start_prefetch(self, req: CacheRequest) -> None:
         """On arrival: start reading from L3 what the local tiers miss of req's prompt."""
         h = self._handle(req)
         if self.storage is None:
             return
         from kvstrata.cache.storage_tier import prefetch_deadline
 
-        op = self.storage.prefetch(req.fill_ids[: req.fill_len - 1], namespace=req.namespace)
+        local = req.fill_len - 1
+        op, skipped = self.storage.prefetch(req.fill_ids[:local], req.namespace, self._match(req, local))
         h.prefetch_op = op
         h.prefetch_local = self._local_tokens(req)
         first_try = not h.prefetch_retry
@@ -133,13 +125,13 @@ class KVCacheManager:
             h.prefetch_retry = False
             if first_try:
                 h.prefetch_deadline = prefetch_deadline(self.prefetch_policy, len(op.keys))
-        elif self.storage.last_skip_reason in PREFETCH_RETRY_REASONS and self.prefetch_policy != "best_effort":
+        elif skipped in PREFETCH_RETRY_REASONS and self.prefetch_policy != "best_effort":
             # Host room is often short only while copies are in flight: try again until the deadline.
             h.prefetch_retry = True
             if first_try:
                 h.prefetch_deadline = prefetch_deadline(self.prefetch_policy, req.fill_len // self.page_size)
 
-    def prefetch_ready(self, req: Req) -> bool:
+    def prefetch_ready(self, req: CacheRequest) -> bool:
         """Whether req may be scheduled now, per --hicache-storage-prefetch-policy."""
         h = self._handle(req)
         expired = time.monotonic() >= h.prefetch_deadline
@@ -158,11 +150,11 @@ class KVCacheManager:
             return not h.prefetch_retry or expired
         return op.applied or self.prefetch_policy == "best_effort" or expired
 
-    def _local_tokens(self, req: Req) -> int:
+    def _local_tokens(self, req: CacheRequest) -> int:
         """Tokens of req's prompt that L1 + L2 hold now (what a prefetch does not have to read)."""
-        return self.tree.match_prefix(req.fill_ids[: req.fill_len - 1], req.namespace, record=False).cached_tokens
+        return self._match(req, req.fill_len - 1).cached_tokens
 
-    def _lost_local_pages(self, req: Req) -> bool:
+    def _lost_local_pages(self, req: CacheRequest) -> bool:
         """Whether L1 + L2 now hold less of req's prompt than when its prefetch was planned (or than it
         attached): pages evicted while req waited, that a new prefetch can bring back from L3."""
         h = self._handle(req)
@@ -205,26 +197,24 @@ class KVCacheManager:
     # ------------------------------------------------------------------ capacity
     def available_pages(self) -> int:
         """Pages obtainable now: free plus evictable from the tree."""
-        if self.device is None:
-            return self.allocator.free_pages
         return self.device.available_pages()
 
-    def pages_for(self, req: Req, num_new: int) -> int:
+    def pages_for(self, req: CacheRequest, num_new: int) -> int:
         """New pages `req` needs to get slots for `num_new` more tokens."""
         h = self._handle(req)
         return pages_needed(h.slot_len, h.slot_len + num_new, self.page_size)
 
     # ------------------------------------------------------------------ admission
-    def plan_admit(self, req: Req, budget: int) -> AdmitPlan | None:
+    def plan_admit(self, req: CacheRequest, budget: int) -> AdmitPlan | None:
         """What admitting `req` now would use: its cached prefix per tier and the pages it takes.
 
         Pure: takes no lock, row or page, starts no copy, counts nothing. None when no slot-table row is free.
         """
         if self.slot_table.free_rows == 0:
             return None
-        match = self._lookup(req, record=False)
+        match = self._lookup(req)
         device_tokens = match.length if match is not None else 0
-        load = self.host is not None and match is not None and match.host_tokens >= LOAD_BACK_MIN_TOKENS
+        load = match is not None and match.host_tokens >= LOAD_BACK_MIN_TOKENS   # host_nodes: a host tier
         host_tokens = match.host_tokens if load else 0
         cached = device_tokens + host_tokens
         new_tokens = min(req.fill_len - cached, budget)
@@ -233,7 +223,7 @@ class KVCacheManager:
         locked = _unlocked_device_tokens(match.last_node) // self.page_size if match is not None else 0
         return AdmitPlan(device_tokens, host_tokens, new_tokens, pages, self.available_pages() - locked)
 
-    def admit(self, req: Req, plan: AdmitPlan | None = None) -> bool:
+    def admit(self, req: CacheRequest, plan: AdmitPlan | None = None) -> bool:
         """Admit `req` as planned: take a row, lock the cached prefix, start its load-back, reserve slots for
         the plan's first chunk, and count the hit per tier (once per request). False (nothing held) if the
         plan no longer fits; without a plan, only the row and the cached prefix are taken (PD decode side).
@@ -254,35 +244,46 @@ class KVCacheManager:
             self._record_hits(req)
         return True
 
-    def _lookup(self, req: Req, record: bool):
-        """The tree's match for the part of req's tokens a prefix hit may cover (None: nothing may hit)."""
-        if self.tree is None:
-            return None
+    @staticmethod
+    def _hit_limit(req: CacheRequest) -> int:
+        """How many of req's first tokens a prefix hit may cover."""
         limit = req.fill_len - 1          # at least one token is computed, to get logits
         if req.wants_prompt_logprobs:
             limit = min(limit, req.logprob_start_len)   # logits of those positions are needed
-        if limit <= 0:
-            return None
-        return self.tree.match_prefix(req.fill_ids[:limit], namespace=req.namespace, record=record)
+        return limit
 
-    def match(self, req: Req, load_back: bool = True) -> int:
+    def _match(self, req: CacheRequest, limit: int) -> TreeMatch:
+        """The tree's match of req's first `limit` tokens: the one walk per request while the tree does not
+        change (memoised on its handle, keyed by the tree's version stamp). Counts nothing."""
+        h = self._handle(req)
+        if h.match is None or h.match_len != limit or h.match_version != self.tree.version:
+            h.match = self.tree.match_prefix(req.fill_ids[:limit], namespace=req.namespace, record=False)
+            h.match_len, h.match_version = limit, self.tree.version
+        return h.match
+
+    def _lookup(self, req: CacheRequest) -> TreeMatch | None:
+        """The match for the part of req's tokens a prefix hit may cover (None: nothing may hit)."""
+        limit = self._hit_limit(req)
+        return self._match(req, limit) if limit > 0 else None
+
+    def match(self, req: CacheRequest, load_back: bool = True) -> int:
         """Look up the longest cached prefix of req's tokens, lock it, use its slots. Returns its length."""
         h = self._handle(req)
-        result = self._lookup(req, record=True)
+        result = self._lookup(req)
         if result is None:
             return 0
+        self.tree.record_match(result, self._hit_limit(req))
         device_hit = result.length
         storage_hit = 0
-        if load_back and self.host is not None and result.host_tokens >= LOAD_BACK_MIN_TOKENS:
+        if load_back and result.host_tokens >= LOAD_BACK_MIN_TOKENS:
             host_nodes = result.host_nodes
-            loaded = self.host.load_back(result, self.device)
+            loaded = self.device.load_back(result)
             if loaded is not None:
                 result, handle = loaded
                 self._loads.append(handle)
                 if self.storage is not None:
                     storage_hit = self.storage.count_hits(host_nodes)
-        if self.host is not None:
-            self.host.on_hit(result.last_node)
+        self.device.on_hit(result.last_node)
         n = result.length
         h.tier_hits = (device_hit, n - device_hit - storage_hit, storage_hit)
         self.tree.inc_lock_ref(result.last_node)
@@ -293,7 +294,7 @@ class KVCacheManager:
         h.last_slot = int(result.slots[-1]) if n else None
         return n
 
-    def _record_hits(self, req: Req) -> None:
+    def _record_hits(self, req: CacheRequest) -> None:
         """Count req's admission in the per-tier hit metrics: once per request, when it is admitted.
 
         A re-admission after a retraction is not counted again, so device + host + storage hits add up to
@@ -304,7 +305,7 @@ class KVCacheManager:
         for key, tokens in zip(("device_hit_tokens", "host_hit_tokens", "storage_hit_tokens"), h.tier_hits):
             self.metrics[key] += tokens
 
-    def reserve(self, req: Req, num_new: int) -> bool:
+    def reserve(self, req: CacheRequest, num_new: int) -> bool:
         """Assign slots to req's next `num_new` tokens, evicting from the tree if needed. All or nothing."""
         h = self._handle(req)
         start = h.slot_len
@@ -315,7 +316,7 @@ class KVCacheManager:
             self.slot_table.write(h.row, start, torch.tensor(slots, dtype=torch.long).to(self.slot_table.table.device))
         return True
 
-    def reserve_decodes(self, reqs: list[Req]) -> int:
+    def reserve_decodes(self, reqs: list[CacheRequest]) -> int:
         """Assign a slot to the next token of each of `reqs` in order, up to the first that cannot get one
         (evicting from the tree if needed); how many got theirs. The slot table takes them in one write
         (one host-to-device copy per decode step, not one per request)."""
@@ -351,24 +352,22 @@ class KVCacheManager:
 
     def ensure_free_pages(self, num_pages: int) -> bool:
         """Evict from the tree until `num_pages` are free. False if impossible."""
-        if self.device is not None:
-            return self.device.ensure_free_pages(num_pages)
-        return self.allocator.free_pages >= num_pages
+        return self.device.ensure_free_pages(num_pages)
 
     # ------------------------------------------------------------------ commit / release
-    def commit(self, req: Req) -> None:
+    def commit(self, req: CacheRequest) -> None:
         """Hand req's computed full pages to the tree, so that other requests can share them now."""
         h = self._handle(req)
-        if self.tree is None:
-            return
+        if not self.shares_prefixes:
+            return                          # without the prefix cache the tree stays empty
         upto = h.kv_len - h.kv_len % self.page_size
         if upto <= h.tree_len:
             return
         tokens = req.fill_ids[:upto]
         slots = self.slot_table.read(h.row, upto)
         already, leaf = self.tree.insert(tokens, slots.clone(), namespace=req.namespace)
-        if leaf is not None and self.host is not None:
-            self.host.on_insert(leaf)
+        if leaf is not None:
+            self.device.on_insert(leaf)
         if already > h.tree_len:
             # Another request cached [tree_len, already) first: our copies of those pages are duplicates.
             self.allocator.free(pages_of_slots(slots[h.tree_len:already], self.page_size))
@@ -386,7 +385,7 @@ class KVCacheManager:
         h.last_node = result.last_node
         h.tree_len = upto
 
-    def release(self, req: Req, cache: bool = True) -> None:
+    def release(self, req: CacheRequest, cache: bool = True) -> None:
         """Request done (finished, aborted or retracted): optionally commit, then free everything it holds."""
         h = self._handle(req)
         if h.row is None:
@@ -396,12 +395,12 @@ class KVCacheManager:
         if h.last_slot is not None:
             self.allocator.release_spare(h.last_slot // self.page_size)
         self.allocator.free(self.private_pages(req))
-        if self.tree is not None and h.last_node is not None:
+        if h.last_node is not None:
             self.tree.dec_lock_ref(h.last_node)
         self.slot_table.free(h.row)
         h.clear()
 
-    def pages_freed_by_release(self, running: list[Req], incoming: Req) -> list[int]:
+    def pages_freed_by_release(self, running: list[CacheRequest], incoming: CacheRequest) -> list[int]:
         """For each request of `running`, the device pages its release alone would give back (pure).
 
         That is its private pages plus the part of its cached prefix that no other running request, and
@@ -410,7 +409,7 @@ class KVCacheManager:
         """
         users: dict[int, int] = {}      # node id -> requests whose path holds it
         paths = [list(_path(self._handle(r).last_node)) for r in running]
-        match = self._lookup(incoming, record=False)
+        match = self._lookup(incoming)
         for path in paths + [list(_path(match.last_node if match is not None else None))]:
             for node in path:
                 users[node.id] = users.get(node.id, 0) + 1
@@ -425,12 +424,12 @@ class KVCacheManager:
             freed.append(tokens // self.page_size)
         return freed
 
-    def prefetch_settled(self, req: Req) -> bool:
+    def prefetch_settled(self, req: CacheRequest) -> bool:
         """Whether req's L3 prefetch (if any) has landed in the host tier (pure, unlike prefetch_ready)."""
         h = self._handle(req)
         return not h.prefetch_retry and (h.prefetch_op is None or h.prefetch_op.applied)
 
-    def private_pages(self, req: Req) -> list[int]:
+    def private_pages(self, req: CacheRequest) -> list[int]:
         """Pages of req that are neither free nor the tree's."""
         h = self._handle(req)
         if h.row is None or h.slot_len <= h.tree_len:
@@ -438,7 +437,7 @@ class KVCacheManager:
         slots = self.slot_table.read(h.row, h.slot_len)[h.tree_len:]
         return pages_of_slots(slots, self.page_size).tolist()
 
-    def slots_of(self, req: Req, start: int, end: int) -> torch.Tensor:
+    def slots_of(self, req: CacheRequest, start: int, end: int) -> torch.Tensor:
         """Slots of req's tokens [start, end)."""
         h = self._handle(req)
         return self.slot_table.table[h.row, start:end]
@@ -446,21 +445,18 @@ class KVCacheManager:
     # ------------------------------------------------------------------ maintenance
     def flush(self) -> None:
         """Empty the tree (the caller makes sure no request is running)."""
-        if self.tree is None:
-            return
-        for tier in self.tiers[1:]:
+        for tier in self.tiers:
             tier.wait_idle()
         for tier in reversed(self.tiers):
             tier.reset()
         self.tree.clear()
 
-    def check_integrity(self, running: Iterable[Req]) -> None:
+    def check_integrity(self, running: Iterable[CacheRequest]) -> None:
         """Assert that every device page has exactly one owner and every row one request."""
         running = list(running)
-        if self.tree is not None:
-            self.tree.check_integrity()       # its own structure, then each tier's pages
-            for tier in self.tiers:
-                tier.check_integrity()
+        self.tree.check_integrity()           # its own structure, then each tier's pages
+        for tier in self.tiers:
+            tier.check_integrity()
         check_slot_accounting(self.allocator, self.device, [p for r in running for p in self.private_pages(r)])
         rows_in_use = self.slot_table.max_requests - self.slot_table.free_rows
         if rows_in_use != len(running):
@@ -486,12 +482,10 @@ class KVCacheManager:
             "capacity_pages": self.allocator.capacity_pages,
             "page_size": self.page_size,
         }
-        if self.tree is not None:
-            out["cache_pages"] = self.tree.total_size() // self.page_size
+        out["cache_pages"] = self.tree.total_size() // self.page_size
+        if self.shares_prefixes:
             out["evictable_tokens"] = self.tree.evictable_size()
             out["protected_tokens"] = self.tree.protected_size()
-        else:
-            out["cache_pages"] = 0
         out.update(self.metrics)
         if self.storage is not None:
             out["l3_refetches"] = self.refetches
@@ -504,29 +498,29 @@ class KVCacheManager:
         return out
 
     @property
-    def shares_prefixes(self) -> bool:
-        """Whether a radix tree caches prefixes (False with --disable-radix-cache)."""
-        return self.tree is not None
+    def has_host_tier(self) -> bool:
+        """Whether an L2 keeps what leaves the device (a paused request then resumes by load-back)."""
+        return self.host is not None
 
-    def peek_cached_tokens(self, req: Req) -> int:
-        """Tokens of req's prompt cached in the local tiers now; changes no counter, lock or copy."""
-        if self.tree is None:
-            return 0
-        return self.tree.match_prefix(req.fill_ids, namespace=req.namespace, record=False).cached_tokens
+    def peek_cached_tokens(self, req: CacheRequest) -> int:
+        """Tokens of req's prompt that admission would find cached in the local tiers now; changes no
+        counter, lock or copy (the match is the one admission uses)."""
+        match = self._lookup(req)
+        return match.cached_tokens if match is not None else 0
 
     def tree_metrics(self) -> dict | None:
-        """The radix tree's counters (None without a tree)."""
-        return self.tree.metrics() if self.tree is not None else None
+        """The radix tree's counters (None without the prefix cache)."""
+        return self.tree.metrics() if self.shares_prefixes else None
 
 
-def _path(node) -> Iterable:
+def _path(node: TreeNode | None) -> Iterable[TreeNode]:
     """node, its parent, ... up to (not including) the root; nothing for None."""
     while node is not None and not node.is_root:
         yield node
         node = node.parent
 
 
-def _unlocked_device_tokens(node) -> int:
+def _unlocked_device_tokens(node: TreeNode | None) -> int:
     """Device tokens on the path root..node that no lock protects yet."""
     tokens = 0
     for n in _path(node):
@@ -535,46 +529,3 @@ def _unlocked_device_tokens(node) -> int:
         tokens += n.device_tokens
     return tokens
 
-
-def build_cache_stack(args, allocator: PageAllocator, device_pool, model_path: str = "") -> CacheStack | None:
-    """The tree and tiers the settings ask for: none, device only, device+host, or device+host+storage."""
-    if args.disable_radix_cache:
-        return None
-    tree = RadixTree(allocator.page_size, eviction_policy=args.radix_eviction_policy)
-    tiers: list = [DeviceTier(tree, allocator)]
-    if not args.enable_hierarchical_cache:
-        return CacheStack(tree, tiers)
-    from kvstrata.cache.cache_controller import CacheController
-    from kvstrata.cache.host_tier import HostTier
-    from kvstrata.cache.write_policy import write_policy
-    from kvstrata.memory.host_pool import HostKVPool
-
-    host_pages = HostKVPool.size_pages(device_pool, args.hicache_ratio, args.hicache_size)
-    host_pool = HostKVPool(device_pool, host_pages, layout=args.hicache_mem_layout)
-    tiers.append(HostTier(tree, host_pool, CacheController(device_pool, host_pool),
-                          write_policy(args.hicache_write_policy)))
-    if args.hicache_storage_backend:
-        tiers.append(_storage_tier(args, tree, host_pool, device_pool, model_path))
-    return CacheStack(tree, tiers)
-
-
-def _storage_tier(args, tree: RadixTree, host_pool, device_pool, model_path: str):
-    from kvstrata.cache.storage_io import StorageIO, kv_namespace
-    from kvstrata.cache.storage_tier import StorageTier
-    from kvstrata.storage.base import create_backend
-
-    group_pages = args.storage_group_pages()
-    backend = create_backend(args.hicache_storage_backend, group_pages * host_pool.page_bytes,
-                             args.storage_extra_config(), storage_dir=args.hicache_storage_dir)
-    # An object's bytes are its pages' in order, so the group size is part of the namespace.
-    namespace = kv_namespace(model_path, str(device_pool.dtype), tree.page_size, f"group_pages={group_pages}")
-    return StorageTier(tree, StorageIO(backend, host_pool, group_pages), namespace)
-
-
-def build_host_snapshot(args, device_pool, model_path: str) -> HostSnapshot | None:
-    """The L2 snapshot --hicache-snapshot-path asks for (None: off)."""
-    if not args.hicache_snapshot_path:
-        return None
-    from kvstrata.cache.host_snapshot import HostSnapshot
-
-    return HostSnapshot.for_engine(args.hicache_snapshot_path, model_path, str(device_pool.dtype), args.page_size)

@@ -17,6 +17,9 @@ Ownership handshake of `insert` (the caller owns `slots`):
     the pages of slots[n:aligned] become the tree's (an off-device node on the path adopts them).
 Lock refs: locking a node increments it and all its ancestors, so node.lock_ref >= sum of its children's.
 A locked node is protected; the others count as evictable. Sizes count device tokens.
+Version stamp: `version` changes whenever a match could answer differently (a node added, split or removed,
+device slots set or cleared, a host copy made ready or dropped: the host tier calls `mark_changed`), so a
+match may be memoised until it moves (KVHandle.match). Locks and access times do not move it.
 """
 
 from __future__ import annotations
@@ -146,6 +149,7 @@ class RadixTree:
         self._tokens_requested = 0
         self._tokens_hit = 0
         self.evicted_tokens = 0   # advanced by the device tier
+        self.version = 0          # see the module docstring: bumped by every change a match could see
 
     # ---- match / insert -------------------------------------------------------------------------------
 
@@ -153,16 +157,22 @@ class RadixTree:
         """Longest cached whole-page prefix of `token_ids` (device part + host continuation); splits a node
         the match ends inside.
 
-        record=True refreshes access time and hit count on the path and counts the look-up in metrics;
-        record=False (planning, scheduling order, re-match after insert) changes no counter.
+        record=True counts the look-up (record_match); record=False (planning, scheduling order, re-match
+        after insert) changes no counter.
         """
         key = self._aligned_key(token_ids)
-        if record:
-            self._tokens_requested += len(token_ids)
         root = self._roots.get(namespace)
         if root is None:  # an unseen namespace: answer without registering a root for it
-            return TreeMatch(self._empty_slots(), self._new_node(None, (), None, namespace=namespace))
-        device_node, parts, host_nodes, tick = root, [], [], next(self._clock)
+            match = TreeMatch(self._empty_slots(), self._new_node(None, (), None, namespace=namespace))
+        else:
+            match = self._match_walk(root, key)
+        if record:
+            self.record_match(match, len(token_ids))
+        return match
+
+    def _match_walk(self, root: TreeNode, key: Key) -> TreeMatch:
+        """The one match walk: device nodes along key, then the host-only nodes that continue them."""
+        device_node, parts, host_nodes = root, [], []
         for child in self._walk(root, key):
             if child.device_slots is not None and not host_nodes:
                 parts.append(child.device_slots)
@@ -171,11 +181,21 @@ class RadixTree:
                 host_nodes.append(child)
             else:
                 break
-            if record:
-                child.last_access = tick
-                child.hit_count += 1
-                self._tokens_hit += len(child.key)
         return TreeMatch(torch.cat(parts) if parts else self._empty_slots(), device_node, host_nodes)
+
+    def record_match(self, match: TreeMatch, requested_tokens: int) -> None:
+        """Count a look-up of `requested_tokens` that found `match`: refresh access time and hit count of
+        its nodes, and add to the hit-rate metrics."""
+        self._tokens_requested += requested_tokens
+        tick, node = next(self._clock), match.last_node
+        path = []
+        while not node.is_root:
+            path.append(node)
+            node = node.parent
+        for node in path + match.host_nodes:
+            node.last_access = tick
+            node.hit_count += 1
+            self._tokens_hit += len(node.key)
 
     def insert(self, token_ids: list[int], slots: torch.Tensor, namespace: str | None = None,
                priority: int = 0) -> tuple[int, TreeNode | None]:
@@ -260,6 +280,7 @@ class RadixTree:
 
     def set_device_slots(self, node: TreeNode, slots: torch.Tensor) -> None:
         """Record that `node`'s tokens are now in device `slots`."""
+        self.version += 1
         node.device_slots = slots.to(self.device)
         if node.lock_ref > 0:
             self._protected_tokens += node.device_tokens
@@ -273,13 +294,19 @@ class RadixTree:
             return None
         if node.lock_ref > 0:
             raise RuntimeError(f"dropping device pages of locked {node}")
+        self.version += 1
         self._evictable_tokens -= node.device_tokens
         node.device_slots = None
         return slots
 
+    def mark_changed(self) -> None:
+        """A tier changed residency the tree does not see (a host copy made ready or dropped)."""
+        self.version += 1
+
     def remove_leaf(self, node: TreeNode) -> None:
         """Unhang a childless node that holds nothing on the device any more."""
         assert not node.children and node.device_slots is None, f"remove_leaf: {node} still holds data"
+        self.version += 1
         parent = node.parent
         del parent.children[node.key[:self.page_size]]
         if parent.is_root and not parent.children and parent.namespace is not None:
@@ -308,6 +335,7 @@ class RadixTree:
         for node in self.nodes():
             self.clear_device_slots(node)
         self._roots.clear()
+        self.version += 1
 
     # ---- sizes, metrics, inspection -------------------------------------------------------------------
 
@@ -438,6 +466,7 @@ class RadixTree:
     def _split(self, child: TreeNode, n: int) -> TreeNode:
         """Cut `child` after n tokens; the new upper node takes the head of every residency record."""
         ps, k = self.page_size, n // self.page_size   # k: pages in the head
+        self.version += 1
         head_slots = None if child.device_slots is None else child.device_slots[:n]
         head = self._new_node(child.parent, child.key[:n], head_slots, child.priority)
         head.lock_ref, head.hit_count = child.lock_ref, child.hit_count  # same locks: same descendants
@@ -461,6 +490,7 @@ class RadixTree:
     def _add_leaf(self, parent: TreeNode, key: Key, slots: torch.Tensor | None, priority: int) -> TreeNode:
         leaf = self._new_node(parent, key, slots, priority)
         parent.children[key[:self.page_size]] = leaf
+        self.version += 1
         self._evictable_tokens += leaf.device_tokens
         return leaf
 

@@ -17,11 +17,13 @@ from __future__ import annotations
 import logging
 import time
 from collections import Counter
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
+from typing import NamedTuple
 
 from kvstrata.cache.page_hash import page_keys, request_namespace
-from kvstrata.cache.radix_tree import RadixTree, StorageCopy, TreeNode, require
+from kvstrata.cache.radix_tree import RadixTree, StorageCopy, TreeMatch, TreeNode, require
 from kvstrata.cache.storage_io import PREFETCH, StorageIO, StorageOp
+from kvstrata.cache.tier import HostPages
 
 logger = logging.getLogger(__name__)
 
@@ -33,51 +35,33 @@ PREFETCH_MAX_INFLIGHT_FRACTION = 0.75   # prefetches in flight may hold at most 
 PREFETCH_GRACE_S = 0.004
 
 
+class PrefetchStart(NamedTuple):
+    """What StorageTier.prefetch did: the read it started, or why it started none."""
+
+    op: StorageOp | None
+    skipped: str | None = None     # "nothing_to_fetch", "too_short", "rate_limited", "not_stored", "host_full"
+
+
 class StorageTier:
-    """L3: backup of host copies and prefetch into the host tier (`above`, a HostTier)."""
+    """L3: backup of host copies and prefetch into the host tier, reached through its HostPages verbs."""
 
     name = "storage"
 
-    def __init__(self, tree: RadixTree, io: StorageIO, storage_namespace: str):
+    def __init__(self, tree: RadixTree, io: StorageIO, storage_namespace: str, host: HostPages):
         self.tree = tree
         self.io = io
+        self.host = host       # L2: the tier whose pages L3 writes from and reads into
         self.group_tokens = io.group_pages * tree.page_size   # tokens per L3 object
         self.storage_namespace = storage_namespace
-        self.above = None      # the HostTier, set by the facade
-        self.below = None
         self._writes: dict[int, tuple[TreeNode, list[int]]] = {}   # write op id -> (its node, pinned pages)
         self._prefetches: dict[int, StorageOp] = {}      # in-flight prefetches (they hold host pages)
         self._prefetch_inflight_pages = 0
-        self.last_skip_reason: str | None = None   # why the latest prefetch() returned None
         self.prefetch_skipped: Counter = Counter()
         self.stats = {"prefetch_requests": 0, "prefetched_tokens": 0, "prefetch_attached_tokens": 0,
                       "storage_hit_tokens": 0, "storage_backup_pages": 0}
 
-    # ---- protocol -------------------------------------------------------------------------------------
-
-    def holds(self, node: TreeNode) -> bool:
-        """Whether node's pages are written to L3."""
-        return node.storage is not None and node.storage.backed
-
-    def can_take(self, num_pages: int) -> bool:
-        """The backend evicts on its own: a write is always worth trying."""
-        return True
-
-    def drop(self, node: TreeNode) -> None:
-        """L3 is shared with other processes: a node leaving the tree leaves its pages there."""
-
-    def drop_subtree(self, node: TreeNode) -> None:
-        """Nothing to remove: see drop."""
-
-    def accept_demotion(self, node: TreeNode) -> None:
-        """Pages reach L3 through the host tier, never straight from the device."""
-
-    def eviction_candidates(self) -> Iterator[TreeNode]:
-        """None: the backend does its own eviction."""
-        return iter(())
-
     def reset(self) -> None:
-        """L3 keeps its pages across a flush."""
+        """L3 is shared with other processes and keeps its pages across a flush."""
 
     # ---- keys -------------------------------------------------------------------------------------------
 
@@ -156,11 +140,11 @@ class StorageTier:
             up, reach = node.parent, self.group_tokens
             while not up.is_root and reach > 0:
                 if not up.host_ready and up.host is None and up.device_slots is not None:
-                    self.above.backup(up)
+                    self.host.backup(up)
                 reach -= len(up.key)
                 up = up.parent
             return
-        self.above.pin(pages)
+        self.host.pin(pages)
         op = self.io.submit_backup(record.keys, pages, node)
         record.op_id = op.op_id
         self._writes[op.op_id] = (node, pages)
@@ -188,21 +172,21 @@ class StorageTier:
 
     # ---- prefetch from L3 ---------------------------------------------------------------------------------
 
-    def prefetch(self, token_ids: list[int], namespace: str | None = None) -> StorageOp | None:
-        """Start reading from L3 the groups of `token_ids` that neither device nor host holds (None: skipped).
+    def prefetch(self, token_ids: list[int], namespace: str | None, match: TreeMatch) -> PrefetchStart:
+        """Start reading from L3 the groups of `token_ids` that neither device nor host holds; `match` is
+        the tree's match of `token_ids` now.
 
         Reading starts at the group the cached prefix ends in; its cached head is dropped on arrival.
         """
         self.stats["prefetch_requests"] += 1
-        gt, host = self.group_tokens, self.above
-        match = self.tree.match_prefix(token_ids, namespace, record=False)
+        gt, host = self.group_tokens, self.host
         first, count = match.cached_tokens // gt, len(token_ids) // gt
         if count * gt <= match.cached_tokens:
             return self._skip("nothing_to_fetch")
         if count - first < PREFETCH_MIN_GROUPS:
             return self._skip("too_short")
         missing = (count - first) * self.io.group_pages
-        limit = int(host.allocator.capacity_pages * PREFETCH_MAX_INFLIGHT_FRACTION)
+        limit = int(host.capacity_pages * PREFETCH_MAX_INFLIGHT_FRACTION)
         if self._prefetch_inflight_pages + missing > limit:
             return self._skip("rate_limited")
         anchor = match.host_nodes[-1] if match.host_nodes else match.last_node
@@ -221,15 +205,13 @@ class StorageTier:
             self.tree.dec_lock_ref(anchor)
             return self._skip("host_full")
         self._prefetch_inflight_pages += missing
-        self.last_skip_reason = None
         op = self.io.submit_prefetch(keys, pages, (tokens, namespace, first * gt, anchor))
         self._prefetches[op.op_id] = op
-        return op
+        return PrefetchStart(op)
 
-    def _skip(self, reason: str) -> None:
+    def _skip(self, reason: str) -> PrefetchStart:
         self.prefetch_skipped[reason] += 1
-        self.last_skip_reason = reason
-        return None
+        return PrefetchStart(None, reason)
 
     def await_fresh_prefetches(self) -> None:
         """Wait (at most PREFETCH_GRACE_S after each was submitted) for prefetches submitted moments ago."""
@@ -253,7 +235,7 @@ class StorageTier:
                 self._attach(op)
                 continue
             node, pages = self._writes.pop(op.op_id)
-            self.above.unpin(pages)
+            self.host.unpin(pages)
             # The node and the ancestors split off it while the write was in flight share the op.
             while node is not None and not node.is_root and node.storage is not None \
                     and node.storage.op_id == op.op_id:
@@ -265,9 +247,9 @@ class StorageTier:
         """Hand the fetched pages to the host tier under their prefix; free the ones not read."""
         tokens, namespace, start, anchor = op.tag
         self.tree.dec_lock_ref(anchor)
-        host = self.above
+        host = self.host
         fetched = op.done * self.io.group_pages
-        host.allocator.free(op.host_pages[fetched:])
+        host.free(op.host_pages[fetched:])
         leaf = host.insert_host_pages(tokens, op.host_pages[:fetched], namespace, start) if fetched else None
         if leaf is None:
             return

@@ -1,51 +1,38 @@
-"""The tier protocol: what every level of the cache stack (device, host, storage) answers.
+"""The seams of the cache stack: the lifecycle every tier answers, and what L3 asks of L2.
 
-The tiers form an ordered list, fastest first; each knows the tier below it (`below`, None for the last)
-and is told the one above (`above`). The radix tree records residency on its nodes; a tier reads and
+A page goes down the chain device (L1) -> host (L2) -> storage (L3), and each tier holds the one below it
+as a typed constructor argument:
+
+    DeviceTier(tree, allocator, host: HostTier | None)     demotes to, and removes through, the host tier
+    HostTier(..., storage: builds StorageTier | None)      offers each completed host copy to L3
+    StorageTier(tree, io, namespace, host: HostPages)      reserves, pins and fills host pages through L2
+
+L3 reaches L2 only through the small HostPages protocol below (the host tier satisfies it), so the
+storage tier knows nothing else of the host tier. The radix tree records residency on its nodes; a tier
 writes only its own record. Copies a tier starts are acknowledged in `apply_acks`, which the facade calls
 once per step (begin_step) and nowhere else.
-
-Beyond this protocol, neighbours call each other's data-path verbs: the host tier offers the storage
-tier every completed host copy (`on_host_ready`), and the storage tier reserves, pins and inserts host
-pages through the host tier (`alloc`, `pin` / `unpin`, `insert_host_pages`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from typing import Protocol
 
 from kvstrata.cache.radix_tree import TreeNode
 
 
 class Tier(Protocol):
-    """One level of the cache stack."""
+    """The lifecycle of one level of the cache stack (the facade loops over the tiers with these)."""
 
     name: str                     # "device", "host" or "storage": the label of its hit counter
-    above: Tier | None
-    below: Tier | None
-
-    def holds(self, node: TreeNode) -> bool:
-        """Whether this tier holds a complete copy of `node`'s pages."""
-
-    def can_take(self, num_pages: int) -> bool:
-        """Whether `num_pages` more pages fit now (free, or obtainable by evicting)."""
-
-    def drop(self, node: TreeNode) -> None:
-        """Give up this tier's copy of `node` (never one that is in use or in flight)."""
-
-    def drop_subtree(self, node: TreeNode) -> None:
-        """Remove `node` and its descendants, which live only in this tier and below (their ancestor on
-        the tier above is being removed)."""
-
-    def accept_demotion(self, node: TreeNode) -> None:
-        """The tier above is about to drop `node`: copy it down now if this tier's policy says so."""
-
-    def eviction_candidates(self) -> Iterator[TreeNode]:
-        """Nodes whose copy in this tier may go now, in policy order."""
 
     def apply_acks(self) -> None:
         """Apply this tier's completed copies (the facade calls it once per step)."""
+
+    def wait_idle(self) -> None:
+        """Wait for this tier's in-flight copies and apply them (shutdown and flush only)."""
+
+    def reset(self) -> None:
+        """Give up every page this tier holds (flush; nothing running, nothing in flight)."""
 
     def check_integrity(self) -> None:
         """Raise AssertionError naming the first broken invariant of this tier's pages."""
@@ -55,3 +42,30 @@ class Tier(Protocol):
 
     def close(self) -> None:
         """Finish in-flight work and stop workers."""
+
+
+class HostPages(Protocol):
+    """The host tier's verbs the storage tier uses: host pages for prefetches, and their pinning by writes."""
+
+    @property
+    def capacity_pages(self) -> int:
+        """Allocatable host pages."""
+
+    def alloc(self, num_pages: int) -> list[int] | None:
+        """`num_pages` host pages, evicting host copies for them; None if there is not enough room."""
+
+    def free(self, pages: list[int]) -> None:
+        """Give back host pages that nothing holds (a prefetch's unread ones)."""
+
+    def pin(self, pages: list[int]) -> None:
+        """An L3 write will read `pages`: they stay allocated until it unpins them."""
+
+    def unpin(self, pages: list[int]) -> None:
+        """An L3 write that read `pages` finished."""
+
+    def backup(self, node: TreeNode) -> bool:
+        """Start copying a device node to the host (an L3 group that begins in it waits for it)."""
+
+    def insert_host_pages(self, token_ids: list[int], host_pages: list[int], namespace: str | None = None,
+                          start: int = 0) -> TreeNode | None:
+        """Hang host pages holding the KV of `token_ids` under their cached path, as one host-only node."""

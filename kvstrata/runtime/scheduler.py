@@ -16,9 +16,7 @@ from typing import Optional
 import torch
 
 from kvstrata.args import ServerArgs
-from kvstrata.cache.manager import KVCacheManager, build_cache_stack, build_host_snapshot
-from kvstrata.memory.allocator import PageAllocator
-from kvstrata.memory.req_slots import ReqSlotTable
+from kvstrata.cache.build import build_kv_cache
 from kvstrata.runtime.batch import BatchEntry, ScheduledBatch, StepResult
 from kvstrata.runtime.disagg_hooks import add_bootstrapped, create_handoff
 from kvstrata.runtime.messages import ControlOut, ReqOutput, TokenizedGenerateReq
@@ -43,14 +41,7 @@ class Scheduler:
         self.runner = runner or ModelRunner(args)
         self.page_size = args.page_size
         self.context_len = self.runner.context_len
-        pool = self.runner.pool
-        allocator = PageAllocator(pool.num_pages, args.page_size)
-        slot_table = ReqSlotTable(args.max_running_requests + 1, self.context_len + args.page_size,
-                                  device=self.runner.device)
-        stack = build_cache_stack(args, allocator, pool, self.runner.model_path)
-        self.cache = KVCacheManager(allocator, slot_table, stack, args.hicache_storage_prefetch_policy,
-                                    host_snapshot=build_host_snapshot(args, pool, self.runner.model_path),
-                                    spare_tokens=args.kv_run_spare_tokens)
+        self.cache = build_kv_cache(args.cache_config(), self.runner.pool, self.runner.model_path, self.context_len)
         self.stop = StopChecker(args.tokenizer_path, self.runner.config.eos_token_ids)
         self.waiting: list[Req] = []
         self.running: list[Req] = []
@@ -237,7 +228,7 @@ class Scheduler:
         request never pauses another and nothing is paused while one waits. Victims are the decoding
         requests with the most tokens left (they would hold the pool longest); they wait behind it.
         """
-        if not self.args.preempt_for_first_token or self.cache.host is None or self.handoff is not None:
+        if not self.args.preempt_for_first_token or not self.cache.has_host_tier or self.handoff is not None:
             return
         if not self.waiting or any(r.paused_for is not None for r in self.waiting):
             return

@@ -1,18 +1,20 @@
-"""The radix tree with its device tier, composed as the cache facade composes them, for tree-level tests."""
+"""The radix tree with its device tier, built by build_kv_cache (device tier only), for tree-level tests."""
 
 from __future__ import annotations
 
-from kvstrata.cache.device_tier import DeviceTier
-from kvstrata.cache.radix_tree import RadixTree
-from kvstrata.memory.allocator import PageAllocator
+from tests.cache.stack import make_cache
 
 
 class L1:
-    """Tree verbs (match, insert, lock, sizes) plus the device tier's eviction, reset and page listing."""
+    """Tree verbs (match, insert, lock, sizes) plus the device tier's eviction, reset and page listing.
 
-    def __init__(self, allocator: PageAllocator, page_size: int, policy: str = "lru"):
-        self.tree = RadixTree(page_size, policy)
-        self.device = DeviceTier(self.tree, allocator)
+    `allocator` is the cache's own: tests take slots from it by hand, as a running request would."""
+
+    def __init__(self, num_pages: int, page_size: int, policy: str = "lru"):
+        manager = make_cache(page_size, num_pages, radix_eviction_policy=policy)[0]
+        self.allocator = manager.allocator
+        self.tree = manager.tree
+        self.device = manager.device
 
     def __getattr__(self, name: str):
         return getattr(self.tree, name)

@@ -7,24 +7,16 @@ the host-side last slot (which spares a decode step a device read) always equals
 from __future__ import annotations
 
 import pytest
-import torch
 
-from kvstrata.args import ServerArgs
-from kvstrata.cache.manager import KVCacheManager, build_cache_stack
-from kvstrata.memory.allocator import PageAllocator
-from kvstrata.memory.device_pool import DeviceKVPool
-from kvstrata.memory.req_slots import ReqSlotTable
+from kvstrata.cache.manager import KVCacheManager
 from kvstrata.runtime.req import Req
 from kvstrata.runtime.sampling_params import SamplingParams
+from tests.cache.stack import make_cache
 
 
 def make_manager(page_size: int, device_pages: int, context: int = 128, **fields) -> KVCacheManager:
     """A cache facade over a small CPU pool; `fields`: ServerArgs fields (tiers, --kv-run-spare-tokens)."""
-    args = ServerArgs(page_size=page_size, **fields)
-    pool = DeviceKVPool(device_pages, page_size, 2, 1, 2, torch.float32, "cpu")
-    allocator = PageAllocator(device_pages, page_size)
-    return KVCacheManager(allocator, ReqSlotTable(8, context), build_cache_stack(args, allocator, pool),
-                          spare_tokens=args.kv_run_spare_tokens)
+    return make_cache(page_size, device_pages, context, **fields)[0]
 
 
 def new_req(rid: str, tokens: list[int]) -> Req:

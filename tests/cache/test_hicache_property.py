@@ -10,19 +10,14 @@ from __future__ import annotations
 import zlib
 
 import pytest
-import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvstrata.args import ServerArgs
-from kvstrata.cache.manager import KVCacheManager, build_cache_stack
-from kvstrata.memory.allocator import PageAllocator
+from kvstrata.cache.manager import KVCacheManager
 from kvstrata.memory.device_pool import DeviceKVPool
-from kvstrata.memory.req_slots import ReqSlotTable
 from kvstrata.runtime.req import Req
 from kvstrata.runtime.sampling_params import SamplingParams
-
-LAYERS = 2
+from tests.cache.stack import LAYERS, make_cache
 
 
 def kv_value(tokens: list[int]) -> float:
@@ -30,12 +25,9 @@ def kv_value(tokens: list[int]) -> float:
     return float(zlib.crc32(bytes(tokens)) % 10007)
 
 
-def make_manager(policy: str, page_size: int, device_pages: int, host_ratio: float) -> KVCacheManager:
-    args = ServerArgs(enable_hierarchical_cache=True, hicache_write_policy=policy, page_size=page_size,
-                      hicache_ratio=host_ratio)
-    pool = DeviceKVPool(device_pages, page_size, LAYERS, 1, 2, torch.float32, "cpu")
-    allocator = PageAllocator(device_pages, page_size)
-    return KVCacheManager(allocator, ReqSlotTable(16, 64), build_cache_stack(args, allocator, pool)), pool
+def make_manager(policy: str, page_size: int, device_pages: int, host_ratio: float) -> tuple:
+    return make_cache(page_size, device_pages, 64, enable_hierarchical_cache=True, hicache_write_policy=policy,
+                      hicache_ratio=host_ratio, max_running_requests=15)
 
 
 def compute(manager: KVCacheManager, pool: DeviceKVPool, req: Req) -> None:

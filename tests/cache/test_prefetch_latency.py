@@ -81,10 +81,10 @@ def test_a_step_waits_for_a_fresh_prefetch(tmp_path, monkeypatch):
     _remote_lookups(manager, monkeypatch)
     try:
         nxt = follow_up_after_history(manager)
-        assert nxt.kv.prefetch_op is not None
+        assert not manager.prefetch_settled(nxt)         # a lookup is in flight
         started = time.monotonic()
         manager.begin_step()                             # the step that follows the arrival ...
-        assert nxt.kv.prefetch_op.applied                # ... starts only once the lookup has answered
+        assert manager.prefetch_settled(nxt)             # ... starts only once the lookup has answered
         assert time.monotonic() - started < 10           # and not a grace period later
         assert manager.prefetch_ready(nxt)
     finally:
@@ -106,11 +106,11 @@ def test_a_slow_prefetch_holds_a_step_only_for_the_grace_period(tmp_path, monkey
         manager.begin_step()
         waited = time.monotonic() - started
         assert 0.1 <= waited < 5, f"the step waited {waited:.3f} s for a lookup that does not answer"
-        assert not req.kv.prefetch_op.applied and not manager.prefetch_ready(req)   # still waiting, per policy
+        assert not manager.prefetch_settled(req) and not manager.prefetch_ready(req)   # still waiting, per policy
         gate.set()
         settle(manager)
         manager.begin_step()
-        assert req.kv.prefetch_op.applied and manager.prefetch_ready(req)
+        assert manager.prefetch_settled(req) and manager.prefetch_ready(req)
     finally:
         gate.set()
         manager.close()
@@ -123,8 +123,8 @@ def test_a_local_miss_is_skipped_without_a_lookup_or_host_pages(tmp_path):
         host = manager.host
         free, evicted = host.allocator.free_pages, host.stats["host_evicted_pages"]
         manager.start_prefetch(nxt)                     # the question is not in L3: a stat says so at once
-        assert nxt.kv.prefetch_op is None and not nxt.kv.prefetch_retry
-        assert manager.storage.last_skip_reason == "not_stored"
+        assert manager.prefetch_settled(nxt)            # no read started, none to retry ...
+        assert manager.stats()["hicache"]["prefetch_skipped"] == {"not_stored": 1}   # ... because of the stat
         assert manager.prefetch_ready(nxt)              # nothing to wait for, not even a step
         # No host pages taken (so none evicted) for a read that could only miss, and no worker round trip.
         assert (host.allocator.free_pages, host.stats["host_evicted_pages"]) == (free, evicted)
@@ -141,9 +141,10 @@ def test_a_stored_prefix_is_still_read_from_l3(tmp_path):
         manager.device.evict(manager.tree.total_size())
         manager.host.evict(manager.host.allocator.capacity_pages)   # now only L3 has the history
         manager.start_prefetch(nxt)
-        assert nxt.kv.prefetch_op is not None            # its first object is stored: read on the worker
+        assert not manager.prefetch_settled(nxt)         # its first object is stored: read on the worker
         settle(manager)
         manager.begin_step()
-        assert nxt.kv.prefetch_op.applied and nxt.kv.prefetch_op.done > 0 and manager.prefetch_ready(nxt)
+        assert manager.prefetch_settled(nxt) and manager.prefetch_ready(nxt)
+        assert manager.stats()["hicache"]["prefetched_tokens"] > 0
     finally:
         manager.close()

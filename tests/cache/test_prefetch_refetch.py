@@ -8,30 +8,21 @@ admitting the request with a shorter hit.
 
 from __future__ import annotations
 
-import torch
-
-from kvstrata.args import ServerArgs
-from kvstrata.cache.manager import KVCacheManager, build_cache_stack
-from kvstrata.memory.allocator import PageAllocator
-from kvstrata.memory.device_pool import DeviceKVPool
-from kvstrata.memory.req_slots import ReqSlotTable
+from kvstrata.cache.manager import KVCacheManager
 from kvstrata.runtime.req import Req
 from kvstrata.runtime.sampling_params import SamplingParams
+from tests.cache.stack import make_cache
 
 PAGE = 4
 DEVICE_PAGES = 33
 
 
 def make_manager(storage_dir) -> KVCacheManager:
-    args = ServerArgs(enable_hierarchical_cache=True, page_size=PAGE, hicache_ratio=2.0,
-                      hicache_storage_backend="file", hicache_storage_dir=str(storage_dir),
-                      hicache_storage_page_tokens=PAGE)
-    pool = DeviceKVPool(DEVICE_PAGES, PAGE, 2, 1, 2, torch.float32, "cpu")
-    allocator = PageAllocator(DEVICE_PAGES, PAGE)
     model_dir = storage_dir / "model"              # names the L3 namespace; no weights are needed
     model_dir.mkdir(exist_ok=True)
-    return KVCacheManager(allocator, ReqSlotTable(8, 128), build_cache_stack(args, allocator, pool, str(model_dir)),
-                          prefetch_policy="timeout")
+    return make_cache(PAGE, DEVICE_PAGES, model_dir=str(model_dir), enable_hierarchical_cache=True, hicache_ratio=2.0,
+                      hicache_storage_backend="file", hicache_storage_dir=str(storage_dir),
+                      hicache_storage_page_tokens=PAGE, hicache_storage_prefetch_policy="timeout")[0]
 
 
 def serve(manager: KVCacheManager, req: Req) -> None:
@@ -78,8 +69,10 @@ def test_pages_evicted_from_l2_while_waiting_come_back_from_l3(tmp_path):
         assert not manager.prefetch_ready(nxt)           # the history is re-read from L3 ...
         settle(manager)
         assert manager.prefetch_ready(nxt)
-        assert manager.admit(nxt)
-        assert nxt.kv_len == HISTORY_TOKENS and nxt.kv.tier_hits == (0, 0, HISTORY_TOKENS)   # ... and hit in full
+        plan = manager.plan_admit(nxt, budget=64)
+        assert plan is not None and manager.admit(nxt, plan)
+        assert nxt.kv_len == HISTORY_TOKENS                                                  # ... and hit in full
+        assert manager.metrics == {"device_hit_tokens": 0, "host_hit_tokens": 0, "storage_hit_tokens": HISTORY_TOKENS}
         assert manager.stats()["l3_refetches"] == 1
         manager.release(nxt, cache=False)
         manager.check_integrity([])

@@ -6,13 +6,14 @@ import pytest
 import torch
 
 from kvstrata.cache.integrity import check_slot_accounting
+from kvstrata.cache.radix_tree import RadixTree
 from kvstrata.memory.allocator import PageAllocator
 from tests.cache.l1 import L1 as RadixCache
 
 
 def make_cache(page_size: int = 1, num_pages: int = 64, policy: str = "lru") -> tuple[PageAllocator, RadixCache]:
-    allocator = PageAllocator(num_pages, page_size)
-    return allocator, RadixCache(allocator, page_size, policy)
+    cache = RadixCache(num_pages, page_size, policy)
+    return cache.allocator, cache
 
 
 def new_slots(allocator: PageAllocator, num_tokens: int) -> torch.Tensor:
@@ -218,7 +219,7 @@ def test_insert_rejects_bad_slots():
     with pytest.raises(ValueError, match="slots for"):
         cache.insert([1, 2, 3, 4], torch.tensor([4, 5]))
     with pytest.raises(ValueError, match="unknown radix eviction policy"):
-        RadixCache(allocator, 4, "random")
+        RadixTree(4, "random")
     assert cache.insert([1, 2, 3], torch.tensor([4, 5, 6])) == 0 and cache.total_size() == 0
 
 

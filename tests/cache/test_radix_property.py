@@ -20,7 +20,6 @@ from kvstrata.cache.eviction import EVICTION_POLICIES
 from kvstrata.cache.integrity import check_slot_accounting
 from kvstrata.cache.radix_tree import TreeMatch as MatchResult
 from kvstrata.cache.radix_tree import TreeNode
-from kvstrata.memory.allocator import PageAllocator
 from tests.cache.l1 import L1 as RadixCache
 
 MAX_TOKENS = 16
@@ -47,8 +46,8 @@ class RadixMachine(RuleBasedStateMachine):
     @initialize(page_size=st.sampled_from([1, 4]), policy=st.sampled_from(sorted(EVICTION_POLICIES)))
     def setup(self, page_size: int, policy: str) -> None:
         self.ps = page_size
-        self.allocator = PageAllocator(32 if page_size == 1 else 12, page_size)  # small: forces eviction
-        self.cache = RadixCache(self.allocator, page_size, policy)
+        self.cache = RadixCache(32 if page_size == 1 else 12, page_size, policy)  # small: forces eviction
+        self.allocator = self.cache.allocator
         self.ref: dict[tuple, int] = {}
         self.running: list[Running] = []
         self.known: list[list[int]] = [[]]

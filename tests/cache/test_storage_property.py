@@ -13,15 +13,12 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvstrata.args import ServerArgs
-from kvstrata.cache.manager import KVCacheManager, build_cache_stack
+from kvstrata.cache.manager import KVCacheManager
 from kvstrata.cache.page_hash import page_keys
-from kvstrata.memory.allocator import PageAllocator
-from kvstrata.memory.device_pool import DeviceKVPool
-from kvstrata.memory.req_slots import ReqSlotTable
 from kvstrata.runtime.req import Req
 from kvstrata.runtime.sampling_params import SamplingParams
-from tests.cache.test_hicache_property import LAYERS, compute
+from tests.cache.stack import make_cache
+from tests.cache.test_hicache_property import compute
 
 # Prompts share long prefixes (one of a few bases, then a short tail), so arrivals find pages in L3.
 BASES = [[1 + (i * j) % 3 for j in range(20)] for i in range(1, 4)]
@@ -33,14 +30,10 @@ ops = st.lists(st.tuples(st.sampled_from(["start", "start", "arrive", "arrive", 
 
 
 def make_manager(policy: str, page_size: int, storage_dir: str, group_tokens: int) -> tuple:
-    args = ServerArgs(enable_hierarchical_cache=True, hicache_write_policy=policy, page_size=page_size,
-                      hicache_ratio=2.5, hicache_storage_backend="file", hicache_storage_dir=storage_dir,
+    return make_cache(page_size, 48 // page_size + 1, 64, model_dir=storage_dir, max_running_requests=15,
+                      enable_hierarchical_cache=True, hicache_write_policy=policy, hicache_ratio=2.5,
+                      hicache_storage_backend="file", hicache_storage_dir=storage_dir,
                       hicache_storage_prefetch_policy="best_effort", hicache_storage_page_tokens=group_tokens)
-    device_pages = 48 // page_size + 1
-    pool = DeviceKVPool(device_pages, page_size, LAYERS, 1, 2, torch.float32, "cpu")
-    allocator = PageAllocator(device_pages, page_size)
-    stack = build_cache_stack(args, allocator, pool, model_path=storage_dir)
-    return KVCacheManager(allocator, ReqSlotTable(16, 64), stack, "best_effort"), pool
 
 
 GROUP_TOKENS = [4, 8]   # tokens per L3 object: one or several pages (the default 64 exceeds these prompts)
@@ -171,9 +164,10 @@ def test_prefetch_keys_continue_the_cached_chain(tmp_path, page_size, group_toke
         match = tree.match_prefix(prompt, record=False)
         expected = page_keys(prompt, group_tokens, storage._namespace_key(None))[match.cached_tokens // group_tokens:]
         # The file backend checks the first key on the spot: it is not stored, so nothing is submitted.
-        assert storage.prefetch(prompt) is None and looked_up == [expected[:1]] and asked == []
+        assert storage.prefetch(prompt, None, match) == (None, "not_stored")
+        assert looked_up == [expected[:1]] and asked == []
         backend.local_lookup = False                # as a remote store: every key goes to the worker
-        assert storage.prefetch(prompt) is not None
+        assert storage.prefetch(prompt, None, match).op is not None
         assert asked == [expected]
         storage.wait_idle()
     finally:

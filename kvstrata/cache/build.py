@@ -1,0 +1,63 @@
+"""build_kv_cache: the one constructor of the cache stack (the scheduler and the tests call it).
+
+From a CacheConfig, the device KV pool and the model's identity it builds, bottom of the chain last:
+
+    RadixTree --- DeviceTier(tree, allocator, host) --- HostTier(tree, host pool, controller, policy, storage)
+                                                        --- StorageTier(tree, io, namespace, host pages)
+
+and hands them, with the page allocator, the slot table and the L2 snapshot, to the KVCacheManager facade.
+With the prefix cache off the tree is still there, empty: the facade never commits into it.
+"""
+
+from __future__ import annotations
+
+import functools
+
+from kvstrata.cache.config import CacheConfig
+from kvstrata.cache.device_tier import DeviceTier
+from kvstrata.cache.manager import KVCacheManager
+from kvstrata.cache.radix_tree import RadixTree
+from kvstrata.memory.allocator import PageAllocator
+from kvstrata.memory.device_pool import DeviceKVPool
+from kvstrata.memory.req_slots import ReqSlotTable
+
+
+def build_kv_cache(config: CacheConfig, pool: DeviceKVPool, model_id: str, context_len: int) -> KVCacheManager:
+    """The cache facade over `pool` that `config` asks for; `model_id` (the model path) names its L3 and
+    snapshot namespaces; requests hold up to `context_len` tokens."""
+    allocator = PageAllocator(pool.num_pages, config.page_size)
+    slot_table = ReqSlotTable(config.request_rows, context_len + config.page_size, device=pool.device)
+    tree = RadixTree(config.page_size, eviction_policy=config.eviction_policy)
+    host = _host_tier(config, tree, pool, model_id) if config.host_tier else None
+    snapshot = None
+    if host is not None and config.snapshot_path:
+        from kvstrata.cache.host_snapshot import HostSnapshot
+
+        snapshot = HostSnapshot.for_engine(config.snapshot_path, model_id, str(pool.dtype), config.page_size)
+    return KVCacheManager(allocator, slot_table, DeviceTier(tree, allocator, host), config, snapshot)
+
+
+def _host_tier(config: CacheConfig, tree: RadixTree, pool: DeviceKVPool, model_id: str):
+    from kvstrata.cache.cache_controller import CacheController
+    from kvstrata.cache.host_tier import HostTier
+    from kvstrata.cache.write_policy import write_policy
+    from kvstrata.memory.host_pool import HostKVPool
+
+    host_pages = HostKVPool.size_pages(pool, config.host_ratio, config.host_size_gb)
+    host_pool = HostKVPool(pool, host_pages, layout=config.host_layout)
+    storage = _storage_builder(config, tree, host_pool, pool, model_id) if config.storage_backend else None
+    return HostTier(tree, host_pool, CacheController(pool, host_pool), write_policy(config.write_policy), storage)
+
+
+def _storage_builder(config: CacheConfig, tree: RadixTree, host_pool, pool: DeviceKVPool, model_id: str):
+    """How the host tier builds its L3: a StorageTier over the backend, given the host tier's page verbs."""
+    from kvstrata.cache.storage_io import StorageIO, kv_namespace
+    from kvstrata.cache.storage_tier import StorageTier
+    from kvstrata.storage.base import create_backend
+
+    group_pages = config.storage_group_pages
+    backend = create_backend(config.storage_backend, group_pages * host_pool.page_bytes,
+                             config.storage_extra_config, storage_dir=config.storage_dir)
+    # An object's bytes are its pages' in order, so the group size is part of the namespace.
+    namespace = kv_namespace(model_id, str(pool.dtype), tree.page_size, f"group_pages={group_pages}")
+    return functools.partial(StorageTier, tree, StorageIO(backend, host_pool, group_pages), namespace)
