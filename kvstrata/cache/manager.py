@@ -25,7 +25,7 @@ import logging
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -91,7 +91,7 @@ class KVCacheManager:
         self.metrics = {"device_hit_tokens": 0, "host_hit_tokens": 0, "storage_hit_tokens": 0}
         self.refetches = 0              # prefetches re-issued because L1/L2 lost pages a request waited on
         self.host_snapshot = host_snapshot if self.host is not None else None
-        if self.host_snapshot is not None:
+        if self.host_snapshot is not None and self.host is not None:
             self.host_snapshot.load(self.host)
 
     @staticmethod
@@ -185,7 +185,7 @@ class KVCacheManager:
 
     def close(self) -> None:
         """Finish in-flight copies (so the last pages still reach L2/L3), then stop the workers."""
-        if self.host_snapshot is not None:
+        if self.host_snapshot is not None and self.host is not None:
             self.host.wait_idle()
             try:
                 self.host_snapshot.save(self.host)
@@ -214,8 +214,9 @@ class KVCacheManager:
             return None
         match = self._lookup(req)
         device_tokens = match.length if match is not None else 0
-        load = match is not None and match.host_tokens >= LOAD_BACK_MIN_TOKENS   # host_nodes: a host tier
-        host_tokens = match.host_tokens if load else 0
+        host_tokens = match.host_tokens if match is not None else 0     # host_nodes only with a host tier
+        if host_tokens < LOAD_BACK_MIN_TOKENS:
+            host_tokens = 0
         cached = device_tokens + host_tokens
         new_tokens = min(req.fill_len - cached, budget)
         pages = host_tokens // self.page_size + pages_needed(cached, cached + new_tokens, self.page_size)
@@ -477,7 +478,7 @@ class KVCacheManager:
 
     def stats(self) -> dict:
         """Pool occupancy numbers for /server_info."""
-        out = {
+        out: dict[str, Any] = {
             "free_pages": self.allocator.free_pages,
             "capacity_pages": self.allocator.capacity_pages,
             "page_size": self.page_size,
