@@ -115,7 +115,7 @@ def attach_pool(args, pool, transfer: Optional[TransferBackend] = None
 
     `transfer` replaces the engine named by --disaggregation-transfer-backend (unit tests use a loopback one).
     """
-    transfer = transfer or create_transfer(args.disaggregation_transfer_backend, args.host,
+    transfer = transfer or create_transfer(args.disaggregation_transfer_backend, args.disaggregation_host(),
                                            args.disaggregation_ib_device)
     register_pool(transfer, pool)
     return transfer, pool_layout(pool), pool_pointers(pool)
