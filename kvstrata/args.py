@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import ipaddress
 import json
 import os
 import random
@@ -20,6 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from kvstrata.cache.write_policy import WRITE_POLICIES
+from kvstrata.net import is_loopback
 
 
 class ConfigError(ValueError):
@@ -467,16 +467,6 @@ def cpu_has_fast_bf16() -> bool:
 def cpu_has_amx() -> bool:
     """True when the CPU has AMX tiles with bf16 (Intel Xeon, Sapphire Rapids on)."""
     return "amx_bf16" in _cpuinfo()
-
-
-def is_loopback(host: str) -> bool:
-    """Whether `host` names this machine's loopback interface only."""
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host.strip("[]")).is_loopback
-    except ValueError:
-        return False
 
 
 def env_flag(name: str, default: str = "") -> str:

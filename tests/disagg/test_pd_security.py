@@ -12,12 +12,14 @@ import stat
 import time
 
 import psutil
+import pytest
 import zmq
 
 from kvstrata.disagg.messages import KVTransferAbort
 from kvstrata.disagg.wire import FrameCodec
 from kvstrata.server.launch import IPC_PREFIX
 from tests.disagg.conftest import SECRET, generate, greedy, state, wait_for
+from tests.net_probe import answers, outside_ipv4
 
 
 class _Exploit:
@@ -124,6 +126,18 @@ def test_pd_sockets_bind_the_advertised_host_only(pd):
             for c in proc.net_connections("tcp"):
                 if c.status == psutil.CONN_LISTEN and c.laddr.port in (zmq_port, server.port):
                     assert c.laddr.ip == "127.0.0.1", c
+
+
+def test_no_pd_server_port_answers_on_a_non_loopback_address(pd):
+    """Servers bound to 127.0.0.1: HTTP, bootstrap and the transfer engine's ports refuse other interfaces."""
+    outside = outside_ipv4()
+    if outside is None:
+        pytest.skip("this machine has no non-loopback IPv4 address")
+    for server in (pd.prefill, pd.decode):
+        ports = listening_ports(server)
+        assert len(ports) >= 4
+        assert [p for p in sorted(ports) if answers(outside, p)] == []
+        assert all(answers("127.0.0.1", p) for p in ports)
 
 
 def test_scheduler_ipc_directory_and_sockets_are_private(pd):
