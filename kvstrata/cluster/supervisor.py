@@ -257,7 +257,7 @@ class Supervisor:
         cmd = [sys.executable, "-m", "kvstrata.cluster.store_migration", "--master", master, "--metadata",
                metadata, "--admin-url", admin, "--source", source, "--target", target]
         with open(m.log_path, "ab") as log:
-            done = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=log, env=child_env(m.cmd.env | m.cmd.secret_env), timeout=600)
+            done = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=log, env=child_env(m.cmd.env), timeout=600)
         lines = done.stdout.decode(errors="replace").strip().splitlines()
         return lines[-1] if lines else f"migration exited with code {done.returncode} (see {m.log_path})"
 
