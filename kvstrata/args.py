@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from kvstrata.cache.write_policy import WRITE_POLICIES
-from kvstrata.net import is_loopback
+from kvstrata.net import is_ip_literal, is_loopback
 
 
 class ConfigError(ValueError):
@@ -68,6 +68,7 @@ DISAGGREGATION_MODES = ["null", "prefill", "decode"]
 CPU_PREFILL_ADMIT_THRESHOLD = 256
 TRANSFER_BACKENDS = ["mooncake"]
 DISAGGREGATION_SECRET_ENV = "KVSTRATA_DISAGGREGATION_SECRET"
+MIN_SECRET_CHARS = 16
 WILDCARD_HOSTS = ("0.0.0.0", "::", "")
 
 
@@ -394,6 +395,12 @@ class ServerArgs:
             raise ConfigError(f"PD server on {host} (not loopback) needs --disaggregation-secret or "
                               f"${DISAGGREGATION_SECRET_ENV}: without it anyone on the network could forge "
                               f"KV handoffs")
+        if self.disaggregation_secret and len(self.disaggregation_secret) < MIN_SECRET_CHARS:
+            raise ConfigError(f"the PD secret must have at least {MIN_SECRET_CHARS} characters (generate one "
+                              f"with: python -c 'import secrets; print(secrets.token_urlsafe(32))')")
+        if self.disaggregation_advertise_host is not None and not is_ip_literal(self.disaggregation_advertise_host):
+            raise ConfigError(f"--disaggregation-advertise-host must be an IP address (the PD sockets bind it), "
+                              f"got {self.disaggregation_advertise_host!r}")
 
     def _resolve_device(self) -> ServerArgs:
         import torch

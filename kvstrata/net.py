@@ -46,6 +46,15 @@ def _bindable(host: str, port: int) -> bool:
     return True
 
 
+def is_ip_literal(host: str) -> bool:
+    """Whether `host` is an IPv4 or IPv6 address (not a name)."""
+    try:
+        ipaddress.ip_address(host.strip("[]"))
+        return True
+    except ValueError:
+        return False
+
+
 def is_loopback(host: str) -> bool:
     """Whether `host` names this machine's loopback interface only."""
     if host == "localhost":

@@ -201,8 +201,8 @@ def test_pd_group_gets_a_secret_by_reference_and_a_network_policy(tmp_path, monk
     assert {(p["port"], p.get("endPort")) for p in group_rule["ports"]} == {(15000, 15063), (8998, None)}
     # a second render makes a new secret unless one is given; a local group shares one across its PD members
     assert render(spec)[-2]["stringData"]["disaggregation-secret"] != value
-    monkeypatch.setenv("KVSTRATA_DISAGGREGATION_SECRET", "pinned-secret")
-    assert render(spec)[-2]["stringData"]["disaggregation-secret"] == "pinned-secret"
+    monkeypatch.setenv("KVSTRATA_DISAGGREGATION_SECRET", "pinned-secret-0123456789")
+    assert render(spec)[-2]["stringData"]["disaggregation-secret"] == "pinned-secret-0123456789"
     monkeypatch.delenv("KVSTRATA_DISAGGREGATION_SECRET")
     members = Supervisor(spec, tmp_path).members
     secrets = {m.cmd.secret_env["KVSTRATA_DISAGGREGATION_SECRET"] for r in ("prefill", "decode") for m in members[r]}

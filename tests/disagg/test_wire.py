@@ -117,13 +117,19 @@ def test_pd_server_off_loopback_needs_a_secret_and_a_routable_advertise_host(mon
     ServerArgs(disaggregation_mode="prefill").resolve(with_device=False)      # loopback: allowed
     with pytest.raises(ConfigError, match="disaggregation-secret"):
         ServerArgs(disaggregation_mode="decode", host="10.1.2.3").resolve(with_device=False)
+    strong = "x" * 16
     with pytest.raises(ConfigError, match="advertise-host"):
-        ServerArgs(disaggregation_mode="decode", host="0.0.0.0", disaggregation_secret="x").resolve(with_device=False)
+        ServerArgs(disaggregation_mode="decode", host="0.0.0.0", disaggregation_secret=strong).resolve(with_device=False)
+    with pytest.raises(ConfigError, match="must be an IP address"):
+        ServerArgs(disaggregation_mode="decode", disaggregation_advertise_host="pd.example", disaggregation_secret=strong
+                   ).resolve(with_device=False)
+    with pytest.raises(ConfigError, match="at least 16 characters"):
+        ServerArgs(disaggregation_mode="decode", disaggregation_secret="short").resolve(with_device=False)
     args = ServerArgs(disaggregation_mode="decode", host="0.0.0.0", disaggregation_advertise_host="10.1.2.3",
-                      disaggregation_secret="x").resolve(with_device=False)
+                      disaggregation_secret=strong).resolve(with_device=False)
     assert args.disaggregation_host() == "10.1.2.3"
     ServerArgs(host="0.0.0.0").resolve(with_device=False)                      # co-located: no PD sockets
-    monkeypatch.setenv("KVSTRATA_DISAGGREGATION_SECRET", "from-env")
+    monkeypatch.setenv("KVSTRATA_DISAGGREGATION_SECRET", "from-env-0123456789")
     args = ServerArgs(disaggregation_mode="decode", host="10.1.2.3").resolve(with_device=False)
-    assert args.disaggregation_secret == "from-env"
+    assert args.disaggregation_secret == "from-env-0123456789"
     assert "from-env" not in repr(args) and args.to_dict()["disaggregation_secret"] == "***"
