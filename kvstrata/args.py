@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from kvstrata.cache.write_policy import WRITE_POLICIES
+from kvstrata.net import is_ip_literal, is_loopback
 from kvstrata.platform import cpu_has_fast_bf16
 
 
@@ -67,6 +68,9 @@ DISAGGREGATION_MODES = ["null", "prefill", "decode"]
 # step from there (multi-turn mean TTFT -10 to -19%, same throughput; docs/benchmarks.md, issue 19).
 CPU_PREFILL_ADMIT_THRESHOLD = 256
 TRANSFER_BACKENDS = ["mooncake"]
+DISAGGREGATION_SECRET_ENV = "KVSTRATA_DISAGGREGATION_SECRET"
+MIN_SECRET_CHARS = 16
+WILDCARD_HOSTS = ("0.0.0.0", "::", "")
 
 
 @dataclass(frozen=True)
@@ -252,6 +256,14 @@ class ServerArgs:
     disaggregation_bootstrap_timeout: float = field(default=30.0, metadata=_opt(
         "Seconds either side waits for its peer (SGLang: SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT) before it "
         "frees the request's KV and fails it."))
+    disaggregation_secret: Optional[str] = field(default=None, repr=False, metadata=_opt(
+        f"Shared secret of a prefill/decode group: every bootstrap message is signed with it (HMAC-SHA256) and "
+        f"a message without it is dropped. Default: ${DISAGGREGATION_SECRET_ENV}. Required when the PD host "
+        f"is not a loopback address; never logged."))
+    disaggregation_advertise_host: Optional[str] = field(default=None, metadata=_opt(
+        "Address this server's PD sockets (bootstrap channel, transfer engine) bind and advertise to their "
+        "peers (SGLang reads SGLANG_HOST_IP for it). Default: --host; required when --host is a wildcard "
+        "(0.0.0.0, ::), which peers cannot connect to."))
 
     # ------------------------------------------------------------------ CLI
     @staticmethod
@@ -363,8 +375,33 @@ class ServerArgs:
             served_model_name=self.served_model_name or self.model_path,
             random_seed=self.random_seed if self.random_seed is not None else random.randrange(1 << 30),
             max_running_requests=self.max_running_requests or 256,
+            disaggregation_secret=self.disaggregation_secret or env_flag(DISAGGREGATION_SECRET_ENV) or None,
         )
+        args._check_disaggregation_exposure()
         return args._resolve_device() if with_device else args
+
+    def disaggregation_host(self) -> str:
+        """The address the PD sockets bind and advertise: --disaggregation-advertise-host, else --host."""
+        return self.disaggregation_advertise_host or self.host
+
+    def _check_disaggregation_exposure(self) -> None:
+        """A PD server reachable from other machines must authenticate its peers (after the env fallback)."""
+        if self.disaggregation_mode == "null":
+            return
+        host = self.disaggregation_host()
+        if host in WILDCARD_HOSTS:
+            raise ConfigError(f"--host {host or repr(host)} cannot be advertised to PD peers; set "
+                              f"--disaggregation-advertise-host to this machine's address on their network")
+        if not self.disaggregation_secret and not is_loopback(host):
+            raise ConfigError(f"PD server on {host} (not loopback) needs --disaggregation-secret or "
+                              f"${DISAGGREGATION_SECRET_ENV}: without it anyone on the network could forge "
+                              f"KV handoffs")
+        if self.disaggregation_secret and len(self.disaggregation_secret) < MIN_SECRET_CHARS:
+            raise ConfigError(f"the PD secret must have at least {MIN_SECRET_CHARS} characters (generate one "
+                              f"with: python -c 'import secrets; print(secrets.token_urlsafe(32))')")
+        if self.disaggregation_advertise_host is not None and not is_ip_literal(self.disaggregation_advertise_host):
+            raise ConfigError(f"--disaggregation-advertise-host must be an IP address (the PD sockets bind it), "
+                              f"got {self.disaggregation_advertise_host!r}")
 
     def _resolve_device(self) -> ServerArgs:
         import torch
@@ -410,7 +447,7 @@ class ServerArgs:
     def to_dict(self) -> dict:
         """Plain dict of all settings, with the API keys hidden."""
         d = dataclasses.asdict(self)
-        for secret in ("api_key", "admin_api_key"):
+        for secret in ("api_key", "admin_api_key", "disaggregation_secret"):
             if d.get(secret):
                 d[secret] = "***"
         return d

@@ -1,7 +1,8 @@
 """The scheduler/model process of the HTTP server: a SchedulerLoop over ZMQ sockets.
 
 The frontend PUSHes messages (runtime/messages.py) to `recv_addr` and PULLs outputs from `send_addr`;
-this process binds both. Start-up result goes through `ready_conn`: a SchedulerReady (with the ServerArgs
+this process binds both. They are pickled: the sockets are ipc:// files in a 0700 directory of the
+frontend's (server/launch.py), made 0600 here, so only the server's own user can reach them. Start-up result goes through `ready_conn`: a SchedulerReady (with the ServerArgs
 resolved here, where torch is), a ConfigError, or an error string (and a non-zero exit).
 """
 
@@ -47,6 +48,8 @@ def run_scheduler_process(server_args: ServerArgs, recv_addr: str, send_addr: st
         pull.bind(recv_addr)
         push = ctx.socket(zmq.PUSH)
         push.bind(send_addr)
+        for addr in (recv_addr, send_addr):
+            owner_only(addr)
     except Exception as e:
         logger.error("scheduler failed to start: %s", traceback.format_exc())
         ready_conn.send(f"scheduler failed to start: {e}")
@@ -78,6 +81,13 @@ def run_scheduler_process(server_args: ServerArgs, recv_addr: str, send_addr: st
         pull.close(linger=0)
         push.close(linger=0)
         ctx.term()
+
+
+def owner_only(addr: str) -> None:
+    """Make an ipc:// socket file readable and writable by its owner only (its directory is 0700 too):
+    the frontend and the scheduler exchange pickled messages, so no other user may connect."""
+    if addr.startswith("ipc://"):
+        os.chmod(addr.removeprefix("ipc://"), 0o600)
 
 
 def ready_message(scheduler: Scheduler) -> SchedulerReady:

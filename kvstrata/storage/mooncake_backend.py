@@ -24,6 +24,7 @@ import time
 
 import torch
 
+from kvstrata.net import confined_listeners
 from kvstrata.storage.availability import Availability
 from kvstrata.storage.base import StorageBackend, StorageError, byte_view
 from kvstrata.storage.mooncake_config import (
@@ -333,9 +334,11 @@ class MooncakeBackend(StorageBackend):
     def _new_client(self):
         c = self.config
         store = self._mc.MooncakeDistributedStore()
+        hostname = client_hostname(c)
         try:
-            rc = store.setup(client_hostname(c), c.metadata_server, c.global_segment_size, c.local_buffer_size,
-                             c.protocol, c.device_name, c.master_server_address)
+            with confined_listeners(hostname.rsplit(":", 1)[0] if hostname.count(":") == 1 else hostname):
+                rc = store.setup(hostname, c.metadata_server, c.global_segment_size, c.local_buffer_size,
+                                 c.protocol, c.device_name, c.master_server_address)
         except Exception as e:
             raise StorageError(f"Mooncake client setup raised: {e}") from e
         if rc != 0:

@@ -8,11 +8,14 @@ import time
 import uuid
 from pathlib import Path
 
+import psutil
 import pytest
 import torch
 
 from kvstrata.storage.base import StorageError, create_backend
 from kvstrata.storage.mooncake_services import MooncakeCluster
+from tests.capabilities import requires_outside_ipv4
+from tests.net_probe import answers, outside_ipv4
 
 pytestmark = pytest.mark.mooncake
 
@@ -34,6 +37,18 @@ def backend(mooncake_cluster):
     backend = create_backend("mooncake", PAGE_BYTES, mooncake_cluster.client_config())
     yield backend
     backend.close()
+
+
+@requires_outside_ipv4
+def test_client_transfer_engine_refuses_other_interfaces(backend):
+    """The client binds 127.0.0.1 here: its transfer engine's ports (which Mooncake opens on every interface)
+    accept loopback connections only (asked at this machine's own non-loopback address)."""
+    outside = outside_ipv4()
+    wildcard = [c.laddr.port for c in psutil.Process().net_connections("tcp")
+                if c.status == psutil.CONN_LISTEN and c.laddr.ip in ("0.0.0.0", "::")]
+    assert wildcard, "the Mooncake client's transfer engine should be listening"
+    assert [p for p in wildcard if answers(outside, p)] == []
+    assert all(answers("127.0.0.1", p) for p in wildcard)
 
 
 @pytest.fixture(scope="module")
