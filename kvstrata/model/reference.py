@@ -32,15 +32,15 @@ class ModelNotFound(LookupError):
 
 
 def resolve_model_references(model: str, tokenizer: Optional[str], revision: Optional[str],
-                             load_format: str) -> tuple[str, str]:
+                             load_format: str, hub_cache: Optional[str] = None) -> tuple[str, str]:
     """(model path, tokenizer path), both local paths or built-in names; see the module docstring.
 
     Without a tokenizer reference the model's own folder is used; with `load_format == "dummy"` and no
     tokenizer files there, a built-in tokenizer whose vocabulary fits the model's (with a warning).
     """
-    model_path = resolve_reference(model, revision)
+    model_path = resolve_reference(model, revision, hub_cache)
     if tokenizer is not None:
-        return model_path, resolve_reference(tokenizer, revision)
+        return model_path, resolve_reference(tokenizer, revision, hub_cache)
     if load_format == "dummy" and os.path.isdir(model_path):
         from kvstrata.model.tokenizer import has_tokenizer_files
 
@@ -49,8 +49,9 @@ def resolve_model_references(model: str, tokenizer: Optional[str], revision: Opt
     return model_path, model_path
 
 
-def resolve_reference(ref: str, revision: Optional[str] = None) -> str:
-    """A local path or built-in name for `ref`; a Hugging Face id becomes its cached snapshot folder."""
+def resolve_reference(ref: str, revision: Optional[str] = None, hub_cache: Optional[str] = None) -> str:
+    """A local path or built-in name for `ref`; a Hugging Face id becomes its cached snapshot folder
+    (`hub_cache`: the cache folder, default huggingface_hub's, from the environment at its import)."""
     from kvstrata.model.builtin import BUILTIN_MODELS
     from kvstrata.model.gguf import is_gguf
 
@@ -58,21 +59,22 @@ def resolve_reference(ref: str, revision: Optional[str] = None) -> str:
         return ref
     if not _HUB_ID.match(ref):
         return ref
-    return hub_snapshot(ref, revision)
+    return hub_snapshot(ref, revision, hub_cache)
 
 
-def hub_snapshot(repo_id: str, revision: Optional[str] = None) -> str:
+def hub_snapshot(repo_id: str, revision: Optional[str] = None, hub_cache: Optional[str] = None) -> str:
     """The folder of `repo_id` at `revision` in the local Hugging Face cache; never a network call."""
     from huggingface_hub import constants, snapshot_download
 
+    hub_cache = hub_cache or constants.HF_HUB_CACHE
     try:
-        return snapshot_download(repo_id=repo_id, revision=revision, local_files_only=True)
+        return snapshot_download(repo_id=repo_id, revision=revision, cache_dir=hub_cache, local_files_only=True)
     except Exception as e:  # LocalEntryNotFoundError, HFValidationError, a broken cache entry: all "not here"
         from kvstrata.model.builtin import BUILTIN_MODELS
 
         raise ModelNotFound(
             f"model {repo_id!r} not found: it is not a local folder or file, not a built-in model "
-            f"({', '.join(BUILTIN_MODELS)}), and the Hugging Face cache {constants.HF_HUB_CACHE} has no "
+            f"({', '.join(BUILTIN_MODELS)}), and the Hugging Face cache {hub_cache} has no "
             f"snapshot of it at revision {revision or 'main'!r} ({type(e).__name__}). Nothing is downloaded "
             f"at run time: run `huggingface-cli download {repo_id}` first, or pass a local folder.") from None
 
