@@ -187,7 +187,9 @@ class ServerArgs:
     hicache_size: int = field(default=0, metadata=_opt("Host pool size in GB (overrides --hicache-ratio)."))
     hicache_write_policy: str = field(default="write_through", metadata=_opt(
         "When device pages are copied to host.", list(WRITE_POLICIES)))
-    hicache_mem_layout: str = field(default="layer_first", metadata=_opt("Host pool layout.", MEM_LAYOUTS))
+    hicache_mem_layout: str = field(default="page_first", metadata=_opt(
+        "Host pool layout (default page_first, as SGLang: one page is one contiguous block, so a Mooncake "
+        "object of one page moves zero-copy).", MEM_LAYOUTS))
     hicache_snapshot_path: Optional[str] = field(default=None, metadata=_opt(
         "File the host tier (L2) is saved to when the server stops, and reloaded from (each page verified "
         "against its key) when it starts, so a restart or in-place upgrade keeps L2 warm."))
