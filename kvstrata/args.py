@@ -480,6 +480,10 @@ class ServerArgs:
     def resolve(self, with_device: bool = True) -> ServerArgs:
         """Return a copy with every 'auto'/None that has a derived value filled in.
 
+        Model and tokenizer references become local paths or built-in names (a Hugging Face id: its snapshot
+        folder in the local cache, `kvstrata/model/reference.py`; the served name stays the id), and SGLang's
+        dtype names `half` / `float` become `float16` / `float32`.
+
         Device, dtype, chunked_prefill_size and prefill_admit_threshold depend on CUDA being available, which needs torch: with
         `with_device=False` they stay as given, for the HTTP process, which never imports torch; the
         scheduler process resolves them (resolving twice changes nothing) and reports its copy back.

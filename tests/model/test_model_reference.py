@@ -86,3 +86,22 @@ def test_dummy_weights_are_deterministic_and_need_only_config_json(tmp_path):
         assert torch.isfinite(x).all(), name
     norms = [x for name, x in a.state_dict().items() if name.endswith("norm.weight")]
     assert norms and all(bool((x == 1).all()) for x in norms)
+
+
+@pytest.mark.parametrize("architecture,model_type", [
+    ("LlamaForCausalLM", "llama"), ("MistralForCausalLM", "mistral"), ("Qwen2ForCausalLM", "qwen2"),
+    ("Qwen3ForCausalLM", "qwen3")])
+def test_every_supported_architecture_serves_dummy_weights_from_config_json_alone(tmp_path, architecture,
+                                                                                 model_type):
+    import kvstrata
+
+    with open(os.path.join(resolve_model_path("tiny"), "config.json")) as fh:
+        config = json.load(fh)
+    config.update(architectures=[architecture], model_type=model_type, sliding_window=None)
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with kvstrata.Engine(model_path=str(tmp_path), load_format="dummy", dtype="float32", max_total_tokens=1024,
+                         random_seed=0) as engine:
+        assert engine.server_args.tokenizer_path == "tiny"            # borrowed: the folder has none
+        out = engine.generate(input_ids=[5, 6, 7, 8], sampling_params={"max_new_tokens": 3, "ignore_eos": True,
+                                                                       "temperature": 0})
+        assert out["meta_info"]["completion_tokens"] == 3
