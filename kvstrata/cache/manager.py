@@ -366,7 +366,7 @@ class KVCacheManager:
             return
         tokens = req.fill_ids[:upto]
         slots = self.slot_table.read(h.row, upto)
-        already, leaf = self.tree.insert(tokens, slots.clone(), namespace=req.namespace)
+        already, leaf = self.tree.insert(tokens, slots.clone(), namespace=req.namespace, priority=req.priority)
         if leaf is not None and self.host is not None:
             self.host.on_insert(leaf)
         if already > h.tree_len:

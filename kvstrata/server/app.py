@@ -174,7 +174,7 @@ def _add_error_handlers(app: FastAPI) -> None:
 
 
 def _error(err: ApiError) -> JSONResponse:
-    return JSONResponse(err.to_dict(), status_code=err.status)
+    return JSONResponse(err.to_dict(), status_code=err.status, headers=err.headers())
 
 
 async def _one_token_generation(tm: TokenizerManager) -> None:
