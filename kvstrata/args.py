@@ -155,7 +155,9 @@ class ServerArgs:
         "(wait_complete), or up to a timeout that grows with its size (timeout, the default).",
         PREFETCH_POLICIES))
     hicache_storage_backend_extra_config: Optional[str] = field(default=None, metadata=_opt(
-        "JSON object (or @path to a JSON file) with backend settings."))
+        "JSON object (or @path to a JSON file) with backend settings. File backend: capacity_gb or "
+        "capacity_bytes (default: half of the directory's filesystem free space at start, plus the pages "
+        "already stored; LRU eviction beyond it), low_watermark, rescan_interval_s."))
     hicache_storage_dir: Optional[str] = field(default=None, metadata=_opt(
         "Directory of the file backend (default: $KVSTRATA_STORAGE_DIR or ~/.cache/kvstrata/kv)."))
     hicache_storage_page_tokens: int = field(default=64, metadata=_opt(
