@@ -207,7 +207,9 @@ class ServerArgs:
         "(wait_complete), or up to a timeout that grows with its size (timeout, the default).",
         PREFETCH_POLICIES))
     hicache_storage_backend_extra_config: Optional[str] = field(default=None, metadata=_opt(
-        "JSON object (or @path to a JSON file) with backend settings."))
+        "JSON object (or @path to a JSON file) with backend settings. File backend: capacity_gb or "
+        "capacity_bytes (default: half of the directory's filesystem free space at start, plus the pages "
+        "already stored; LRU eviction beyond it), low_watermark, rescan_interval_s."))
     hicache_storage_dir: Optional[str] = field(default=None, metadata=_opt(
         "Directory of the file backend (default: $KVSTRATA_STORAGE_DIR or ~/.cache/kvstrata/kv)."))
     hicache_storage_page_tokens: int = field(default=64, metadata=_opt(
@@ -323,8 +325,6 @@ class ServerArgs:
     disable_custom_all_reduce: bool = field(default=False, metadata=_no_effect("there is one device"))
     skip_server_warmup: bool = field(default=False, metadata=_no_effect("the server does no warm-up request"))
     tokenizer_mode: str = field(default="auto", metadata=_no_effect("the fast tokenizer is always used"))
-    watchdog_timeout: Optional[float] = field(default=None, metadata=_no_effect(
-        "the HTTP process watches the scheduler process instead"))
     model_impl: str = field(default="auto", metadata=_no_effect(
         "only the built-in Llama-family implementation exists"))
     gpu_id_step: int = field(default=1, metadata=_no_effect("a server uses one device"))
@@ -363,6 +363,19 @@ class ServerArgs:
         "clients may use them."))
     max_request_body_bytes: int = field(default=16 << 20, metadata=_opt(
         "Largest accepted request body; larger ones get HTTP 413 before they are read."))
+    watchdog_timeout: Optional[float] = field(default=300.0, metadata=_opt(
+        "Seconds the scheduler may spend in one loop iteration (a forward step) before the server kills it "
+        "and exits with code 3, for its supervisor to restart it (SGLang's flag; 0 disables)."))
+    scheduler_heartbeat_timeout: float = field(default=20.0, metadata=_opt(
+        "/health answers 503 when the scheduler loop has not completed an iteration for this many seconds "
+        "(an idle loop iterates every 100 ms; a step longer than this reads as unhealthy)."))
+    max_connections: Optional[int] = field(default=None, metadata=_opt(
+        "Most HTTP connections open at once; beyond it the oldest connection still sending its request "
+        "headers is closed (default: the open-file limit less max(limit/8, 64 + 4 accept bursts of "
+        "min(512, limit/8)): 448 for a limit of 1,024)."))
+    header_read_timeout: float = field(default=10.0, metadata=_opt(
+        "Seconds a client may take to send a request's headers before its connection is closed (slow and "
+        "half-open clients)."))
     graceful_shutdown_timeout: float = field(default=30.0, metadata=_opt(
         "On SIGTERM, seconds that running requests may take to finish (new ones get 503); what is left "
         "then ends with finish_reason 'abort'."))
@@ -477,6 +490,14 @@ class ServerArgs:
         if not 0 < self.disaggregation_bootstrap_port <= 65535:
             raise ConfigError(f"--disaggregation-bootstrap-port must be in 1..65535, got "
                               f"{self.disaggregation_bootstrap_port}")
+        if self.watchdog_timeout is not None and self.watchdog_timeout < 0:
+            raise ConfigError("--watchdog-timeout must be positive (0 disables the watchdog)")
+        if self.max_connections is not None and self.max_connections < 1:
+            raise ConfigError("--max-connections must be at least 1")
+        if self.header_read_timeout <= 0:
+            raise ConfigError("--header-read-timeout must be positive")
+        if self.scheduler_heartbeat_timeout <= 0:
+            raise ConfigError("--scheduler-heartbeat-timeout must be positive")
         if self.disaggregation_bootstrap_timeout <= 0:
             raise ConfigError("--disaggregation-bootstrap-timeout must be positive")
 

@@ -13,12 +13,13 @@ import os
 import signal
 import sys
 import traceback
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Optional
 
 import zmq
 
 from kvstrata.args import ConfigError, ServerArgs
 from kvstrata.model.light_tokenizer import fingerprint
+from kvstrata.runtime.heartbeat import Heartbeat
 from kvstrata.runtime.loop import SchedulerLoop
 from kvstrata.runtime.messages import SchedulerReady
 
@@ -28,8 +29,10 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 
-def run_scheduler_process(server_args: ServerArgs, recv_addr: str, send_addr: str, ready_conn) -> None:
-    """Process entry point: load the model, report readiness, serve until the frontend goes away."""
+def run_scheduler_process(server_args: ServerArgs, recv_addr: str, send_addr: str, ready_conn,
+                          heartbeat: Optional[Heartbeat] = None) -> None:
+    """Process entry point: load the model, report readiness, serve until the frontend goes away; beats
+    `heartbeat` once per loop iteration."""
     logging.basicConfig(level=server_args.log_level.upper(),
                         format="[%(asctime)s scheduler] %(levelname)s %(name)s: %(message)s")
     signal.signal(signal.SIGINT, signal.SIG_IGN)   # the frontend decides when we stop (SIGTERM)
@@ -56,6 +59,8 @@ def run_scheduler_process(server_args: ServerArgs, recv_addr: str, send_addr: st
         ready_conn.close()
         sys.exit(1)
 
+    if heartbeat is not None:
+        heartbeat.beat()      # loading the model took long: the clock /health reads starts now
     ready_conn.send(ready_message(scheduler))
     ready_conn.close()
     parent = os.getppid()
@@ -72,7 +77,7 @@ def run_scheduler_process(server_args: ServerArgs, recv_addr: str, send_addr: st
             except zmq.Again:
                 return msgs
 
-    loop = SchedulerLoop(scheduler, recv, push.send_pyobj)
+    loop = SchedulerLoop(scheduler, recv, push.send_pyobj, heartbeat.beat if heartbeat else lambda: None)
     signal.signal(signal.SIGTERM, lambda *_: loop.stop())
     try:
         loop.run()
