@@ -8,7 +8,7 @@ ENV PYTHONUNBUFFERED=1 PIP_NO_CACHE_DIR=1 KVSTRATA_CACHE_DIR=/var/cache/kvstrata
 WORKDIR /opt/kvstrata
 
 COPY scripts/install_system_deps.sh scripts/
-RUN bash scripts/install_system_deps.sh && rm -rf /var/lib/apt/lists/*
+RUN bash scripts/install_system_deps.sh serve && rm -rf /var/lib/apt/lists/*   # serving: no test-only packages
 
 # torch first (pinned), so nothing else picks its build; TORCH_INDEX may name a CPU-only or CUDA wheel index
 ARG TORCH_INDEX=

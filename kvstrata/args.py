@@ -19,7 +19,9 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from kvstrata.cache.config import CacheConfig
+from kvstrata.cache.eviction import EVICTION_POLICIES as EVICTION_KEYS
 from kvstrata.cache.write_policy import WRITE_POLICIES
+from kvstrata.net import is_ip_literal, is_loopback
 from kvstrata.platform import cpu_has_fast_bf16
 
 
@@ -42,32 +44,45 @@ def _no_effect(why: str) -> dict:
     return _opt(f"Accepted for SGLang compatibility; no effect here: {why}.", no_effect=why)
 
 
-SCHEDULE_POLICIES = ["fcfs", "lpm"]
-EVICTION_POLICIES = ["lru", "lfu", "fifo", "priority"]
+def _only(value: Any, why: str, help: str, aliases: tuple[str, ...] = ()) -> dict:
+    """An SGLang setting whose only value here is `value`; any other is a start-up error saying `why`."""
+    return {**_opt(help, aliases=aliases), "only": (value, why)}
+
+
+SCHEDULE_POLICIES = ["fcfs", "lpm", "lof", "priority", "random"]
+EVICTION_POLICIES = list(EVICTION_KEYS)
 MEM_LAYOUTS = ["layer_first", "page_first"]
 STORAGE_BACKENDS = ["file", "mooncake"]
 PREFETCH_POLICIES = ["best_effort", "wait_complete", "timeout"]
-DTYPES = ["auto", "bfloat16", "float32", "float16"]
+DTYPES = ["auto", "bfloat16", "float32", "float16", "half", "float"]
+_DTYPE_ALIASES = {"half": "float16", "float": "float32"}     # SGLang's (and vLLM's) short names
+LOAD_FORMATS = ["auto", "safetensors", "gguf", "dummy"]
 TOOL_CALL_PARSERS = ["hermes", "qwen", "qwen25", "qwen3", "llama3"]
-# Settings whose only value we can honour: (value, why another one cannot be).
-_SINGLE_VALUE = {
-    "tp_size": (1, "tensor parallelism is not implemented; run one server per device behind a router"),
-    "dp_size": (1, "data parallelism is not implemented; run one server per device behind a router"),
-    "pp_size": (1, "pipeline parallelism is not implemented"),
-    "ep_size": (1, "expert parallelism is not implemented (no MoE models)"),
-    "nnodes": (1, "multi-node serving is not implemented"),
-    "node_rank": (0, "multi-node serving is not implemented"),
-    "enable_dp_attention": (False, "data-parallel attention is not implemented"),
-    "speculative_algorithm": (None, "speculative decoding is not implemented"),
-    "quantization": (None, "quantized weights are not supported (a GGUF file is de-quantized on load)"),
-    "kv_cache_dtype": ("auto", "the KV cache uses the model dtype (--dtype)"),
-    "lora_paths": (None, "LoRA adapters are not supported"),
-}
 DISAGGREGATION_MODES = ["null", "prefill", "decode"]
 # On CPU a step of 256 prefill tokens is compute-bound: prompts that arrive together are prefilled one per
 # step from there (multi-turn mean TTFT -10 to -19%, same throughput; docs/benchmarks.md, issue 19).
 CPU_PREFILL_ADMIT_THRESHOLD = 256
 TRANSFER_BACKENDS = ["mooncake"]
+DISAGGREGATION_SECRET_ENV = "KVSTRATA_DISAGGREGATION_SECRET"
+MIN_SECRET_CHARS = 16
+WILDCARD_HOSTS = ("0.0.0.0", "::", "")
+
+
+# `kvstrata serve --help` headings, in SGLang's order where it has the section: the first field of each.
+CLI_GROUPS = {
+    "model_path": "Model and tokenizer",
+    "host": "HTTP server",
+    "page_size": "Memory and scheduling",
+    "disable_radix_cache": "Radix cache",
+    "enable_hierarchical_cache": "Hierarchical cache: host tier (L2)",
+    "hicache_storage_backend": "Hierarchical cache: storage tier (L3)",
+    "grammar_backend": "Constrained decoding",
+    "chat_template": "API, logging and metrics",
+    "tp_size": "SGLang settings with one value here (parallelism, quantization, LoRA, MoE, ...)",
+    "trust_remote_code": "SGLang settings with no effect here (kernels, CUDA graphs, distributed init, ...)",
+    "admin_api_key": "Hardening: admin actions, request limits, shutdown",
+    "disaggregation_mode": "Prefill/decode disaggregation",
+}
 
 
 @dataclass(frozen=True)
@@ -76,8 +91,21 @@ class ServerArgs:
 
     # --- model ---
     model_path: str = field(default="tiny", metadata=_opt(
-        "Local Hugging Face checkpoint folder, or a built-in model: 'tiny' (default) or 'bench'."))
-    tokenizer_path: Optional[str] = field(default=None, metadata=_opt("Tokenizer folder (default: model path)."))
+        "The model: a local Hugging Face checkpoint folder, a GGUF file, a built-in model ('tiny', the "
+        "default, or 'bench'), or a Hugging Face id (org/name) already in the local Hugging Face cache "
+        "($HF_HUB_CACHE, $HF_HOME/hub or ~/.cache/huggingface/hub; nothing is downloaded: run "
+        "`huggingface-cli download ID` first).", aliases=("--model",)))
+    tokenizer_path: Optional[str] = field(default=None, metadata=_opt(
+        "Tokenizer: the same kinds of reference as --model-path (default: the model's; with --load-format "
+        "dummy and no tokenizer files there, the built-in 'bench' or 'tiny' tokenizer that fits the "
+        "vocabulary)."))
+    revision: Optional[str] = field(default=None, metadata=_opt(
+        "Snapshot of a Hugging Face id in the cache: a branch or tag the cache has a ref for (default "
+        "'main'), or a commit hash; applies to --model-path and --tokenizer-path ids."))
+    load_format: str = field(default="auto", metadata=_opt(
+        "How weights are loaded: auto (safetensors files, or the GGUF file given), safetensors, gguf, or "
+        "dummy (deterministic random weights from config.json alone, to measure a model's shape without "
+        "its weights).", LOAD_FORMATS))
     served_model_name: Optional[str] = field(default=None, metadata=_opt(
         "Model name reported by the API (default: model path)."))
     dtype: str = field(default="auto", metadata=_opt(
@@ -85,6 +113,8 @@ class ServerArgs:
     context_length: Optional[int] = field(default=None, metadata=_opt(
         "Maximum context length (default: the model's max_position_embeddings)."))
     device: str = field(default="auto", metadata=_opt("Device: 'auto', 'cpu' or 'cuda'.", ["auto", "cpu", "cuda"]))
+    base_gpu_id: int = field(default=0, metadata=_opt(
+        "CUDA: the GPU this server uses (cuda:N); useful for several servers on one machine. CPU: unused."))
     random_seed: Optional[int] = field(default=None, metadata=_opt("Seed for unseeded sampling (default: random)."))
     num_threads: Optional[int] = field(default=None, metadata=_opt(
         "torch intra-op threads on CPU (default: torch's choice)."))
@@ -102,6 +132,9 @@ class ServerArgs:
     api_key: Optional[str] = field(default=None, metadata=_opt("Require this API key (Bearer token)."))
     log_level: str = field(default="info", metadata=_opt(
         "Logging level.", ["debug", "info", "warning", "error", "critical"]))
+    stream_interval: int = field(default=1, metadata=_opt(
+        "Tokens per streamed chunk: a streaming request gets an update every this many new tokens (the "
+        "first token and the last chunk are sent at once)."))
 
     # --- device KV pool (L1) and scheduling ---
     page_size: int = field(default=1, metadata=_opt("Tokens per KV page."))
@@ -130,7 +163,23 @@ class ServerArgs:
         "and they resume by load-back, not recompute. Needs --enable-hierarchical-cache; a paused request "
         "never pauses another, and none is paused while one waits."))
     schedule_policy: str = field(default="fcfs", metadata=_opt(
-        "Order of the waiting queue: fcfs, or lpm (longest cached prefix first).", SCHEDULE_POLICIES))
+        "Order of the waiting queue: fcfs (arrival), lpm (longest cached prefix first), lof (longest output "
+        "first: largest max_new_tokens), priority (the request's `priority`, as --enable-priority-scheduling) "
+        "or random.", SCHEDULE_POLICIES))
+    enable_priority_scheduling: bool = field(default=False, metadata=_opt(
+        "Order the waiting queue by each request's `priority` field first (higher values first, as SGLang; "
+        "see --schedule-low-priority-values-first), then by --schedule-policy. Running requests are not "
+        "preempted for a higher-priority one."))
+    schedule_low_priority_values_first: bool = field(default=False, metadata=_opt(
+        "With priority scheduling (and --radix-eviction-policy priority): lower `priority` values are more "
+        "important."))
+    default_priority_value: Optional[int] = field(default=None, metadata=_opt(
+        "Priority of a request that gives none (default 0)."))
+    abort_on_priority_when_disabled: bool = field(default=False, metadata=_opt(
+        "Refuse (HTTP 400) a request that gives a `priority` while priority scheduling is off."))
+    max_queued_requests: Optional[int] = field(default=None, metadata=_opt(
+        "Most requests that may wait in the scheduler's queue; one more gets HTTP 503 with Retry-After at "
+        "once (default: no limit)."))
 
     # --- L1 radix cache ---
     disable_radix_cache: bool = field(default=False, metadata=_opt("Disable prefix sharing (RadixAttention)."))
@@ -144,7 +193,9 @@ class ServerArgs:
     hicache_size: int = field(default=0, metadata=_opt("Host pool size in GB (overrides --hicache-ratio)."))
     hicache_write_policy: str = field(default="write_through", metadata=_opt(
         "When device pages are copied to host.", list(WRITE_POLICIES)))
-    hicache_mem_layout: str = field(default="layer_first", metadata=_opt("Host pool layout.", MEM_LAYOUTS))
+    hicache_mem_layout: str = field(default="page_first", metadata=_opt(
+        "Host pool layout (default page_first, as SGLang: one page is one contiguous block, so a Mooncake "
+        "object of one page moves zero-copy).", MEM_LAYOUTS))
     hicache_snapshot_path: Optional[str] = field(default=None, metadata=_opt(
         "File the host tier (L2) is saved to when the server stops, and reloaded from (each page verified "
         "against its key) when it starts, so a restart or in-place upgrade keeps L2 warm."))
@@ -157,7 +208,9 @@ class ServerArgs:
         "(wait_complete), or up to a timeout that grows with its size (timeout, the default).",
         PREFETCH_POLICIES))
     hicache_storage_backend_extra_config: Optional[str] = field(default=None, metadata=_opt(
-        "JSON object (or @path to a JSON file) with backend settings."))
+        "JSON object (or @path to a JSON file) with backend settings. File backend: capacity_gb or "
+        "capacity_bytes (default: half of the directory's filesystem free space at start, plus the pages "
+        "already stored; LRU eviction beyond it), low_watermark, rescan_interval_s."))
     hicache_storage_dir: Optional[str] = field(default=None, metadata=_opt(
         "Directory of the file backend (default: $KVSTRATA_STORAGE_DIR or ~/.cache/kvstrata/kv)."))
     hicache_storage_page_tokens: int = field(default=64, metadata=_opt(
@@ -190,23 +243,68 @@ class ServerArgs:
     enable_metrics: bool = field(default=True, metadata=_opt(
         "Serve Prometheus metrics at /metrics (on by default here; --no-enable-metrics turns it off)."))
 
-    # --- SGLang settings with only one value here (any other is a start-up error) ---
-    tp_size: int = field(default=1, metadata=_opt("Tensor parallel size (only 1).",
-                                                  aliases=("--tp", "--tensor-parallel-size")))
-    dp_size: int = field(default=1, metadata=_opt("Data parallel size (only 1).",
-                                                  aliases=("--dp", "--data-parallel-size")))
-    pp_size: int = field(default=1, metadata=_opt("Pipeline parallel size (only 1).",
-                                                  aliases=("--pipeline-parallel-size",)))
-    ep_size: int = field(default=1, metadata=_opt("Expert parallel size (only 1).",
-                                                  aliases=("--expert-parallel-size",)))
-    nnodes: int = field(default=1, metadata=_opt("Number of nodes (only 1)."))
-    node_rank: int = field(default=0, metadata=_opt("Rank of this node (only 0)."))
-    enable_dp_attention: bool = field(default=False, metadata=_opt("Data-parallel attention (not supported)."))
-    speculative_algorithm: Optional[str] = field(default=None, metadata=_opt(
-        "Speculative decoding algorithm (not supported)."))
-    quantization: Optional[str] = field(default=None, metadata=_opt("Weight quantization (not supported)."))
-    kv_cache_dtype: str = field(default="auto", metadata=_opt("KV cache dtype (only auto: the model dtype)."))
-    lora_paths: Optional[str] = field(default=None, metadata=_opt("LoRA adapters (not supported)."))
+    # --- SGLang settings with only one value here: any other is a start-up error that says why ---
+    tp_size: int = field(default=1, metadata=_only(
+        1, "tensor parallelism is not implemented; run one server per device behind a router",
+        "Tensor parallel size (only 1).", aliases=("--tp", "--tensor-parallel-size")))
+    dp_size: int = field(default=1, metadata=_only(
+        1, "data parallelism is not implemented; run one server per device behind a router",
+        "Data parallel size (only 1).", aliases=("--dp", "--data-parallel-size")))
+    pp_size: int = field(default=1, metadata=_only(
+        1, "pipeline parallelism is not implemented", "Pipeline parallel size (only 1).",
+        aliases=("--pipeline-parallel-size",)))
+    ep_size: int = field(default=1, metadata=_only(
+        1, "expert parallelism is not implemented (no MoE models yet)", "Expert parallel size (only 1).",
+        aliases=("--expert-parallel-size",)))
+    nnodes: int = field(default=1, metadata=_only(1, "multi-node serving is not implemented",
+                                                  "Number of nodes (only 1)."))
+    node_rank: int = field(default=0, metadata=_only(0, "multi-node serving is not implemented",
+                                                     "Rank of this node (only 0)."))
+    enable_dp_attention: bool = field(default=False, metadata=_only(
+        False, "data-parallel attention is not implemented", "Data-parallel attention (not supported)."))
+    speculative_algorithm: Optional[str] = field(default=None, metadata=_only(
+        None, "speculative decoding is not implemented", "Speculative decoding algorithm (not supported)."))
+    speculative_draft_model_path: Optional[str] = field(default=None, metadata=_only(
+        None, "speculative decoding is not implemented", "Draft model (not supported)."))
+    speculative_num_steps: Optional[int] = field(default=None, metadata=_only(
+        None, "speculative decoding is not implemented", "Speculative steps (not supported)."))
+    speculative_eagle_topk: Optional[int] = field(default=None, metadata=_only(
+        None, "speculative decoding is not implemented", "EAGLE top-k (not supported)."))
+    speculative_num_draft_tokens: Optional[int] = field(default=None, metadata=_only(
+        None, "speculative decoding is not implemented", "Draft tokens (not supported)."))
+    quantization: Optional[str] = field(default=None, metadata=_only(
+        None, "quantized weights are not supported yet (a GGUF file is de-quantized to --dtype on load)",
+        "Weight quantization (not supported)."))
+    kv_cache_dtype: str = field(default="auto", metadata=_only(
+        "auto", "an FP8 or other KV cache dtype is not supported yet: the KV cache uses the model dtype "
+        "(--dtype)", "KV cache dtype (only auto: the model dtype)."))
+    lora_paths: tuple[str, ...] = field(default=(), metadata=_only(
+        (), "LoRA adapters are not supported", "LoRA adapters (not supported)."))
+    enable_lora: bool = field(default=False, metadata=_only(False, "LoRA adapters are not supported",
+                                                            "LoRA (not supported)."))
+    is_embedding: bool = field(default=False, metadata=_only(
+        False, "embedding models are not supported: only generation (/generate, /v1/completions, "
+        "/v1/chat/completions)", "Serve a CausalLM as an embedding model (not supported)."))
+    enable_multimodal: bool = field(default=False, metadata=_only(
+        False, "multimodal inputs are not supported (text models only)", "Multimodal inputs (not supported)."))
+    skip_tokenizer_init: bool = field(default=False, metadata=_only(
+        False, "the server always tokenizes and detokenizes (send input_ids to skip tokenizing a prompt)",
+        "Skip the tokenizer (not supported)."))
+    json_model_override_args: str = field(default="{}", metadata=_only(
+        "{}", "the model config is read as config.json has it (edit a copy of the folder instead)",
+        "Overrides of config.json (not supported)."))
+    cpu_offload_gb: int = field(default=0, metadata=_only(
+        0, "weight offloading to host memory is not implemented (on CPU the weights are in host memory "
+        "anyway: drop the flag)", "GB of weights offloaded to host memory (only 0)."))
+    enable_lmcache: bool = field(default=False, metadata=_only(
+        False, "the host (L2) and storage (L3) tiers are built in: use --enable-hierarchical-cache and "
+        "--hicache-storage-backend", "LMCache (not supported)."))
+    moe_runner_backend: Optional[str] = field(default=None, metadata=_only(
+        None, "MoE models are not supported yet", "MoE kernels (not supported)."))
+    moe_a2a_backend: Optional[str] = field(default=None, metadata=_only(
+        None, "MoE models are not supported yet", "MoE all-to-all backend (not supported)."))
+    enable_eplb: bool = field(default=False, metadata=_only(
+        False, "MoE models are not supported yet", "Expert load balancing (not supported)."))
 
     # --- SGLang flags accepted with no effect on this engine (logged once at start) ---
     trust_remote_code: bool = field(default=False, metadata=_no_effect(
@@ -228,8 +326,37 @@ class ServerArgs:
     disable_custom_all_reduce: bool = field(default=False, metadata=_no_effect("there is one device"))
     skip_server_warmup: bool = field(default=False, metadata=_no_effect("the server does no warm-up request"))
     tokenizer_mode: str = field(default="auto", metadata=_no_effect("the fast tokenizer is always used"))
-    watchdog_timeout: Optional[float] = field(default=None, metadata=_no_effect(
-        "the HTTP process watches the scheduler process instead"))
+    model_impl: str = field(default="auto", metadata=_no_effect(
+        "only the built-in Llama-family implementation exists"))
+    gpu_id_step: int = field(default=1, metadata=_no_effect("a server uses one device"))
+    dist_init_addr: Optional[str] = field(default=None, metadata=_opt(
+        "Accepted for SGLang compatibility; no effect here: one process per server, no torch.distributed.",
+        aliases=("--nccl-init-addr",), no_effect="one process per server, no torch.distributed"))
+    nccl_port: Optional[int] = field(default=None, metadata=_no_effect("one process per server, no NCCL"))
+    dist_timeout: Optional[int] = field(default=None, metadata=_no_effect("one process per server"))
+    cuda_graph_bs: tuple[int, ...] = field(default=(), metadata=_no_effect("CUDA graphs are not used"))
+    disable_cuda_graph_padding: bool = field(default=False, metadata=_no_effect("CUDA graphs are not used"))
+    decode_attention_backend: Optional[str] = field(default=None, metadata=_no_effect(
+        "attention always runs on the built-in paged kernels (or torch SDPA)"))
+    prefill_attention_backend: Optional[str] = field(default=None, metadata=_no_effect(
+        "attention always runs on the built-in paged kernels (or torch SDPA)"))
+    hicache_io_backend: str = field(default="kernel", metadata=_no_effect(
+        "host <-> device copies are torch copies on worker threads (CUDA streams on GPU)"))
+    disable_priority_preemption: bool = field(default=False, metadata=_no_effect(
+        "running requests are never preempted for a higher-priority one"))
+    priority_scheduling_preemption_threshold: int = field(default=10, metadata=_no_effect(
+        "running requests are never preempted for a higher-priority one"))
+    schedule_conservativeness: float = field(default=1.0, metadata=_no_effect(
+        "decode headroom is reserved from each request's max_new_tokens"))
+    num_continuous_decode_steps: int = field(default=1, metadata=_no_effect("one decode step per schedule"))
+    tokenizer_worker_num: int = field(default=1, metadata=_no_effect("one tokenizer in the HTTP process"))
+    enable_p2p_check: bool = field(default=False, metadata=_no_effect("there is one device"))
+    enable_nccl_nvls: bool = field(default=False, metadata=_no_effect("there is one device"))
+    triton_attention_reduce_in_fp32: bool = field(default=False, metadata=_no_effect("Triton is not used"))
+    log_level_http: Optional[str] = field(default=None, metadata=_no_effect("HTTP access logs are off"))
+    decode_log_interval: int = field(default=40, metadata=_no_effect(
+        "decode throughput is in /metrics and /server_info"))
+    sleep_on_idle: bool = field(default=False, metadata=_no_effect("an idle scheduler always sleeps"))
 
     # --- hardening: admin actions, request limits, shutdown ---
     admin_api_key: Optional[str] = field(default=None, metadata=_opt(
@@ -237,6 +364,19 @@ class ServerArgs:
         "clients may use them."))
     max_request_body_bytes: int = field(default=16 << 20, metadata=_opt(
         "Largest accepted request body; larger ones get HTTP 413 before they are read."))
+    watchdog_timeout: Optional[float] = field(default=300.0, metadata=_opt(
+        "Seconds the scheduler may spend in one loop iteration (a forward step) before the server kills it "
+        "and exits with code 3, for its supervisor to restart it (SGLang's flag; 0 disables)."))
+    scheduler_heartbeat_timeout: float = field(default=20.0, metadata=_opt(
+        "/health answers 503 when the scheduler loop has not completed an iteration for this many seconds "
+        "(an idle loop iterates every 100 ms; a step longer than this reads as unhealthy)."))
+    max_connections: Optional[int] = field(default=None, metadata=_opt(
+        "Most HTTP connections open at once; beyond it the oldest connection still sending its request "
+        "headers is closed (default: the open-file limit less max(limit/8, 64 + 4 accept bursts of "
+        "min(512, limit/8)): 448 for a limit of 1,024)."))
+    header_read_timeout: float = field(default=10.0, metadata=_opt(
+        "Seconds a client may take to send a request's headers before its connection is closed (slow and "
+        "half-open clients)."))
     graceful_shutdown_timeout: float = field(default=30.0, metadata=_opt(
         "On SIGTERM, seconds that running requests may take to finish (new ones get 503); what is left "
         "then ends with finish_reason 'abort'."))
@@ -253,12 +393,20 @@ class ServerArgs:
     disaggregation_bootstrap_timeout: float = field(default=30.0, metadata=_opt(
         "Seconds either side waits for its peer (SGLang: SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT) before it "
         "frees the request's KV and fails it."))
+    disaggregation_secret: Optional[str] = field(default=None, repr=False, metadata=_opt(
+        f"Shared secret of a prefill/decode group: every bootstrap message is signed with it (HMAC-SHA256) and "
+        f"a message without it is dropped. Default: ${DISAGGREGATION_SECRET_ENV}. Required when the PD host "
+        f"is not a loopback address; never logged."))
+    disaggregation_advertise_host: Optional[str] = field(default=None, metadata=_opt(
+        "Address this server's PD sockets (bootstrap channel, transfer engine) bind and advertise to their "
+        "peers (SGLang reads SGLANG_HOST_IP for it). Default: --host; required when --host is a wildcard "
+        "(0.0.0.0, ::), which peers cannot connect to."))
 
     # ------------------------------------------------------------------ CLI
     @staticmethod
     def add_cli_args(parser: argparse.ArgumentParser) -> None:
         """Add one `--flag-name` per field to `parser`."""
-        add_dataclass_cli_args(parser, ServerArgs)
+        add_dataclass_cli_args(parser, ServerArgs, CLI_GROUPS, argparse_choices=False)
 
     @staticmethod
     def from_cli_args(ns: argparse.Namespace) -> ServerArgs:
@@ -282,7 +430,11 @@ class ServerArgs:
         check_choices(self)
         _positive(self, "page_size", "max_total_tokens", "max_running_requests", "context_length",
                   "max_prefill_tokens", "num_threads")
-        _positive(self, "max_request_body_bytes")
+        _positive(self, "max_request_body_bytes", "stream_interval", "max_queued_requests")
+        if self.base_gpu_id < 0:
+            raise ConfigError(f"--base-gpu-id must be >= 0, got {self.base_gpu_id}")
+        if self.load_format == "gguf" and not self.model_path.endswith(".gguf"):
+            raise ConfigError(f"--load-format gguf needs a .gguf file as --model-path, got {self.model_path!r}")
         if self.kv_run_spare_tokens < 0:
             raise ConfigError(f"--kv-run-spare-tokens must be >= 0, got {self.kv_run_spare_tokens}")
         if self.graceful_shutdown_timeout < 0:
@@ -320,9 +472,10 @@ class ServerArgs:
         if self.hicache_storage_page_tokens > self.page_size and self.hicache_storage_page_tokens % self.page_size:
             raise ConfigError(f"--hicache-storage-page-tokens ({self.hicache_storage_page_tokens}) must be a "
                               f"multiple of --page-size ({self.page_size})")
-        for name, (value, why) in _SINGLE_VALUE.items():
-            if getattr(self, name) != value:
-                raise ConfigError(f"--{_flag(name)} {getattr(self, name)} cannot be honoured: {why}")
+        for f in dataclasses.fields(self):
+            value, why = f.metadata.get("only", (getattr(self, f.name), ""))
+            if getattr(self, f.name) != value:
+                raise ConfigError(f"--{_flag(f.name)} {_shown(getattr(self, f.name))} cannot be honoured: {why}")
         if self.constrained_json_whitespace_pattern is not None:
             if self.constrained_json_disable_any_whitespace:
                 raise ConfigError("--constrained-json-whitespace-pattern contradicts "
@@ -338,6 +491,14 @@ class ServerArgs:
         if not 0 < self.disaggregation_bootstrap_port <= 65535:
             raise ConfigError(f"--disaggregation-bootstrap-port must be in 1..65535, got "
                               f"{self.disaggregation_bootstrap_port}")
+        if self.watchdog_timeout is not None and self.watchdog_timeout < 0:
+            raise ConfigError("--watchdog-timeout must be positive (0 disables the watchdog)")
+        if self.max_connections is not None and self.max_connections < 1:
+            raise ConfigError("--max-connections must be at least 1")
+        if self.header_read_timeout <= 0:
+            raise ConfigError("--header-read-timeout must be positive")
+        if self.scheduler_heartbeat_timeout <= 0:
+            raise ConfigError("--scheduler-heartbeat-timeout must be positive")
         if self.disaggregation_bootstrap_timeout <= 0:
             raise ConfigError("--disaggregation-bootstrap-timeout must be positive")
 
@@ -354,18 +515,56 @@ class ServerArgs:
     def resolve(self, with_device: bool = True) -> ServerArgs:
         """Return a copy with every 'auto'/None that has a derived value filled in.
 
+        Model and tokenizer references become local paths or built-in names (a Hugging Face id: its snapshot
+        folder in the local cache, `kvstrata/model/reference.py`; the served name stays the id), and SGLang's
+        dtype names `half` / `float` become `float16` / `float32`.
+
         Device, dtype, chunked_prefill_size and prefill_admit_threshold depend on CUDA being available, which needs torch: with
         `with_device=False` they stay as given, for the HTTP process, which never imports torch; the
         scheduler process resolves them (resolving twice changes nothing) and reports its copy back.
         """
+        from kvstrata.model.reference import ModelNotFound, resolve_model_references
+
+        try:
+            model_path, tokenizer_path = resolve_model_references(self.model_path, self.tokenizer_path,
+                                                                  self.revision, self.load_format)
+        except ModelNotFound as e:
+            raise ConfigError(str(e)) from None
         args = dataclasses.replace(
             self,
-            tokenizer_path=self.tokenizer_path or self.model_path,
+            model_path=model_path,
+            tokenizer_path=tokenizer_path,
             served_model_name=self.served_model_name or self.model_path,
+            dtype=_DTYPE_ALIASES.get(self.dtype, self.dtype),
             random_seed=self.random_seed if self.random_seed is not None else random.randrange(1 << 30),
             max_running_requests=self.max_running_requests or 256,
+            disaggregation_secret=self.disaggregation_secret or env_flag(DISAGGREGATION_SECRET_ENV) or None,
         )
+        args._check_disaggregation_exposure()
         return args._resolve_device() if with_device else args
+
+    def disaggregation_host(self) -> str:
+        """The address the PD sockets bind and advertise: --disaggregation-advertise-host, else --host."""
+        return self.disaggregation_advertise_host or self.host
+
+    def _check_disaggregation_exposure(self) -> None:
+        """A PD server reachable from other machines must authenticate its peers (after the env fallback)."""
+        if self.disaggregation_mode == "null":
+            return
+        host = self.disaggregation_host()
+        if host in WILDCARD_HOSTS:
+            raise ConfigError(f"--host {host or repr(host)} cannot be advertised to PD peers; set "
+                              f"--disaggregation-advertise-host to this machine's address on their network")
+        if not self.disaggregation_secret and not is_loopback(host):
+            raise ConfigError(f"PD server on {host} (not loopback) needs --disaggregation-secret or "
+                              f"${DISAGGREGATION_SECRET_ENV}: without it anyone on the network could forge "
+                              f"KV handoffs")
+        if self.disaggregation_secret and len(self.disaggregation_secret) < MIN_SECRET_CHARS:
+            raise ConfigError(f"the PD secret must have at least {MIN_SECRET_CHARS} characters (generate one "
+                              f"with: python -c 'import secrets; print(secrets.token_urlsafe(32))')")
+        if self.disaggregation_advertise_host is not None and not is_ip_literal(self.disaggregation_advertise_host):
+            raise ConfigError(f"--disaggregation-advertise-host must be an IP address (the PD sockets bind it), "
+                              f"got {self.disaggregation_advertise_host!r}")
 
     def _resolve_device(self) -> ServerArgs:
         import torch
@@ -375,6 +574,8 @@ class ServerArgs:
             device = "cuda" if torch.cuda.is_available() else "cpu"
         if device == "cuda" and not torch.cuda.is_available():
             raise ConfigError("--device cuda requested but CUDA is not available")
+        if device == "cuda" and self.base_gpu_id >= torch.cuda.device_count():
+            raise ConfigError(f"--base-gpu-id {self.base_gpu_id}: this machine has {torch.cuda.device_count()} GPU(s)")
         dtype = self.dtype
         if dtype == "auto":
             dtype = "bfloat16" if device == "cuda" or cpu_has_fast_bf16() else "float32"
@@ -425,7 +626,7 @@ class ServerArgs:
     def to_dict(self) -> dict:
         """Plain dict of all settings, with the API keys hidden."""
         d = dataclasses.asdict(self)
-        for secret in ("api_key", "admin_api_key"):
+        for secret in ("api_key", "admin_api_key", "disaggregation_secret"):
             if d.get(secret):
                 d[secret] = "***"
         return d
@@ -441,26 +642,35 @@ def env_flag(name: str, default: str = "") -> str:
     return os.environ.get(name, default)
 
 
-def add_dataclass_cli_args(parser: argparse.ArgumentParser, cls: type) -> None:
+def add_dataclass_cli_args(parser: argparse.ArgumentParser, cls: type, groups: Optional[dict[str, str]] = None,
+                           argparse_choices: bool = True) -> None:
     """Add one `--flag-name` per field of the config dataclass `cls` (metadata from `_opt`).
 
     bool fields get `--flag/--no-flag`; tuple fields take any number of values; `aliases` in a field's
-    metadata adds more flag names for the same field.
+    metadata adds more flag names for the same field. `groups` maps the first field of each section to its
+    `--help` heading (fields follow in declaration order). With `argparse_choices=False` a value outside a
+    field's choices is left to `check_choices` (a ConfigError naming the flag, not argparse's exit).
     """
+    target: Any = parser
     for f in dataclasses.fields(cls):
+        if groups and f.name in groups:
+            target = parser.add_argument_group(groups[f.name])
         if not f.metadata.get("cli", True):
             continue
         flags = ["--" + _flag(f.name), *f.metadata.get("aliases", ())]
         kind = _base_type(f.type)
         kwargs: dict[str, Any] = {"dest": f.name, "help": f.metadata.get("help"), "default": f.default}
         if kind is bool:
-            parser.add_argument(*flags, action=argparse.BooleanOptionalAction, **kwargs)
+            target.add_argument(*flags, action=argparse.BooleanOptionalAction, **kwargs)
             continue
-        if f.metadata.get("choices"):
-            kwargs["choices"] = f.metadata["choices"]
+        choices = f.metadata.get("choices")
+        if choices and argparse_choices:
+            kwargs["choices"] = choices
+        elif choices:
+            kwargs["metavar"] = "{" + ",".join(map(str, choices)) + "}"
         if typing.get_origin(kind) is tuple:
             kind, kwargs["nargs"] = typing.get_args(kind)[0], "*"
-        parser.add_argument(*flags, type=kind, **kwargs)
+        target.add_argument(*flags, type=kind, **kwargs)
 
 
 def dataclass_from_cli_args(cls: type, ns: argparse.Namespace) -> Any:
@@ -480,6 +690,10 @@ def check_choices(config: Any) -> None:
         value = getattr(config, f.name)
         if choices and value is not None and value not in choices:
             raise ConfigError(f"--{_flag(f.name)} must be one of {choices}, got {value!r}")
+
+
+def _shown(value: Any) -> str:
+    return " ".join(map(str, value)) if isinstance(value, tuple) else str(value)
 
 
 def _flag(name: str) -> str:

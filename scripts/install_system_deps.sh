@@ -1,14 +1,20 @@
 #!/usr/bin/env bash
-# Install the shared libraries the Mooncake wheel (mooncake-transfer-engine-non-cuda) links against:
-# libibverbs.so.1, librdmacm.so.1, libnuma.so.1 (Debian/Ubuntu: libibverbs1 librdmacm1 libnuma1), and
-# Debian's chromium, the headless browser the dashboard test drives through Playwright (never
-# `playwright install`: nothing is downloaded at test time), and a C++ compiler (g++) for the CPU
-# paged-attention kernel (kvstrata/model/csrc; without one the engine falls back to plain torch and the
-# kernel's tests would skip).
+# Install the system packages kvstrata needs (Debian/Ubuntu names), by mode:
+#   serve: the shared libraries the Mooncake wheel (mooncake-transfer-engine-non-cuda) links against
+#          (libibverbs.so.1, librdmacm.so.1, libnuma.so.1: libibverbs1 librdmacm1 libnuma1) and a C++
+#          compiler (g++) for the CPU kernels (kvstrata/model/csrc; without one the engine falls back to plain
+#          torch and the kernels' tests would skip);
+#   test (the default): also Debian's chromium, the headless browser the dashboard test drives through
+#          Playwright (never `playwright install`: nothing is downloaded at test time).
 # Idempotent: does nothing when everything is already there. Used by scripts/install.sh and CI.
 set -euo pipefail
 
-PACKAGES=(libibverbs1 librdmacm1 libnuma1 chromium g++)
+MODE=${1:-test}
+case "$MODE" in
+    serve) PACKAGES=(libibverbs1 librdmacm1 libnuma1 g++) ;;
+    test) PACKAGES=(libibverbs1 librdmacm1 libnuma1 g++ chromium) ;;
+    *) echo "usage: $0 [serve|test]  (default: test)" >&2; exit 2 ;;
+esac
 LIBS=(libibverbs.so.1 librdmacm.so.1 libnuma.so.1)
 BROWSER=/usr/bin/chromium
 
@@ -22,16 +28,16 @@ have_all_libs() {
 }
 
 have_all() {
-    have_all_libs && [ -x "$BROWSER" ] && command -v g++ >/dev/null 2>&1
+    have_all_libs && command -v g++ >/dev/null 2>&1 && { [ "$MODE" = serve ] || [ -x "$BROWSER" ]; }
 }
 
 if have_all; then
-    echo "install_system_deps: Mooncake's libraries (${LIBS[*]}), $BROWSER and g++ are present"
+    echo "install_system_deps ($MODE): Mooncake's libraries (${LIBS[*]}), g++$([ "$MODE" = test ] && echo " and $BROWSER") are present"
     exit 0
 fi
 
 if ! command -v apt-get >/dev/null 2>&1; then
-    echo "install_system_deps: no apt-get here; install ${LIBS[*]} and chromium with your package manager" >&2
+    echo "install_system_deps: no apt-get here; install ${PACKAGES[*]} (or their equivalents) with your package manager" >&2
     exit 1
 fi
 
@@ -49,4 +55,4 @@ echo "install_system_deps: installing ${PACKAGES[*]}"
 export DEBIAN_FRONTEND=noninteractive
 "${SUDO[@]}" apt-get update -qq
 "${SUDO[@]}" apt-get install -y -qq --no-install-recommends "${PACKAGES[@]}"
-have_all || { echo "install_system_deps: libraries, $BROWSER or g++ still missing after install" >&2; exit 1; }
+have_all || { echo "install_system_deps: some of ${PACKAGES[*]} still missing after install" >&2; exit 1; }

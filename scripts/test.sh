@@ -2,7 +2,7 @@
 # One command: install everything, then run the whole test suite (what CI runs).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-bash scripts/install.sh
+bash scripts/install.sh test   # everything the suite needs, chromium and the test tools included
 # shellcheck disable=SC1091
 . .venv/bin/activate
 export KVSTRATA_CACHE_DIR=${KVSTRATA_CACHE_DIR:-$PWD/.cache/kvstrata}

@@ -62,6 +62,12 @@ def _rbg_crd() -> bool:
     return crd_dir() is not None
 
 
+def _outside_ipv4() -> bool:
+    from tests.net_probe import outside_ipv4
+
+    return outside_ipv4() is not None
+
+
 def _no_cuda() -> bool:
     import torch
 
@@ -76,6 +82,7 @@ def _smollm2() -> bool:
 
 CAPABILITIES = {c.name: c for c in (
     Capability("no_cuda", _no_cuda, "a machine without CUDA (the CPU-only fallbacks)"),
+    Capability("outside_ipv4", _outside_ipv4, "a non-loopback IPv4 address on this machine (asked from itself)"),
     Capability("x86_64", platform.is_x86_64, "an x86-64 CPU (the kernels' ISA variants)"),
     Capability("avx2", platform.cpu_has_avx2, "AVX2 + FMA"),
     Capability("avx512f", platform.cpu_has_avx512f, "AVX-512F"),
@@ -102,6 +109,7 @@ def requires(name: str) -> pytest.MarkDecorator:
 
 
 requires_no_cuda = requires("no_cuda")
+requires_outside_ipv4 = requires("outside_ipv4")
 requires_x86_64 = requires("x86_64")
 requires_avx2 = requires("avx2")
 requires_avx512f = requires("avx512f")
@@ -129,5 +137,5 @@ def check(item: pytest.Item) -> None:
 
 def cpu_summary() -> str:
     """One line: which CPU capabilities this machine has (the report header)."""
-    cpu = [c for c in CAPABILITIES.values() if not c.installed and c.name not in ("no_cuda", "onednn_bf16_reorder")]
+    cpu = [c for c in CAPABILITIES.values() if not c.installed and c.name not in ("no_cuda", "outside_ipv4", "onednn_bf16_reorder")]
     return "cpu capabilities: " + ", ".join(f"{c.name} {'yes' if c.probe() else 'NO'}" for c in cpu)

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import socket
 
-from kvstrata.net import free_port
+from kvstrata.net import confined_listeners, free_port
+from tests.capabilities import requires_outside_ipv4
+from tests.net_probe import answers, outside_ipv4
 
 
 def test_ports_are_distinct_bindable_and_below_the_ephemeral_range():
@@ -33,3 +35,21 @@ def test_a_port_bound_by_someone_else_is_skipped(monkeypatch):
         monkeypatch.setattr(net, "_PORT_RANGE", (port, port + 2))
         monkeypatch.setattr(net, "_given", set())
         assert net.free_port() == port + 1
+
+
+@requires_outside_ipv4
+def test_listeners_opened_on_every_interface_are_confined_to_loopback():
+    with socket.socket() as free, socket.socket() as kept:
+        with confined_listeners("127.0.0.1"):
+            free.bind(("0.0.0.0", 0))
+            free.listen()
+        kept.bind(("0.0.0.0", 0))       # opened outside the block: left alone
+        kept.listen()
+        assert answers("127.0.0.1", free.getsockname()[1])
+        assert not answers(outside_ipv4(), free.getsockname()[1])
+        assert answers(outside_ipv4(), kept.getsockname()[1])
+    with socket.socket() as public:
+        with confined_listeners("10.1.2.3"):     # not loopback: nothing to confine to
+            public.bind(("0.0.0.0", 0))
+            public.listen()
+        assert answers(outside_ipv4(), public.getsockname()[1])

@@ -37,7 +37,7 @@ def make_engine(args, deterministic: bool = False, radix_cache: bool = False, **
     `overrides`: further ServerArgs fields."""
     import kvstrata
 
-    options = dict(model_path=args.model_path, dtype=args.dtype, device=args.device,
+    options = dict(model_path=args.model_path, load_format=args.load_format, dtype=args.dtype, device=args.device,
                    disable_radix_cache=not radix_cache,
                    # room for the 1-stream and the S-stream prompts cached side by side
                    max_total_tokens=(args.streams + 1) * (args.context + args.decode_tokens) + 1024,
@@ -193,6 +193,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--streams", type=int, default=16)
     p.add_argument("--repeat", type=int, default=3)
     p.add_argument("--page-size", type=int, default=1)
+    p.add_argument("--load-format", default="auto", choices=["auto", "safetensors", "gguf", "dummy"],
+                   help="dummy: random weights from the model folder's config.json alone (a shape without its "
+                        "weights; implies --skip-transformers)")
     p.add_argument("--skip-transformers", action="store_true")
     p.add_argument("--profile", action="store_true",
                    help="per-step breakdown (prefill, --suffix tokens after a cached --context prefix, decode with 1 "
@@ -215,6 +218,7 @@ def main(argv: list[str] | None = None) -> int:
                         "--kv-run-spare-tokens) and slot by slot (0), two engines alternating; try a long "
                         "--decode-tokens")
     args = p.parse_args(argv)
+    args.skip_transformers = args.skip_transformers or args.load_format == "dummy"   # it needs the weights
     if args.enable_hierarchical_cache and (args.profile or args.attention):
         p.error("--enable-hierarchical-cache applies to the rates, not to --profile or --attention")
     if args.compare_kv_runs and (args.profile or args.attention or args.enable_deterministic_inference):

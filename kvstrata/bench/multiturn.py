@@ -83,8 +83,6 @@ def build_parser() -> argparse.ArgumentParser:
     add_workload_args(p)
     p.add_argument("--log-file", default=None, help="Append the results as one JSON line to this file.")
     p.add_argument("--tag", default="", help="Tag of this run in the log file.")
-    p.add_argument("--disable-auto-run", action="store_true",
-                   help="Accepted for SGLang compatibility; one run at --request-rate is all this does.")
     p.add_argument("--no-flush-cache", action="store_true", help="Do not flush the server cache first.")
     p.add_argument("--no-progress", action="store_true", help="No progress bar.")
     return p

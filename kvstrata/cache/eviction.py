@@ -13,6 +13,7 @@ if TYPE_CHECKING:
     from kvstrata.cache.radix_tree import TreeNode
 
 EvictionKey = Callable[["TreeNode"], tuple]
+SLRU_PROTECT_HITS = 1    # prefix hits that move a node into the protected segment
 
 
 def lru_key(node: TreeNode) -> tuple:
@@ -25,19 +26,28 @@ def lfu_key(node: TreeNode) -> tuple:
     return (node.hit_count, node.last_access)
 
 
+def slru_key(node: TreeNode) -> tuple:
+    """Segmented LRU: nodes never reused since insertion (probation) go before reused ones (protected);
+    least recently used first in each segment."""
+    return (node.hit_count >= SLRU_PROTECT_HITS, node.last_access)
+
+
 def fifo_key(node: TreeNode) -> tuple:
     """Oldest first."""
     return (node.created_at,)
 
 
 def priority_key(node: TreeNode) -> tuple:
-    """Lowest priority first; among equals, least recently used."""
+    """Lowest priority first; among equals, least recently used. A node's priority is the highest of the
+    requests that inserted or extended a path through it (`RadixTree.insert`), so a high-priority prefix
+    outlives low-priority ones of the same age."""
     return (node.priority, node.last_access)
 
 
 EVICTION_POLICIES: dict[str, EvictionKey] = {
     "lru": lru_key,
     "lfu": lfu_key,
+    "slru": slru_key,
     "fifo": fifo_key,
     "priority": priority_key,
 }

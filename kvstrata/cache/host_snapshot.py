@@ -85,11 +85,26 @@ class HostSnapshot:
         """Write every host-servable node of the tree (atomically: a crash mid-write leaves the old file)."""
         start = time.monotonic()
         host.back_up_device_only()
-        page_size = host.page_size
         stats = SnapshotStats()
         directory = os.path.dirname(os.path.abspath(self.path))
         os.makedirs(directory, exist_ok=True)
         tmp = f"{self.path}.{os.getpid()}.tmp"
+        try:
+            self._write(tmp, host, stats)
+            os.replace(tmp, self.path)
+        except BaseException:
+            with contextlib.suppress(OSError):     # a partial file on a full disk holds its space until removed
+                os.unlink(tmp)
+            raise
+        stats.seconds = time.monotonic() - start
+        self.last_save = stats
+        logger.info("L2 snapshot saved to %s: %d pages (%d tokens) in %.2f s", self.path, stats.pages,
+                    stats.tokens, stats.seconds)
+        return stats
+
+    def _write(self, tmp: str, host: HostTier, stats: SnapshotStats) -> None:
+        """The snapshot file's bytes into `tmp`, flushed to disk; counts into `stats`."""
+        page_size = host.page_size
         index: dict[TreeNode, int] = {}
         last_key: dict[TreeNode, str] = {}
         pool = host.host_pool
@@ -111,12 +126,6 @@ class HostSnapshot:
                 stats.tokens += len(node.key)
             fh.flush()
             os.fsync(fh.fileno())
-        os.replace(tmp, self.path)
-        stats.seconds = time.monotonic() - start
-        self.last_save = stats
-        logger.info("L2 snapshot saved to %s: %d pages (%d tokens) in %.2f s", self.path, stats.pages,
-                    stats.tokens, stats.seconds)
-        return stats
 
     # ---- load ---------------------------------------------------------------------------------------------
 

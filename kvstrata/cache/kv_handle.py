@@ -33,6 +33,7 @@ class CacheRequest(Protocol):
     rid: str
     namespace: str | None
     logprob_start_len: int
+    priority: int                    # higher is more important: the tree keeps the max per node (eviction)
     kv: KVHandle | None              # created and written by the cache only
 
     @property

@@ -366,7 +366,7 @@ class KVCacheManager:
             return
         tokens = req.fill_ids[:upto]
         slots = self.slot_table.read(h.row, upto)
-        already, leaf = self.tree.insert(tokens, slots.clone(), namespace=req.namespace)
+        already, leaf = self.tree.insert(tokens, slots.clone(), namespace=req.namespace, priority=req.priority)
         if leaf is not None:
             self.device.on_insert(leaf)
         if already > h.tree_len:
@@ -503,11 +503,16 @@ class KVCacheManager:
         """Whether an L2 keeps what leaves the device (a paused request then resumes by load-back)."""
         return self.host is not None
 
-    def peek_cached_tokens(self, req: CacheRequest) -> int:
-        """Tokens of req's prompt that admission would find cached in the local tiers now; changes no
-        counter, lock or copy (the match is the one admission uses)."""
+    def cached_prefix_tokens(self, req: CacheRequest) -> int:
+        """Tokens of req's prompt that admission would find cached in the local tiers now (the match it will
+        use, memoised: no extra walk); changes no counter, lock or copy. The scheduler orders its queue by it."""
         match = self._lookup(req)
         return match.cached_tokens if match is not None else 0
+
+    def peek_cached_tokens(self, req: CacheRequest) -> int:
+        """Tokens of req's whole prompt cached in the local tiers now (a walk of its own, for inspection);
+        changes no counter, lock or copy."""
+        return self.tree.match_prefix(req.fill_ids, namespace=req.namespace, record=False).cached_tokens
 
     def tree_metrics(self) -> dict | None:
         """The radix tree's counters (None without the prefix cache)."""

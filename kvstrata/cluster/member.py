@@ -20,8 +20,6 @@ from kvstrata.storage.mooncake_services import stop_group
 REPO_ROOT = str(Path(__file__).resolve().parents[2])
 BACKOFF_FIRST_S = 1.0
 BACKOFF_MAX_S = 30.0
-STOP_GRACE_S = 20.0
-SNAPSHOT_STOP_GRACE_S = 150.0   # the server's drain plus its scheduler's L2 snapshot (launch.py allows 120 s)
 STABLE_S = 60.0           # ready this long after a restart: the backoff starts over
 
 
@@ -66,7 +64,7 @@ class Member:
         """Start the process in its own session, appending to its log."""
         if self.cmd.probe.kind == "file":
             Path(self.cmd.probe.path).unlink(missing_ok=True)
-        env = child_env(self.cmd.env)
+        env = child_env(self.cmd.env | self.cmd.secret_env)
         program = sys.executable if self.cmd.program == "python" else self.cmd.program
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         with open(self.log_path, "ab") as log:
@@ -86,7 +84,7 @@ class Member:
         """SIGTERM the process group, SIGKILL after `grace_s` (default: long enough to drain and to write
         an L2 snapshot); reap it."""
         if grace_s is None:
-            grace_s = SNAPSHOT_STOP_GRACE_S if "--hicache-snapshot-path" in self.cmd.args else STOP_GRACE_S
+            grace_s = self.cmd.stop_grace_s
         proc = self.proc
         if proc is not None:
             stop_group(proc.pid, grace_s=grace_s)

@@ -9,16 +9,21 @@ IP, fixed container ports, Service names). Service discovery lives here and only
     worker          MOONCAKE_MASTER / MOONCAKE_TE_META_DATA_SERVER of the group's mooncake-master role;
                     with L2, --hicache-snapshot-path in the member's state dir (its host tier outlives it)
     prefill/decode  --disaggregation-mode (and the prefill's bootstrap port); a decode server learns its
-                    prefill peer per request, from the router's bootstrap_host/bootstrap_port
+                    prefill peer per request, from the router's bootstrap_host/bootstrap_port; the group's
+                    PD secret (`Network.pd_secret`) as $KVSTRATA_DISAGGREGATION_SECRET; on Kubernetes the
+                    transfer engine's ports pinned to TRANSFER_PORTS (the NetworkPolicy names them)
     mooncake-store  --master / --metadata of the same role
 """
 
 from __future__ import annotations
 
+import secrets
 from dataclasses import dataclass, field
 from typing import Optional, Protocol
 
+from kvstrata.args import DISAGGREGATION_SECRET_ENV, ServerArgs, env_flag
 from kvstrata.cluster.spec import SERVER_KINDS, GroupSpec, RoleSpec, to_flags
+from kvstrata.server.launch import SNAPSHOT_STOP_TIMEOUT_S, STOP_TIMEOUT_S
 from kvstrata.storage.mooncake_config import parse_size
 
 # Container ports on Kubernetes (locally each member gets free ports under the same names).
@@ -31,6 +36,14 @@ MC_ENV = {"MC_LEGACY_RPC_PORT_BINDING": "1"}
 KUBE_STATE_DIR = "/var/lib/kvstrata"
 L2_SNAPSHOT_FILE = "l2.snapshot"   # a worker's host tier across restarts (--hicache-snapshot-path)
 MASTER_EXTRA_PREFIX = "--"       # extra master args are passed on as Mooncake gflags (--name=value)
+PD_KINDS = ("prefill", "decode")
+TRANSFER_PORTS = (15000, 15063)  # Kubernetes: the transfer engine's handshake and data ports (Mooncake's range)
+STOP_MARGIN_S = 15.0            # beyond a server's drain and scheduler stop (server_stop_grace_s)
+
+
+def new_pd_secret() -> str:
+    """The group's PD secret: $KVSTRATA_DISAGGREGATION_SECRET when set (so a re-render keeps it), else random."""
+    return env_flag(DISAGGREGATION_SECRET_ENV) or secrets.token_urlsafe(32)
 
 
 @dataclass(frozen=True)
@@ -53,6 +66,8 @@ class MemberCommand:
     env: dict[str, str] = field(default_factory=dict)
     ports: dict[str, int] = field(default_factory=dict)
     probe: Probe = Probe("tcp")
+    secret_env: dict[str, str] = field(default_factory=dict, repr=False)   # env whose values are secrets
+    stop_grace_s: float = STOP_TIMEOUT_S + STOP_MARGIN_S   # SIGTERM to exit, at most
 
     @property
     def name(self) -> str:
@@ -64,6 +79,8 @@ class Network(Protocol):
     """Where members bind and how they reach each other."""
 
     bind_host: str
+    pd_secret: str                              # signs the group's PD bootstrap messages
+    transfer_ports: Optional[tuple[int, int]]   # the transfer engine's port range (None: any free port)
 
     def member_host(self, role: RoleSpec, index: int) -> str:
         """The host other members reach member `index` of `role` at."""
@@ -85,6 +102,8 @@ class LocalNetwork:
     ports: dict[tuple[str, int], dict[str, int]]
     run_dir: str
     bind_host: str = "127.0.0.1"
+    pd_secret: str = field(default_factory=new_pd_secret, repr=False)
+    transfer_ports: Optional[tuple[int, int]] = None
 
     def member_host(self, role: RoleSpec, index: int) -> str:
         """Every member is on this machine."""
@@ -109,6 +128,8 @@ class KubeNetwork:
 
     group: str
     bind_host: str = "$(POD_IP)"
+    pd_secret: str = field(default_factory=new_pd_secret, repr=False)
+    transfer_ports: Optional[tuple[int, int]] = TRANSFER_PORTS
 
     def service(self, role: RoleSpec) -> str:
         """The Service of a role."""
@@ -141,6 +162,8 @@ def member_command(spec: GroupSpec, role: RoleSpec, index: int, net: Network,
     host = net.bind_host
     mooncake_env = dict(MC_ENV) | {"MC_TCP_BIND_ADDRESS": host}
     env: dict[str, str] = {}
+    secret_env: dict[str, str] = {}
+    stop_grace_s = STOP_TIMEOUT_S + STOP_MARGIN_S
     if role.kind == "mooncake-master":
         args = ["-m", "kvstrata.cluster.mooncake_master", "--host", host, "--rpc-port", str(ports["rpc"]),
                 "--metadata-port", str(ports["metadata"]), "--metrics-port", str(ports["metrics"])]
@@ -170,15 +193,35 @@ def member_command(spec: GroupSpec, role: RoleSpec, index: int, net: Network,
             args += ["--hicache-snapshot-path", f"{net.state_dir(role, index)}/{L2_SNAPSHOT_FILE}"]
         if role.resources.threads:
             args += ["--num-threads", str(role.resources.threads)]
-        if role.kind != "worker":            # the KV handoff runs on Mooncake's transfer engine
-            env |= mooncake_env
+        if role.kind in PD_KINDS:            # the KV handoff runs on Mooncake's transfer engine
+            env |= mooncake_env | transfer_port_env(net)
+            secret_env = {DISAGGREGATION_SECRET_ENV: net.pd_secret}
         if role_args.get("hicache-storage-backend") == "mooncake":
             env |= mooncake_env | mooncake_client_env(spec, net)
         probe = Probe("http", path="/health", ports=("http",))
+        stop_grace_s = server_stop_grace_s(args)
     if role.resources.threads:
         env["OMP_NUM_THREADS"] = str(role.resources.threads)
     return MemberCommand(role=role.name, index=index, program="python", args=tuple(args),
-                         env=env | role.env, ports=ports, probe=probe)
+                         env=env | role.env, ports=ports, probe=probe, secret_env=secret_env,
+                         stop_grace_s=stop_grace_s)
+
+
+def transfer_port_env(net: Network) -> dict[str, str]:
+    """Mooncake's variables that keep its transfer engine's listening ports in `net.transfer_ports`."""
+    if net.transfer_ports is None:
+        return {}
+    return {"MC_MIN_RPC_PORT": str(net.transfer_ports[0]), "MC_MAX_RPC_PORT": str(net.transfer_ports[1])}
+
+
+def server_stop_grace_s(args: list[str]) -> float:
+    """Seconds a server started with `args` may take from SIGTERM to exit: its drain, then its scheduler's
+    stop or L2 snapshot, plus a margin."""
+    drain = ServerArgs.graceful_shutdown_timeout
+    if "--graceful-shutdown-timeout" in args:
+        drain = float(args[args.index("--graceful-shutdown-timeout") + 1])
+    stop = SNAPSHOT_STOP_TIMEOUT_S if "--hicache-snapshot-path" in args else STOP_TIMEOUT_S
+    return drain + stop + STOP_MARGIN_S
 
 
 def worker_roles(spec: GroupSpec, router: RoleSpec) -> list[RoleSpec]:

@@ -1,13 +1,21 @@
-"""Kubernetes manifests of a spec: one RoleBasedGroup (workloads.x-k8s.io/v1alpha1) plus the Services.
+"""Kubernetes manifests of a spec: one RoleBasedGroup (workloads.x-k8s.io/v1alpha1) plus the Services; with
+prefill/decode roles also the group's PD Secret and a NetworkPolicy.
 
 Every container runs `member_command(...)` with a `KubeNetwork`, so its arguments and environment are
 those of the local launcher with the pod IP, container ports and Service names in place of 127.0.0.1 and
 free ports. Roles that hold KV (workers, the Mooncake store) are InstanceSets updated in place
 (`InPlaceIfPossible`): an image change restarts the container, keeping the pod, its IP and its name.
+
+PD roles read $KVSTRATA_DISAGGREGATION_SECRET from the Secret `<group>-pd-secret` (generated at render,
+or taken from that variable when it is set, so that a re-render keeps it). The NetworkPolicy admits only
+the group's own pods to their bootstrap port and to the transfer engine's port range (plan.TRANSFER_PORTS);
+their HTTP port stays open to the router, probes and scrapers. A server pod's
+terminationGracePeriodSeconds covers its drain and L2 snapshot (plan.server_stop_grace_s).
 """
 
 from __future__ import annotations
 
+import math
 import os
 from typing import Any, Optional
 
@@ -16,6 +24,7 @@ import yaml
 from kvstrata.cluster.plan import (
     KIND_PORTS,
     KUBE_STATE_DIR,
+    PD_KINDS,
     KubeNetwork,
     MemberCommand,
     Probe,
@@ -29,6 +38,7 @@ LABEL_ROLE = "rolebasedgroup.workloads.x-k8s.io/role"
 IN_PLACE_GRACE_S = 30      # not-ready before the image is swapped: the router drains the member meanwhile
 PROGRAMS = {"python": "python3"}
 STATE_VOLUME = "kvstrata-state"
+SECRET_KEY = "disaggregation-secret"
 
 
 def render(spec: GroupSpec, image: Optional[str] = None) -> list[dict]:
@@ -38,7 +48,16 @@ def render(spec: GroupSpec, image: Optional[str] = None) -> list[dict]:
     rbg = {"apiVersion": API_VERSION, "kind": "RoleBasedGroup",
            "metadata": {"name": spec.name, "labels": {"app.kubernetes.io/name": "kvstrata"}},
            "spec": {"roles": roles}}
-    return [rbg, *(_service(spec, role, net) for role in spec.roles if _role_ports(role, net))]
+    docs = [rbg, *(_service(spec, role, net) for role in spec.roles if _role_ports(role, net))]
+    pd_roles = [role for role in spec.roles if role.kind in PD_KINDS]
+    if pd_roles:
+        docs += [_pd_secret(spec, net), _pd_network_policy(spec, pd_roles, net)]
+    return docs
+
+
+def pd_secret_name(spec: GroupSpec) -> str:
+    """The Secret holding the group's PD secret."""
+    return f"{spec.name}-pd-secret"
 
 
 def to_yaml(docs: list[dict]) -> str:
@@ -70,7 +89,9 @@ def _role(spec: GroupSpec, role: RoleSpec, net: KubeNetwork, image: str) -> dict
             "inPlaceUpdateStrategy": {"gracePeriodSeconds": IN_PLACE_GRACE_S}}}
     else:
         item["rolloutStrategy"] = {"type": "RollingUpdate", "rollingUpdate": {"maxUnavailable": 1}}
-    pod_spec: dict[str, Any] = {"containers": [_container(role, cmd, image)]}
+    pod_spec: dict[str, Any] = {"containers": [_container(spec, role, cmd, image)]}
+    if role.kind in SERVER_KINDS:         # the default 30 s can land before the drain and the L2 snapshot end
+        pod_spec["terminationGracePeriodSeconds"] = math.ceil(cmd.stop_grace_s)
     if KUBE_STATE_DIR in " ".join(cmd.args):
         # the L2 snapshot's directory: an emptyDir lives as long as the pod, so it outlives the container
         # restart of an in-place update
@@ -84,9 +105,11 @@ def _role(spec: GroupSpec, role: RoleSpec, net: KubeNetwork, image: str) -> dict
     return item
 
 
-def _container(role: RoleSpec, cmd: MemberCommand, image: str) -> dict:
+def _container(spec: GroupSpec, role: RoleSpec, cmd: MemberCommand, image: str) -> dict:
     env = [{"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}}]
     env += [{"name": k, "value": v} for k, v in cmd.env.items()]
+    env += [{"name": k, "valueFrom": {"secretKeyRef": {"name": pd_secret_name(spec), "key": SECRET_KEY}}}
+            for k in cmd.secret_env]
     container: dict[str, Any] = {
         "name": role.kind.replace("mooncake-", "mooncake"), "image": image,
         "command": [PROGRAMS.get(cmd.program, cmd.program)], "args": list(cmd.args), "env": env,
@@ -129,3 +152,27 @@ def _service(spec: GroupSpec, role: RoleSpec, net: KubeNetwork) -> dict:
     return {"apiVersion": "v1", "kind": "Service",
             "metadata": {"name": net.service(role), "labels": {LABEL_GROUP: spec.name, LABEL_ROLE: role.name}},
             "spec": svc}
+
+
+def _pd_secret(spec: GroupSpec, net: KubeNetwork) -> dict:
+    return {"apiVersion": "v1", "kind": "Secret", "type": "Opaque",
+            "metadata": {"name": pd_secret_name(spec), "labels": {LABEL_GROUP: spec.name}},
+            "stringData": {SECRET_KEY: net.pd_secret}}
+
+
+def _pd_network_policy(spec: GroupSpec, pd_roles: list[RoleSpec], net: KubeNetwork) -> dict:
+    """Ingress to the PD pods: HTTP from anywhere; bootstrap and transfer-engine ports from the group only."""
+    low, high = net.transfer_ports
+    pd_ports = [{"protocol": "TCP", "port": low, "endPort": high}]
+    pd_ports += sorted(({"protocol": "TCP", "port": net.port(r, 0, "bootstrap")}
+                        for r in pd_roles if "bootstrap" in KIND_PORTS[r.kind]), key=lambda p: p["port"])
+    http = sorted({net.port(r, 0, "http") for r in pd_roles})
+    return {"apiVersion": "networking.k8s.io/v1", "kind": "NetworkPolicy",
+            "metadata": {"name": f"{spec.name}-pd", "labels": {LABEL_GROUP: spec.name}},
+            "spec": {"podSelector": {"matchLabels": {LABEL_GROUP: spec.name},
+                                     "matchExpressions": [{"key": LABEL_ROLE, "operator": "In",
+                                                           "values": [r.name for r in pd_roles]}]},
+                     "policyTypes": ["Ingress"],
+                     "ingress": [{"ports": [{"protocol": "TCP", "port": p} for p in http]},
+                                 {"from": [{"podSelector": {"matchLabels": {LABEL_GROUP: spec.name}}}],
+                                  "ports": pd_ports}]}}

@@ -135,7 +135,8 @@ _GROUP_KEYS = {"name", "image", "roles"}
 _ROLE_KEYS = {"name", "kind", "replicas", "args", "env", "dependencies", "readiness", "resources", "image",
               "port"}
 _DERIVED_ARGS = {"host", "port", "worker-urls", "master", "metadata", "ready-file", "disaggregation-mode",
-                 "disaggregation-bootstrap-port", "pd-disaggregation", "prefill", "decode"}
+                 "disaggregation-bootstrap-port", "pd-disaggregation", "prefill", "decode",
+                 "disaggregation-secret", "disaggregation-advertise-host"}
 
 
 def load_spec(path: Optional[str] = None) -> GroupSpec:

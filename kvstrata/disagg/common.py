@@ -5,9 +5,13 @@ from __future__ import annotations
 import hashlib
 import time
 from collections import deque
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 from kvstrata.runtime.req import Req
+
+if TYPE_CHECKING:
+    from kvstrata.disagg.channel import BootstrapChannel
+    from kvstrata.disagg.transfer import TransferBackend
 
 RECENT_TRANSFERS = 64        # per-request records kept for /server_info
 
@@ -59,3 +63,10 @@ class HandoffStats:
                                   if c["transfer_seconds_total"] else 0.0)
         c["mean_bootstrap_queue_s"] = c["bootstrap_queue_seconds_total"] / ok if ok else 0.0
         return {"mode": self.mode, **queues, **c, "recent_transfers": list(self.recent)}
+
+
+def endpoint_state(channel: BootstrapChannel, transfer: TransferBackend) -> dict:
+    """Where this side listens, and the bootstrap messages it dropped (by reason), for /server_info."""
+    return {"bootstrap_address": channel.address, "transfer_session": transfer.session_id,
+            "rejected_messages": dict(channel.rejected),
+            "rejected_messages_total": sum(channel.rejected.values())}

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from kvstrata.disagg.channel import BootstrapChannel
-from kvstrata.disagg.common import HandoffStats, check_disagg_request, prompt_digest
+from kvstrata.disagg.common import HandoffStats, check_disagg_request, endpoint_state, prompt_digest
 from kvstrata.disagg.messages import KVTransferAbort, KVTransferDone, KVTransferFailed, KVTransferRequest
 from kvstrata.disagg.transfer import (
     TransferBackend,
@@ -55,7 +55,7 @@ class DecodeHandoff:
         self.sched = scheduler
         self.timeout_s = args.disaggregation_bootstrap_timeout
         self.transfer, self.layout, (self.k_ptrs, self.v_ptrs) = attach_pool(args, scheduler.runner.pool, transfer)
-        self.channel = BootstrapChannel(args.host)
+        self.channel = BootstrapChannel(args.disaggregation_host(), secret=args.disaggregation_secret)
         self.queue: list[_Waiting] = []            # waiting for slots (the bootstrap queue)
         self.inflight: dict[int, _Waiting] = {}    # room → slots reserved, KVTransferRequest sent
         self.quarantine: dict[int, tuple[float, Req]] = {}   # room → (release at, request): timed out
@@ -77,15 +77,20 @@ class DecodeHandoff:
         """Apply the prefill's answers, fail what timed out, start what fits. Outputs to send."""
         outputs: list[ReqOutput] = []
         for msg in self.channel.receive():
-            room = getattr(msg, "room", -1)
+            if not isinstance(msg, (KVTransferDone, KVTransferFailed)):
+                continue                 # a decode-to-prefill message: not for this side
+            room = msg.room
             if room in self.quarantine:          # the prefill is done with those pages
                 self._unquarantine(room)
             w = self.inflight.pop(room, None)
             if w is None:
                 continue                 # a late answer for a request already given up
-            if isinstance(msg, KVTransferDone):
+            problem = self._bad_tokens(msg) if isinstance(msg, KVTransferDone) else None
+            if problem is not None:
+                outputs.append(self._fail(w, problem, 502))
+            elif isinstance(msg, KVTransferDone):
                 outputs.extend(self._activate(w, msg))
-            elif isinstance(msg, KVTransferFailed):
+            else:
                 outputs.append(self._fail(w, f"prefill failed: {msg.reason}", msg.status))
         outputs.extend(self._expire())
         now = time.monotonic()
@@ -113,12 +118,13 @@ class DecodeHandoff:
 
     def has_work(self) -> bool:
         """Whether anything waits on this side."""
-        return bool(self.queue or self.inflight or self.quarantine)
+        return bool(self.queue or self.inflight or self.quarantine) or self.channel.pending()
 
     def state(self) -> dict:
         """Counters and queue lengths for /server_info."""
-        return self.stats.state(bootstrap_queue=len(self.queue), transfers_in_flight=len(self.inflight),
-                                quarantined=len(self.quarantine))
+        return {**self.stats.state(bootstrap_queue=len(self.queue), transfers_in_flight=len(self.inflight),
+                                   quarantined=len(self.quarantine)),
+                **endpoint_state(self.channel, self.transfer)}
 
     def close(self) -> None:
         """Close the sockets."""
@@ -149,6 +155,13 @@ class DecodeHandoff:
                 prompt_digest=prompt_digest(req.prompt_ids), start_token=req.kv_len,
                 dst_slots=slots_list(cache.slots_of(req, req.kv_len, n)),
                 deadline=time.time() + (w.deadline - w.sent_at)))
+
+    def _bad_tokens(self, done: KVTransferDone) -> Optional[str]:
+        vocab = self.sched.runner.vocab_size
+        ids = [done.first_token, *(tid for _, tid in done.first_top_logprobs)]
+        if any(tid >= vocab for tid in ids):
+            return f"the prefill sent a token id outside this model's vocabulary ({vocab})"
+        return None
 
     def _activate(self, w: _Waiting, done: KVTransferDone) -> list[ReqOutput]:
         req, sched = w.req, self.sched

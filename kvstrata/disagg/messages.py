@@ -1,4 +1,5 @@
-"""Typed messages of the PD handshake, between a decode scheduler and a prefill scheduler (ZMQ, pickled).
+"""Typed messages of the PD handshake, between a decode scheduler and a prefill scheduler (msgspec structs,
+msgpack on the wire, signed by `wire.FrameCodec`; never pickle).
 
     decode                                   prefill (bootstrap service on --disaggregation-bootstrap-port)
     ------                                   -------
@@ -12,22 +13,44 @@
 
 Either side sends its failure (KVTransferFailed / KVTransferAbort) when it gives up, so the other frees
 its KV at once instead of at its own timeout.
+
+Every field is typed and bounded here (msgspec checks types and `Meta` bounds while it decodes);
+`message_problem` adds the checks that span fields. A message that fails either never reaches a handoff.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Optional
+import math
+from typing import Annotated, Optional, Union
+
+from msgspec import Meta, Struct
+
+MAX_ROOM = 2 ** 63 - 1
+MAX_PROMPT_TOKENS = 1 << 22          # 4 Mi tokens: far above any context length served here
+MAX_LAYERS = 1024
+MAX_TOP_LOGPROBS = 1024
+MAX_TEXT = 2048                      # reasons, session ids, addresses
+
+Room = Annotated[int, Meta(ge=0, le=MAX_ROOM)]
+Count = Annotated[int, Meta(ge=0, le=MAX_PROMPT_TOKENS)]
+Pointer = Annotated[int, Meta(ge=0)]          # msgpack carries at most uint64
+Pointers = Annotated[list[Pointer], Meta(max_length=MAX_LAYERS)]
+Text = Annotated[str, Meta(max_length=MAX_TEXT)]
+# A ZMQ tcp address "tcp://host:port"; the host part is checked no further (a name or an IP literal).
+Address = Annotated[str, Meta(pattern=r"^tcp://[A-Za-z0-9.\-_:\[\]]{1,255}:[0-9]{1,5}$")]
+SessionId = Annotated[str, Meta(pattern=r"^[A-Za-z0-9.\-_:\[\]]{1,255}:[0-9]{1,5}$|^loopback$")]
+Digest = Annotated[str, Meta(pattern=r"^[0-9a-f]{32}$")]
+HttpStatus = Annotated[int, Meta(ge=400, le=599)]
+TokenId = Annotated[int, Meta(ge=0, le=2 ** 31 - 1)]
 
 
-@dataclass(frozen=True)
-class KVLayout:
+class KVLayout(Struct, frozen=True):
     """What the bytes of one slot mean; prefill and decode must agree on it."""
 
-    num_layers: int
-    num_kv_heads: int
-    head_dim: int
-    dtype: str
+    num_layers: Annotated[int, Meta(ge=1, le=MAX_LAYERS)]
+    num_kv_heads: Annotated[int, Meta(ge=1, le=4096)]
+    head_dim: Annotated[int, Meta(ge=1, le=65536)]
+    dtype: Annotated[str, Meta(pattern=r"^(float32|float16|bfloat16|float8_e4m3fn|float8_e5m2)$")]
 
     @property
     def slot_bytes(self) -> int:
@@ -37,48 +60,67 @@ class KVLayout:
         return self.num_kv_heads * self.head_dim * getattr(torch, self.dtype).itemsize
 
 
-@dataclass
-class KVTransferRequest:
+class KVTransferRequest(Struct, tag="request"):
     """decode → prefill: write the KV of prompt tokens [start_token, len(prompt)) of room `room` here."""
 
-    room: int
-    reply_to: str                      # decode's ZMQ address for the answer
-    session_id: str                    # decode's transfer-engine session ("host:rpc_port")
+    room: Room
+    reply_to: Address                  # decode's ZMQ address for the answer
+    session_id: SessionId              # decode's transfer-engine session ("host:rpc_port")
     layout: KVLayout
-    k_ptrs: list[int]                  # per layer, address of slot 0 of decode's K buffer
-    v_ptrs: list[int]
-    prompt_len: int
-    prompt_digest: str                 # both sides must have tokenized the same prompt
-    start_token: int                   # tokens before this one decode already holds (its own cache)
-    dst_slots: list[int]               # decode's slots for tokens [start_token, prompt_len)
+    k_ptrs: Pointers                   # per layer, address of slot 0 of decode's K buffer
+    v_ptrs: Pointers
+    prompt_len: Annotated[int, Meta(ge=1, le=MAX_PROMPT_TOKENS)]
+    prompt_digest: Digest              # both sides must have tokenized the same prompt
+    start_token: Count                 # tokens before this one decode already holds (its own cache)
+    dst_slots: Annotated[list[Count], Meta(max_length=MAX_PROMPT_TOKENS)]  # slots for [start_token, prompt_len)
     deadline: float                    # wall clock: decode gives up after this; no write may start later
 
 
-@dataclass
-class KVTransferAbort:
+class KVTransferAbort(Struct, tag="abort"):
     """decode → prefill: decode gave up on room `room` (timeout, client abort); free it."""
 
-    room: int
-    reason: str
+    room: Room
+    reason: Text
 
 
-@dataclass
-class KVTransferDone:
+class KVTransferDone(Struct, tag="done"):
     """prefill → decode: the KV is in decode's slots; here is the first token."""
 
-    room: int
-    first_token: int
+    room: Room
+    first_token: TokenId
     first_logprob: Optional[float] = None
-    first_top_logprobs: list[tuple[float, int]] = field(default_factory=list)
-    transferred_bytes: int = 0
-    transfer_seconds: float = 0.0
-    prefill_cached_tokens: int = 0
+    first_top_logprobs: Annotated[list[tuple[float, TokenId]], Meta(max_length=MAX_TOP_LOGPROBS)] = []
+    transferred_bytes: Annotated[int, Meta(ge=0)] = 0
+    transfer_seconds: Annotated[float, Meta(ge=0)] = 0.0
+    prefill_cached_tokens: Count = 0
 
 
-@dataclass
-class KVTransferFailed:
+class KVTransferFailed(Struct, tag="failed"):
     """prefill → decode: room `room` will not be served; the request ends with this error."""
 
-    room: int
-    reason: str
-    status: int = 503
+    room: Room
+    reason: Text
+    status: HttpStatus = 503
+
+
+PDMessage = Union[KVTransferRequest, KVTransferAbort, KVTransferDone, KVTransferFailed]
+
+
+def message_problem(msg: PDMessage) -> Optional[str]:
+    """What is inconsistent across a decoded message's fields, or None (types and bounds are checked already)."""
+    if isinstance(msg, KVTransferRequest):
+        if len(msg.k_ptrs) != msg.layout.num_layers or len(msg.v_ptrs) != msg.layout.num_layers:
+            return f"{len(msg.k_ptrs)}/{len(msg.v_ptrs)} K/V pointers for {msg.layout.num_layers} layers"
+        if msg.start_token > msg.prompt_len:
+            return f"start_token {msg.start_token} is past the prompt ({msg.prompt_len} tokens)"
+        if len(msg.dst_slots) != msg.prompt_len - msg.start_token:
+            return f"{len(msg.dst_slots)} destination slots for {msg.prompt_len - msg.start_token} tokens"
+        if not math.isfinite(msg.deadline):
+            return "the deadline is not a finite time"
+    if isinstance(msg, KVTransferDone):
+        values = [msg.transfer_seconds] + [lp for lp, _ in msg.first_top_logprobs]
+        if msg.first_logprob is not None:
+            values.append(msg.first_logprob)
+        if any(math.isnan(v) for v in values) or not math.isfinite(msg.transfer_seconds):
+            return "a logprob or the transfer time is not a number"
+    return None

@@ -21,7 +21,7 @@ from typing import Optional
 
 from kvstrata.args import env_flag
 from kvstrata.disagg.channel import BootstrapChannel
-from kvstrata.disagg.common import HandoffStats, check_disagg_request, prompt_digest
+from kvstrata.disagg.common import HandoffStats, check_disagg_request, endpoint_state, prompt_digest
 from kvstrata.disagg.messages import KVTransferAbort, KVTransferDone, KVTransferFailed, KVTransferRequest
 from kvstrata.disagg.transfer import (
     TransferBackend,
@@ -63,7 +63,8 @@ class PrefillHandoff:
         self.sched = scheduler
         self.timeout_s = args.disaggregation_bootstrap_timeout
         self.transfer, self.layout, self.ptrs = attach_pool(args, scheduler.runner.pool, transfer)
-        self.channel = BootstrapChannel(args.host, args.disaggregation_bootstrap_port)
+        self.channel = BootstrapChannel(args.disaggregation_host(), args.disaggregation_bootstrap_port,
+                                        args.disaggregation_secret)
         self.rooms: dict[int, _Room] = {}
         self.by_rid: dict[str, _Room] = {}
         self.writer = ThreadPoolExecutor(1, thread_name_prefix="kv-transfer")
@@ -128,16 +129,17 @@ class PrefillHandoff:
         return [r.req for r in self.rooms.values() if r.prefilled]
 
     def has_work(self) -> bool:
-        """Whether any room is open."""
-        return bool(self.rooms)
+        """Whether any room is open or a message waits."""
+        return bool(self.rooms) or self.channel.pending()
 
     def state(self) -> dict:
         """Counters and queue lengths for /server_info."""
         rooms = list(self.rooms.values())
-        return self.stats.state(
+        return {**self.stats.state(
             rooms_open=len(rooms), waiting_for_decode=sum(r.prefilled and r.dst is None for r in rooms),
             waiting_for_client_request=sum(r.req is None for r in rooms),
-            transfers_in_flight=sum(r.future is not None for r in rooms))
+            transfers_in_flight=sum(r.future is not None for r in rooms)),
+            **endpoint_state(self.channel, self.transfer)}
 
     def close(self) -> None:
         """Wait for the write in flight, then close the sockets."""

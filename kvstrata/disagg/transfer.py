@@ -14,6 +14,7 @@ from typing import Optional, Protocol
 import torch
 
 from kvstrata.disagg.messages import KVLayout
+from kvstrata.net import confined_listeners
 
 logger = logging.getLogger(__name__)
 
@@ -49,7 +50,9 @@ class MooncakeTransfer:
 
         self.engine = TransferEngine()
         protocol = "rdma" if ib_device else "tcp"
-        if self.engine.initialize(hostname, "P2PHANDSHAKE", protocol, ib_device or "") != 0:
+        with confined_listeners(hostname):        # it listens on every interface otherwise
+            started = self.engine.initialize(hostname, "P2PHANDSHAKE", protocol, ib_device or "") == 0
+        if not started:
             raise TransferError(f"the Mooncake transfer engine did not start on {hostname} ({protocol})")
         self.session_id = f"{hostname}:{self.engine.get_rpc_port()}"
 
@@ -115,7 +118,7 @@ def attach_pool(args, pool, transfer: Optional[TransferBackend] = None
 
     `transfer` replaces the engine named by --disaggregation-transfer-backend (unit tests use a loopback one).
     """
-    transfer = transfer or create_transfer(args.disaggregation_transfer_backend, args.host,
+    transfer = transfer or create_transfer(args.disaggregation_transfer_backend, args.disaggregation_host(),
                                            args.disaggregation_ib_device)
     register_pool(transfer, pool)
     return transfer, pool_layout(pool), pool_pointers(pool)

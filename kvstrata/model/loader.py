@@ -61,6 +61,37 @@ def load_model(path: str, config: ModelConfig, dtype: torch.dtype, device: torch
     return model.eval()
 
 
+DUMMY_SEED = 0
+DUMMY_STD = 0.02     # transformers' usual initializer_range: activations stay finite through any depth
+
+
+def load_dummy_model(config: ModelConfig, dtype: torch.dtype, device: torch.device,
+                     relayout: bool = True, seed: int = DUMMY_SEED) -> torch.nn.Module:
+    """The model for `config` with deterministic random weights (`--load-format dummy`): no weight files.
+
+    Norm weights are ones, everything else uniform with std DUMMY_STD, drawn parameter by parameter in
+    declaration order from one CPU generator seeded with `seed` (the same weights on every run).
+    """
+    device = torch.device(device)
+    with torch.device("meta"):
+        model = LlamaForCausalLM(config)
+    model = model.to(dtype=dtype).to_empty(device=device)
+    if config.tie_word_embeddings:
+        model.tie_embeddings()
+    generator = torch.Generator().manual_seed(seed)
+    half_width = DUMMY_STD * 3.0 ** 0.5
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("norm.weight"):
+                param.fill_(1.0)
+            else:
+                values = torch.rand(param.shape, generator=generator, dtype=torch.float32) * 2 - 1
+                param.copy_(values.mul_(half_width))
+    if relayout:
+        model.optimize_layout()
+    return model.eval()
+
+
 def checkpoint_files(path: str) -> list[str]:
     """Safetensors files of a checkpoint: the index's shards, else model.safetensors, else any *.safetensors."""
     index = os.path.join(path, INDEX_FILE)
@@ -79,7 +110,8 @@ def checkpoint_files(path: str) -> list[str]:
         return [SINGLE_FILE]
     files = sorted(f for f in os.listdir(path) if f.endswith(".safetensors")) if os.path.isdir(path) else []
     if not files:
-        raise ModelLoadError(f"{path}: no *.safetensors weights found (only safetensors checkpoints load)")
+        raise ModelLoadError(f"{path}: no *.safetensors weights found (only safetensors checkpoints load; "
+                             f"--load-format dummy runs the model's shape on random weights)")
     return files
 
 

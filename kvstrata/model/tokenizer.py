@@ -69,13 +69,18 @@ def confirm_light_tokenizer(tokenizer: Any, fingerprint: str, path: str, chat_te
     return load_tokenizer(path, chat_template)
 
 
+def has_tokenizer_files(folder: str) -> bool:
+    """Whether `folder` holds at least one of the files a tokenizer is loaded from."""
+    return any(os.path.isfile(os.path.join(folder, name)) for name in _TOKENIZER_FILES)
+
+
 def _tokenizer_folder(path: str) -> str:
     from kvstrata.model.builtin import resolve_model_path
 
     folder = resolve_model_path(path)
     if not os.path.isdir(folder):
         raise TokenizerLoadError(f"tokenizer folder {folder!r} does not exist (only local folders are supported)")
-    if not any(os.path.isfile(os.path.join(folder, name)) for name in _TOKENIZER_FILES):
+    if not has_tokenizer_files(folder):
         raise TokenizerLoadError(f"no tokenizer files ({', '.join(_TOKENIZER_FILES)}) in {folder!r}")
     return folder
 

@@ -26,10 +26,12 @@ logger = logging.getLogger(__name__)
 class SchedulerLoop:
     """recv → handle → step → send, until `stop()` is called."""
 
-    def __init__(self, scheduler: Scheduler, recv: Callable[[bool], list], send: Callable[[object], None]):
+    def __init__(self, scheduler: Scheduler, recv: Callable[[bool], list], send: Callable[[object], None],
+                 beat: Callable[[], None] = lambda: None):
         self.scheduler = scheduler
         self.recv = recv
         self.send = send
+        self.beat = beat          # called once per iteration (runtime/heartbeat.py: what /health reads)
         self.running = True
 
     def stop(self) -> None:
@@ -44,6 +46,7 @@ class SchedulerLoop:
     def run_once(self) -> None:
         """Handle pending messages, then one scheduler step."""
         s = self.scheduler
+        self.beat()
         messages = self.recv(not s.has_work())
         outputs = []
         for msg in messages:

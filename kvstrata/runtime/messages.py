@@ -24,6 +24,7 @@ class TokenizedGenerateReq:
     top_logprobs_num: int = 0
     stream: bool = False
     cache_namespace: Optional[str] = None  # requests in different namespaces never share KV
+    priority: Optional[int] = None     # the client's `priority` as given (the scheduler interprets it)
     bootstrap: Optional[BootstrapInfo] = None  # set when a PD router sent the request (disaggregation)
 
 

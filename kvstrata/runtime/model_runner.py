@@ -25,7 +25,7 @@ from kvstrata.model.layers import (
     use_fused_norms,
     use_onednn_weights,
 )
-from kvstrata.model.loader import load_model
+from kvstrata.model.loader import load_dummy_model, load_model
 from kvstrata.model.paged_kernels import (
     BF16_HEAD_DIMS,
     argmax_op,
@@ -58,9 +58,14 @@ class ModelRunner:
         self.dtype = DTYPES[args.dtype]
         if args.num_threads and self.device.type == "cpu":
             torch.set_num_threads(args.num_threads)
+        if self.device.type == "cuda":
+            torch.cuda.set_device(args.base_gpu_id)   # "cuda" below then means cuda:base_gpu_id
         self.model_path = resolve_model_path(args.model_path)
         self.config = ModelConfig.from_path(self.model_path)
-        self.model = load_model(self.model_path, self.config, self.dtype, self.device, relayout=False)
+        if args.load_format == "dummy":
+            self.model = load_dummy_model(self.config, self.dtype, self.device, relayout=False)
+        else:
+            self.model = load_model(self.model_path, self.config, self.dtype, self.device, relayout=False)
         if args.enable_deterministic_inference:
             make_batch_invariant(self.model)
         self.context_len = args.context_length or self.config.max_position_embeddings

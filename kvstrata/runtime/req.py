@@ -42,6 +42,8 @@ class Req:
     top_logprobs_num: int = 0
     stream: bool = False
     namespace: Optional[str] = None
+    priority: int = 0               # higher = more important (a client's value, flipped by the scheduler if
+                                    # --schedule-low-priority-values-first); queue order and tree eviction
 
     output_ids: list[int] = field(default_factory=list)
     state: ReqState = ReqState.WAITING

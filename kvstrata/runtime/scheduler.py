@@ -10,6 +10,7 @@ still waiting for its first token may pause decodes to start at once (`_preempt_
 from __future__ import annotations
 
 import logging
+import random
 import time
 from typing import Optional
 
@@ -28,6 +29,7 @@ from kvstrata.runtime.utilization import UtilizationMeter
 
 logger = logging.getLogger(__name__)
 
+QUEUE_FULL_MESSAGE = "The request queue is full."   # SGLang's words (--max-queued-requests), with HTTP 503
 LPM_MAX_QUEUE = 128          # beyond this many waiting requests, matching them all costs more than it saves
 SHARED_PREFIX_TOKENS = 32    # defer a request whose uncached prefix is being computed in this batch
 INIT_NEW_TOKEN_RATIO, MIN_NEW_TOKEN_RATIO, NEW_TOKEN_RATIO_DECAY = 0.7, 0.1, 0.001
@@ -60,7 +62,11 @@ class Scheduler:
         s = msg.sampling_params
         req = Req(rid=msg.rid, prompt_ids=list(msg.input_ids), sampling=s, return_logprob=msg.return_logprob,
                   logprob_start_len=msg.logprob_start_len, top_logprobs_num=msg.top_logprobs_num,
-                  stream=msg.stream, namespace=msg.cache_namespace)
+                  stream=msg.stream, namespace=msg.cache_namespace, priority=self._priority(msg.priority))
+        if msg.priority is not None and self.args.abort_on_priority_when_disabled \
+                and not self.args.enable_priority_scheduling:
+            return error_output(msg.rid, len(msg.input_ids), "this server does not schedule by 'priority' "
+                                "(start it with --enable-priority-scheduling)")
         if s.sampling_seed is not None:
             req.generator = torch.Generator().manual_seed(s.sampling_seed)
         elif self.args.enable_deterministic_inference and not s.is_greedy:
@@ -68,6 +74,8 @@ class Scheduler:
             req.generator = torch.Generator().manual_seed(self.runner.sampler.next_seed())
         if msg.bootstrap is not None:
             return add_bootstrapped(self, req, msg.bootstrap)
+        if self.args.max_queued_requests is not None and len(self.waiting) >= self.args.max_queued_requests:
+            return error_output(msg.rid, len(msg.input_ids), QUEUE_FULL_MESSAGE, status=503)
         if s.constraint is not None:
             backend = self.grammar_backend()
             if backend is None:
@@ -77,6 +85,12 @@ class Scheduler:
         self.waiting.append(req)
         self.cache.start_prefetch(req)
         return None
+
+    def _priority(self, given: Optional[int]) -> int:
+        """A request's importance, higher first: its `priority` (or the default), negated when lower values
+        come first (--schedule-low-priority-values-first)."""
+        value = given if given is not None else (self.args.default_priority_value or 0)
+        return -value if self.args.schedule_low_priority_values_first else value
 
     def grammar_backend(self):
         """The grammar backend, created on first use (None when disabled)."""
@@ -309,10 +323,19 @@ class Scheduler:
             filled += n
 
     def _order_waiting(self) -> None:
-        if self.args.schedule_policy != "lpm" or not self.cache.shares_prefixes or len(self.waiting) > LPM_MAX_QUEUE:
+        """Sort the queue by priority (if enabled), then by --schedule-policy; stable, so fcfs among equals."""
+        policy = self.args.schedule_policy
+        if len(self.waiting) < 2 or (policy == "fcfs" and not self.args.enable_priority_scheduling):
             return
-        hits = {id(r): self.cache.peek_cached_tokens(r) for r in self.waiting}
-        self.waiting.sort(key=lambda r: -hits[id(r)])   # stable: fcfs among equals
+        if policy == "random":
+            random.shuffle(self.waiting)
+        if policy == "lpm" and self.cache.shares_prefixes and len(self.waiting) <= LPM_MAX_QUEUE:
+            hits = {id(r): self.cache.cached_prefix_tokens(r) for r in self.waiting}
+            self.waiting.sort(key=lambda r: -hits[id(r)])
+        elif policy == "lof":
+            self.waiting.sort(key=lambda r: -r.sampling.max_new_tokens)
+        if self.args.enable_priority_scheduling or policy == "priority":
+            self.waiting.sort(key=lambda r: -r.priority)
 
     def _shares_uncached_prefix(self, req: Req, cached_tokens: int, started: list[list[int]]) -> bool:
         """True if a request admitted in this step is computing req's (still uncached) prefix."""
@@ -360,9 +383,14 @@ class Scheduler:
                     continue                     # a prefill's KV goes to its decode server first
                 self._finish(req)
                 outputs.append(self._output(req))
-            elif req.stream and len(req.output_ids) > req.sent_tokens:
+            elif req.stream and self._stream_due(req):
                 outputs.append(self._output(req))
         return outputs
+
+    def _stream_due(self, req: Req) -> bool:
+        """A streaming request's update goes out with its first token, then every --stream-interval tokens."""
+        unsent = len(req.output_ids) - req.sent_tokens
+        return unsent > 0 and (req.sent_tokens == 0 or unsent >= self.args.stream_interval)
 
     def _append_token(self, req: Req, result: StepResult, k: int) -> None:
         logprobs = req.return_logprob and result.next_logprobs is not None

@@ -1,7 +1,8 @@
 """The scheduler/model process of the HTTP server: a SchedulerLoop over ZMQ sockets.
 
 The frontend PUSHes messages (runtime/messages.py) to `recv_addr` and PULLs outputs from `send_addr`;
-this process binds both. Start-up result goes through `ready_conn`: a SchedulerReady (with the ServerArgs
+this process binds both. They are pickled: the sockets are ipc:// files in a 0700 directory of the
+frontend's (server/launch.py), made 0600 here, so only the server's own user can reach them. Start-up result goes through `ready_conn`: a SchedulerReady (with the ServerArgs
 resolved here, where torch is), a ConfigError, or an error string (and a non-zero exit).
 """
 
@@ -12,12 +13,13 @@ import os
 import signal
 import sys
 import traceback
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Optional
 
 import zmq
 
 from kvstrata.args import ConfigError, ServerArgs
 from kvstrata.model.light_tokenizer import fingerprint
+from kvstrata.runtime.heartbeat import Heartbeat
 from kvstrata.runtime.loop import SchedulerLoop
 from kvstrata.runtime.messages import SchedulerReady
 
@@ -27,8 +29,10 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 
-def run_scheduler_process(server_args: ServerArgs, recv_addr: str, send_addr: str, ready_conn) -> None:
-    """Process entry point: load the model, report readiness, serve until the frontend goes away."""
+def run_scheduler_process(server_args: ServerArgs, recv_addr: str, send_addr: str, ready_conn,
+                          heartbeat: Optional[Heartbeat] = None) -> None:
+    """Process entry point: load the model, report readiness, serve until the frontend goes away; beats
+    `heartbeat` once per loop iteration."""
     logging.basicConfig(level=server_args.log_level.upper(),
                         format="[%(asctime)s scheduler] %(levelname)s %(name)s: %(message)s")
     signal.signal(signal.SIGINT, signal.SIG_IGN)   # the frontend decides when we stop (SIGTERM)
@@ -47,12 +51,16 @@ def run_scheduler_process(server_args: ServerArgs, recv_addr: str, send_addr: st
         pull.bind(recv_addr)
         push = ctx.socket(zmq.PUSH)
         push.bind(send_addr)
+        for addr in (recv_addr, send_addr):
+            owner_only(addr)
     except Exception as e:
         logger.error("scheduler failed to start: %s", traceback.format_exc())
         ready_conn.send(f"scheduler failed to start: {e}")
         ready_conn.close()
         sys.exit(1)
 
+    if heartbeat is not None:
+        heartbeat.beat()      # loading the model took long: the clock /health reads starts now
     ready_conn.send(ready_message(scheduler))
     ready_conn.close()
     parent = os.getppid()
@@ -69,7 +77,7 @@ def run_scheduler_process(server_args: ServerArgs, recv_addr: str, send_addr: st
             except zmq.Again:
                 return msgs
 
-    loop = SchedulerLoop(scheduler, recv, push.send_pyobj)
+    loop = SchedulerLoop(scheduler, recv, push.send_pyobj, heartbeat.beat if heartbeat else lambda: None)
     signal.signal(signal.SIGTERM, lambda *_: loop.stop())
     try:
         loop.run()
@@ -78,6 +86,13 @@ def run_scheduler_process(server_args: ServerArgs, recv_addr: str, send_addr: st
         pull.close(linger=0)
         push.close(linger=0)
         ctx.term()
+
+
+def owner_only(addr: str) -> None:
+    """Make an ipc:// socket file readable and writable by its owner only (its directory is 0700 too):
+    the frontend and the scheduler exchange pickled messages, so no other user may connect."""
+    if addr.startswith("ipc://"):
+        os.chmod(addr.removeprefix("ipc://"), 0o600)
 
 
 def ready_message(scheduler: Scheduler) -> SchedulerReady:

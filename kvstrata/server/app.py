@@ -20,37 +20,42 @@ from kvstrata.model.builtin import resolve_model_path
 from kvstrata.runtime.sampling_params import SamplingParams
 from kvstrata.server import native_api, openai_api
 from kvstrata.server.auth import ApiKeyMiddleware, require_admin
+from kvstrata.server.connections import ConnectionGuard
 from kvstrata.server.drain import DrainMiddleware
 from kvstrata.server.limits import BodySizeLimitMiddleware
 from kvstrata.server.load_api import register_load_api
 from kvstrata.server.metrics import CONTENT_TYPE
 from kvstrata.server.openapi_schema import install_openapi
 from kvstrata.server.protocol import ApiError, GenerateRequest, PromptSpec, get_bool, new_rid, parse_json_body
+from kvstrata.server.scheduler_watch import SchedulerWatch
 from kvstrata.server.tokenizer_manager import TokenizerManager
 
 logger = logging.getLogger(__name__)
 
-WATCHDOG_INTERVAL_S = 0.25
 HEALTH_GENERATE_TIMEOUT_S = 30.0
 
 
-def create_app(tm: TokenizerManager, is_scheduler_alive: Callable[[], bool],
-               on_scheduler_death: Callable[[], None], scheduler_pid: Optional[int] = None) -> FastAPI:
-    """Build the app around a TokenizerManager; the watchdog calls `on_scheduler_death` once."""
+def create_app(tm: TokenizerManager, scheduler: SchedulerWatch, on_scheduler_death: Callable[[], None],
+               connections: Optional[ConnectionGuard] = None) -> FastAPI:
+    """Build the app around a TokenizerManager; the scheduler watch calls `on_scheduler_death` once; the
+    connection guard (if any) sweeps while the app runs."""
     args = tm.args
     created = int(time.time())
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         tm.start()
-        watchdog = asyncio.get_running_loop().create_task(_watch_scheduler(tm, is_scheduler_alive,
-                                                                            on_scheduler_death))
+        loop = asyncio.get_running_loop()
+        watchdog = loop.create_task(scheduler.watch(tm, on_scheduler_death))
+        sweeper = loop.create_task(connections.run()) if connections is not None else None
         print(f"kvstrata server ready at {args.url} (model {args.served_model_name}; OpenAI API at "
               f"{args.url}/v1)", flush=True)
         try:
             yield
         finally:
             watchdog.cancel()
+            if sweeper is not None:
+                sweeper.cancel()
             await tm.close()
 
     app = FastAPI(title="kvstrata", version=kvstrata.__version__, lifespan=lifespan, docs_url=None,
@@ -66,8 +71,9 @@ def create_app(tm: TokenizerManager, is_scheduler_alive: Callable[[], bool],
     # ------------------------------------------------------------------ health and info
     @app.get("/health")
     async def health() -> Response:
-        if tm.dead_reason is not None or not is_scheduler_alive():
-            return _error(ApiError(tm.dead_reason or "the scheduler process is not running", 503))
+        problem = tm.dead_reason or scheduler.problem()
+        if problem is not None:
+            return _error(ApiError(problem, 503))
         return Response(status_code=200)
 
     @app.get("/health_generate")
@@ -90,7 +96,7 @@ def create_app(tm: TokenizerManager, is_scheduler_alive: Callable[[], bool],
     async def server_info() -> dict:
         state = await tm.get_state()
         info = tm.info
-        return {**args.to_dict(), "version": kvstrata.__version__, "scheduler_pid": scheduler_pid,
+        return {**args.to_dict(), "version": kvstrata.__version__, "scheduler_pid": scheduler.pid,
                 "max_total_tokens": info.max_total_tokens, "context_length": info.context_length,
                 "vocab_size": info.vocab_size, "eos_token_ids": info.eos_token_ids,
                 "frontend_metrics": dict(tm.metrics), "internal_states": [state]}
@@ -174,7 +180,7 @@ def _add_error_handlers(app: FastAPI) -> None:
 
 
 def _error(err: ApiError) -> JSONResponse:
-    return JSONResponse(err.to_dict(), status_code=err.status)
+    return JSONResponse(err.to_dict(), status_code=err.status, headers=err.headers())
 
 
 async def _one_token_generation(tm: TokenizerManager) -> None:
@@ -195,10 +201,3 @@ async def _one_token_generation(tm: TokenizerManager) -> None:
     if states[0].error is not None:
         raise ApiError(f"generation failed: {states[0].error}", 503)
 
-
-async def _watch_scheduler(tm: TokenizerManager, is_alive: Callable[[], bool], on_death: Callable[[], None]) -> None:
-    while is_alive():
-        await asyncio.sleep(WATCHDOG_INTERVAL_S)
-    logger.error("the scheduler process died; failing pending requests")
-    tm.mark_dead("the scheduler process is not running")
-    on_death()

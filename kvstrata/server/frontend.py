@@ -154,7 +154,7 @@ def scheduler_request(req: GenerateRequest, state: SeqState) -> TokenizedGenerat
         rid=state.rid, input_ids=state.input_ids, sampling_params=state.sampling,
         return_logprob=p.return_logprob, logprob_start_len=p.logprob_start_len if p.return_logprob else -1,
         top_logprobs_num=p.top_logprobs_num, stream=req.stream, cache_namespace=req.cache_salt,
-        bootstrap=req.extra.get("bootstrap"))
+        priority=req.priority, bootstrap=req.extra.get("bootstrap"))
 
 
 async def sequence_updates(states: list[SeqState],

@@ -2,7 +2,8 @@
 
 Shutdown on SIGINT/SIGTERM: uvicorn stops serving, then the scheduler process is terminated and joined.
 The scheduler also dies with this process if it is killed outright (PR_SET_PDEATHSIG on Linux).
-If the scheduler dies, /health answers 503 and this process exits non-zero after a short grace period.
+If the scheduler dies, /health answers 503 and this process exits non-zero after a short grace period; so
+it does when the scheduler is stuck past --watchdog-timeout (server/scheduler_watch.py kills it first).
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import ctypes
+import functools
 import logging
 import multiprocessing
 import os
@@ -21,6 +23,7 @@ import tempfile
 from typing import Any, Optional
 
 from kvstrata.args import ConfigError, ServerArgs
+from kvstrata.runtime.heartbeat import Heartbeat
 
 logger = logging.getLogger(__name__)
 
@@ -71,18 +74,27 @@ def serve(args: ServerArgs) -> int:
     from kvstrata.model.config import ModelLoadError
     from kvstrata.model.tokenizer import TokenizerLoadError, confirm_light_tokenizer, load_light_tokenizer
     from kvstrata.server.app import create_app
+    from kvstrata.server.connections import (
+        ConnectionGuard,
+        GuardedH11Protocol,
+        accept_backlog,
+        default_max_connections,
+        file_limit,
+    )
     from kvstrata.server.drain import DrainingServer, drain
+    from kvstrata.server.scheduler_watch import SchedulerWatch
     from kvstrata.server.tokenizer_manager import TokenizerManager
 
     sock = _bind(args.host, args.port)
     remove_stale_ipc_dirs()
-    ipc_dir = tempfile.mkdtemp(prefix=f"{IPC_PREFIX}{os.getpid()}-")
+    ipc_dir = tempfile.mkdtemp(prefix=f"{IPC_PREFIX}{os.getpid()}-")   # 0700: the IPC sockets carry pickles
+    os.chmod(ipc_dir, 0o700)          # whatever the platform's mkdtemp did
     recv_addr, send_addr = f"ipc://{ipc_dir}/to-scheduler", f"ipc://{ipc_dir}/from-scheduler"
     proc = None
     try:
         prepare_model_folders(args)
         tokenizer_dir = resolve_model_path(args.tokenizer_path or args.model_path)
-        proc, ready_conn = spawn_scheduler(args, recv_addr, send_addr)
+        proc, ready_conn, heartbeat = spawn_scheduler(args, recv_addr, send_addr)
         # While the scheduler loads the model; no transformers (and so no torch) in this process.
         tokenizer = load_light_tokenizer(tokenizer_dir, args.chat_template)
         info = wait_scheduler_ready(proc, ready_conn)
@@ -96,9 +108,15 @@ def serve(args: ServerArgs) -> int:
             exit_code["value"] = SCHEDULER_DIED_EXIT_CODE
             asyncio.get_running_loop().call_later(EXIT_GRACE_S, lambda: setattr(server, "should_exit", True))
 
-        app = create_app(tm, proc.is_alive, on_scheduler_death, scheduler_pid=proc.pid)
+        watch = SchedulerWatch(proc, heartbeat, args.scheduler_heartbeat_timeout, args.watchdog_timeout or None)
+        limit = file_limit()
+        guard = ConnectionGuard(args.max_connections or default_max_connections(limit), args.header_read_timeout)
+        app = create_app(tm, watch, on_scheduler_death, guard)
+        logger.info("HTTP connections: at most %d open, %g s to send request headers", guard.max_connections,
+                    guard.header_read_timeout_s)
         config = uvicorn.Config(app, log_level=args.log_level, timeout_graceful_shutdown=5, access_log=False,
-                                timeout_keep_alive=30)
+                                timeout_keep_alive=30, http=functools.partial(GuardedH11Protocol, guard=guard),
+                                backlog=accept_backlog(limit))
         server = DrainingServer(config, on_drain=lambda: drain(tm, args.graceful_shutdown_timeout))
         server.run(sockets=[sock])
         return exit_code["value"]
@@ -155,15 +173,16 @@ class SchedulerStartError(RuntimeError):
     """The scheduler process exited or reported an error before it was ready."""
 
 
-def spawn_scheduler(args: ServerArgs, recv_addr: str, send_addr: str) -> tuple[Any, Any]:
-    """Start the scheduler process; returns it and the pipe end its start-up result arrives on."""
+def spawn_scheduler(args: ServerArgs, recv_addr: str, send_addr: str) -> tuple[Any, Any, Heartbeat]:
+    """Start the scheduler process; returns it, the pipe end its start-up result arrives on and its heartbeat."""
     ctx = multiprocessing.get_context("spawn")
     reader, writer = ctx.Pipe(duplex=False)
-    proc = ctx.Process(target=_scheduler_main, args=(args, recv_addr, send_addr, writer, os.getpid()),
+    heartbeat = Heartbeat(ctx)
+    proc = ctx.Process(target=_scheduler_main, args=(args, recv_addr, send_addr, writer, os.getpid(), heartbeat),
                        name="kvstrata-scheduler", daemon=True)
     proc.start()
     writer.close()
-    return proc, reader
+    return proc, reader, heartbeat
 
 
 def wait_scheduler_ready(proc: Any, reader: Any) -> Any:
@@ -206,13 +225,14 @@ def stop_scheduler(proc: Any, timeout_s: float = STOP_TIMEOUT_S) -> None:
     logger.info("scheduler process stopped (exit code %s)", proc.exitcode)
 
 
-def _scheduler_main(args: ServerArgs, recv_addr: str, send_addr: str, ready_conn: Any, parent_pid: int) -> None:
+def _scheduler_main(args: ServerArgs, recv_addr: str, send_addr: str, ready_conn: Any, parent_pid: int,
+                    heartbeat: Heartbeat) -> None:
     """Entry point of the spawned process: die with the parent, then run the scheduler."""
     _die_with_parent(parent_pid)
     signal.signal(signal.SIGINT, signal.SIG_IGN)   # Ctrl-C reaches the whole group; the parent decides
     from kvstrata.runtime.scheduler_process import run_scheduler_process
 
-    run_scheduler_process(args, recv_addr, send_addr, ready_conn)
+    run_scheduler_process(args, recv_addr, send_addr, ready_conn, heartbeat)
     exit_now(0)
 
 

@@ -33,7 +33,7 @@ def storage_identity(args: ServerArgs) -> Optional[str]:
     """"file:<dir>" or "mooncake:<master>" for the configured L3, None without one."""
     backend = args.hicache_storage_backend
     if backend == "file":
-        from kvstrata.storage.file_backend import default_storage_dir
+        from kvstrata.storage.file_store_dir import default_storage_dir
 
         return f"file:{args.hicache_storage_dir or default_storage_dir()}"
     if backend == "mooncake":

@@ -19,6 +19,7 @@ from kvstrata.server.protocol import (
     get_cache_salt,
     get_int,
     get_number,
+    get_priority,
     is_neutral,
     is_token_list,
     new_rid,
@@ -87,7 +88,7 @@ def parse_chat(body: dict, default_model: str) -> tuple[ChatPrompt, GenerateRequ
                         return_logprob=logprobs, top_logprobs_num=top, max_new_tokens_explicit=explicit,
                         add_special_tokens=False)
     req = GenerateRequest(prompts=[prompt], stream=opts.stream, return_text_in_logprobs=True,
-                          cache_salt=get_cache_salt(body))
+                          cache_salt=get_cache_salt(body), priority=get_priority(body))
     if tool_choice != "auto" and sampling.constraint is not None:
         raise ApiError("a forced tool call (tool_choice) cannot be combined with response_format, regex, ebnf "
                        "or json_schema", param="tool_choice")
@@ -119,7 +120,7 @@ def parse_completion(body: dict, default_model: str) -> tuple[GenerateRequest, O
             return_logprob=logprobs is not None, top_logprobs_num=logprobs or 0,
             logprob_start_len=0 if echo and logprobs is not None else -1, max_new_tokens_explicit=explicit))
     req = GenerateRequest(prompts=specs, is_batch=len(prompts) > 1, stream=opts.stream,
-                          cache_salt=get_cache_salt(body),
+                          cache_salt=get_cache_salt(body), priority=get_priority(body),
                           return_text_in_logprobs=True)
     return req, opts
 

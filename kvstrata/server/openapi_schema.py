@@ -64,6 +64,7 @@ class GenerateBody(_Body):
     return_text_in_logprobs: Optional[bool] = None
     stream: Optional[bool] = None
     cache_salt: Optional[str] = None
+    priority: Optional[int] = Field(None, ge=-(2 ** 31), le=2 ** 31 - 1)
 
 
 class StreamOptions(_Body):
@@ -105,6 +106,7 @@ class _OpenAIBody(_Body):
     json_schema: Union[str, dict[str, Any], None] = None
     rid: Optional[str] = None
     cache_salt: Optional[str] = None
+    priority: Optional[int] = Field(None, ge=-(2 ** 31), le=2 ** 31 - 1)
     return_token_ids: Optional[bool] = None
 
 

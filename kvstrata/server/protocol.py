@@ -28,12 +28,17 @@ class ApiError(Exception):
         self.err_type = err_type or _ERROR_TYPES.get(status, "server_error" if status >= 500 else
                                                      "invalid_request_error")
 
+    def headers(self) -> dict[str, str]:
+        """Response headers: a 503 (queue full, draining, scheduler gone) tells the client when to retry."""
+        return {"Retry-After": str(RETRY_AFTER_S)} if self.status == 503 else {}
+
     def to_dict(self) -> dict:
         """The JSON body: OpenAI's error shape (the openai client reads `error.message`)."""
         return {"error": {"message": self.message, "type": self.err_type, "param": self.param,
                           "code": self.status}}
 
 
+RETRY_AFTER_S = 1
 _ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
                 404: "not_found_error",
                 405: "invalid_request_error", 413: "invalid_request_error", 503: "service_unavailable"}
@@ -88,6 +93,7 @@ class GenerateRequest:
     return_text_in_logprobs: bool = False
     extra: dict[str, Any] = field(default_factory=dict)
     cache_salt: Optional[str] = None     # requests with different salts never share cached KV
+    priority: Optional[int] = None       # SGLang's request priority (higher first, unless flipped by a flag)
 
 
 # ---------------------------------------------------------------------- JSON helpers
@@ -118,6 +124,14 @@ def get_cache_salt(body: dict) -> Optional[str]:
     if not isinstance(salt, str) or not salt:
         raise ApiError("'cache_salt' must be a non-empty string", param="cache_salt")
     return salt
+
+
+PRIORITY_RANGE = (-(2 ** 31), 2 ** 31 - 1)
+
+
+def get_priority(body: dict) -> Optional[int]:
+    """The optional `priority` (SGLang's field): an integer; what it means is the scheduler's settings'."""
+    return get_int(body, "priority", None, *PRIORITY_RANGE)
 
 
 def get_bool(body: dict, name: str, default: bool = False) -> bool:
@@ -230,7 +244,7 @@ def parse_generate(body: dict) -> GenerateRequest:
     _check_unique_rids(prompts)
     return GenerateRequest(prompts=prompts, is_batch=is_batch, stream=get_bool(body, "stream"),
                            return_text_in_logprobs=get_bool(body, "return_text_in_logprobs"),
-                           cache_salt=get_cache_salt(body))
+                           cache_salt=get_cache_salt(body), priority=get_priority(body))
 
 
 def _native_prompts(body: dict) -> tuple[Optional[list[str]], Optional[list[list[int]]], bool]:

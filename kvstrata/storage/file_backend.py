@@ -14,10 +14,16 @@ Recency for LRU is the file's mtime, set explicitly with nanosecond time on writ
 the eviction order does not depend on the filesystem's timestamp granularity or atime settings. The
 capacity limit is soft: usage is estimated between scans and a scan (evicting down to a low watermark)
 runs only when the estimate crosses the limit or the last scan is old, so its cost is amortized.
+
+There is always a limit: `capacity_gb` / `capacity_bytes`, else half of what the directory could hold at
+start (file_store_dir.default_capacity_bytes). A disk that fills up anyway (other writers) shrinks the
+limit to what this process's directory holds now and evicts down to its low watermark; write errors are
+logged once per interval, not once per page.
 """
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import re
@@ -28,8 +34,9 @@ from pathlib import Path
 
 import torch
 
-from kvstrata.args import env_flag
+from kvstrata.log_limit import IntervalLog
 from kvstrata.storage.base import StorageBackend, StorageError, byte_view
+from kvstrata.storage.file_store_dir import DEFAULT_FREE_FRACTION, default_capacity_bytes, default_storage_dir
 from kvstrata.storage.local_fs import is_local_filesystem
 from kvstrata.storage.page_checksum import TRAILER_BYTES, page_digest, page_is_intact
 
@@ -40,19 +47,12 @@ _SAFE_KEY = re.compile(r"[A-Za-z0-9_\-]{1,128}")
 # A temp file this old belongs to a writer that died; scans remove it.
 STALE_TEMP_S = 600.0
 FILE_CONFIG_KEYS = {"capacity_gb", "capacity_bytes", "rescan_interval_s", "low_watermark"}
-
-
-def default_storage_dir() -> Path:
-    """$KVSTRATA_STORAGE_DIR, else <user cache dir>/kvstrata/kv."""
-    explicit = env_flag("KVSTRATA_STORAGE_DIR")
-    if explicit:
-        return Path(explicit).expanduser()
-    cache_home = env_flag("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(cache_home) / "kvstrata" / "kv"
+DISK_FULL_RESCAN_S = 1.0    # a disk that stays full: each second, another low-watermark share is evicted
+__all__ = ["FileBackend", "default_storage_dir"]
 
 
 class FileBackend(StorageBackend):
-    """Pages as files under one directory, with an optional capacity limit and LRU eviction."""
+    """Pages as files under one directory, with a capacity limit (given, or a default) and LRU eviction."""
 
     name = "file"
 
@@ -65,7 +65,8 @@ class FileBackend(StorageBackend):
             raise StorageError(f"file backend capacity {capacity_bytes} bytes is below one page ({page_bytes})")
         if not 0.0 < low_watermark <= 1.0:
             raise StorageError(f"low_watermark must be in (0, 1], got {low_watermark}")
-        self.capacity_bytes = capacity_bytes
+        self.capacity_bytes = capacity_bytes or 0       # the default is set after the first scan, below
+        self.capacity_source = "configured"
         self.stored_bytes = page_bytes + TRAILER_BYTES
         self.rescan_interval_s = rescan_interval_s
         self.low_watermark = low_watermark
@@ -80,8 +81,16 @@ class FileBackend(StorageBackend):
         self._scan_lock = threading.Lock()
         self._estimated_bytes = 0
         self._last_scan = 0.0
-        if capacity_bytes is not None:
-            self._scan_and_evict()  # learn what earlier runs left behind
+        self._last_disk_full = 0.0
+        self._errors = {op: IntervalLog(logger) for op in ("stat", "read", "write")}
+        self._disk_full = IntervalLog(logger)
+        if capacity_bytes is None:
+            _pages, stored = self._scan()
+            self.capacity_bytes = max(self.stored_bytes, default_capacity_bytes(self.root, stored))
+            self.capacity_source = f"default: {DEFAULT_FREE_FRACTION:.0%} of free space at start"
+            logger.info("file storage %s: capacity %.2f GB (%s; capacity_gb sets it)", self.root,
+                        self.capacity_bytes / GB, self.capacity_source)
+        self._scan_and_evict()  # learn what earlier runs left behind
 
     @classmethod
     def from_config(cls, page_bytes: int, extra_config: dict, storage_dir: str | None) -> FileBackend:
@@ -104,6 +113,10 @@ class FileBackend(StorageBackend):
         return self.root / name[:2] / name
 
     # ------------------------------------------------------------------ interface
+    def stats(self) -> dict:
+        """The counters, with the capacity limit and where it came from."""
+        return {**super().stats(), "capacity_bytes": self.capacity_bytes, "capacity_source": self.capacity_source}
+
     def batch_exists(self, keys: list[str]) -> int:
         """How many leading keys have a complete page file."""
         found = 0
@@ -200,6 +213,8 @@ class FileBackend(StorageBackend):
         except OSError as e:
             self._error("write", path, e)
             _unlink_quietly(temp)
+            if e.errno == errno.ENOSPC:
+                self._on_disk_full()
             return False
 
     def _drop_corrupt(self, path: Path, why: str) -> None:
@@ -211,25 +226,36 @@ class FileBackend(StorageBackend):
             pass  # another process got there first
 
     def _error(self, op: str, path: Path, e: OSError) -> None:
-        logger.warning("file storage %s failed for %s: %s", op, path, e)
+        self._errors[op].hit("file storage %s failed for %s: %s", op, path, e)
         self._counter.add(errors=1)
+
+    def _on_disk_full(self) -> None:
+        """The filesystem filled before the limit did: hold no more than now, and make room."""
+        now = time.monotonic()
+        if now - self._last_disk_full < DISK_FULL_RESCAN_S:
+            return
+        self._last_disk_full = now
+        self._scan_and_evict(shrink_to_fit=True)
+        self._disk_full.hit("file storage: no space left on the device of %s; capacity lowered to %.3f GB, "
+                            "least recently used pages evicted", self.root, self.capacity_bytes / GB)
 
     # ------------------------------------------------------------------ capacity
     def _after_write(self, new_bytes: int) -> None:
-        if self.capacity_bytes is None:
-            return
         self._estimated_bytes += new_bytes
         overdue = time.monotonic() - self._last_scan > self.rescan_interval_s
         if self._estimated_bytes > self.capacity_bytes or overdue:
             self._scan_and_evict()
 
-    def _scan_and_evict(self) -> None:
-        """Measure the directory and evict least recently used pages down to the low watermark."""
+    def _scan_and_evict(self, shrink_to_fit: bool = False) -> None:
+        """Measure the directory and evict least recently used pages down to the low watermark
+        (`shrink_to_fit`: first lower the limit to what the directory holds now)."""
         if not self._scan_lock.acquire(blocking=False):
             return  # another thread of this process is already scanning
         try:
             pages, total = self._scan()
-            if total > self.capacity_bytes:
+            if shrink_to_fit:
+                self.capacity_bytes = max(self.stored_bytes, min(self.capacity_bytes, total))
+            if total > self.capacity_bytes * (self.low_watermark if shrink_to_fit else 1.0):
                 target = self.capacity_bytes * self.low_watermark
                 pages.sort()
                 evicted = 0

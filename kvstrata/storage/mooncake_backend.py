@@ -10,7 +10,10 @@ object (`batch_*_multi_buffers`); a page that fails its checksum on load is remo
 
 Faults never reach the caller: an exception or an RPC failure marks the backend down (see
 Availability), later calls answer 0 at once and count `skipped_unavailable`, and the backend probes the
-master's TCP port with backoff. The Mooncake client reconnects to a restarted master by itself (observed
+master's TCP port with backoff. So do ERRORS_BEFORE_DOWN calls in a row whose pages failed (not missed)
+with no page served in between: a dead store service leaves the master answering while every transfer
+fails (TRANSFER_FAIL), then every put finds no room (NO_AVAILABLE_HANDLE). While down, one call per
+backoff probes; it brings the backend back only if it serves a page (found, read or stored). The Mooncake client reconnects to a restarted master by itself (observed
 with mooncake-transfer-engine 0.3.x); if a probe finds the master reachable but calls keep failing, the
 backend replaces the client with a new one and registers its buffers again.
 """
@@ -24,6 +27,7 @@ import time
 
 import torch
 
+from kvstrata.net import confined_listeners
 from kvstrata.storage.availability import Availability
 from kvstrata.storage.base import StorageBackend, StorageError, byte_view
 from kvstrata.storage.mooncake_config import (
@@ -49,6 +53,8 @@ TRAILER_SLOTS = 1024  # pages per call: one registered checksum trailer each
 STAGING_BYTES = 16 << 20
 # Failed calls after a successful reachability probe before the client is rebuilt.
 RECREATE_AFTER_FAILED_PROBES = 2
+# Calls in a row with failed pages (and none served) before the store counts as unavailable.
+ERRORS_BEFORE_DOWN = 3
 WARN_INTERVAL_S = 60.0
 
 
@@ -73,6 +79,7 @@ class MooncakeBackend(StorageBackend):
         self.stored_bytes = page_bytes + TRAILER_BYTES
         self._retired: list = []  # replaced clients, closed at close() (another thread may still use one)
         self._failed_probes = 0
+        self._error_calls = 0      # calls in a row with failed pages and none served
         self.client_recreations = 0
         self._closed = False
         self._last_warning: dict[str, float] = {}
@@ -295,10 +302,28 @@ class MooncakeBackend(StorageBackend):
             return [CALL_FAILED] * n
         if any(c in RPC_ERRORS for c in codes):
             self._on_failure(op, f"RPC failure (code {min(codes)})", probing)
-        else:
-            self._failed_probes = 0
+            return codes
+        self._failed_probes = 0
+        served, failed = self._served(op, codes)
+        if served:
+            self._error_calls = 0
             self.availability.succeeded()
+        elif failed:
+            self._error_calls += 1
+            if probing or self._error_calls >= ERRORS_BEFORE_DOWN:
+                self.availability.failed(f"{op}: {self._error_calls} calls in a row with failed pages "
+                                         f"(codes {sorted(set(codes))})")
+        elif probing:       # only misses: no evidence that the store serves again; probe later
+            self.availability.failed(f"{op}: the probe found no page")
         return codes
+
+    def _served(self, op: str, codes: list[int]) -> tuple[bool, bool]:
+        """Whether a call's raw codes served any page, and whether any page failed (rather than missed)."""
+        if op == "exists":
+            return any(c == 1 for c in codes), any(c < 0 for c in codes)
+        ok = self._succeeded(op)
+        miss = OBJECT_NOT_FOUND if op == "get" else None
+        return any(ok(c) for c in codes), any(not ok(c) and c != miss for c in codes)
 
     def _on_failure(self, op: str, reason: str, probing: bool) -> None:
         self.availability.failed(f"{op}: {reason}")
@@ -333,9 +358,11 @@ class MooncakeBackend(StorageBackend):
     def _new_client(self):
         c = self.config
         store = self._mc.MooncakeDistributedStore()
+        hostname = client_hostname(c)
         try:
-            rc = store.setup(client_hostname(c), c.metadata_server, c.global_segment_size, c.local_buffer_size,
-                             c.protocol, c.device_name, c.master_server_address)
+            with confined_listeners(hostname.rsplit(":", 1)[0] if hostname.count(":") == 1 else hostname):
+                rc = store.setup(hostname, c.metadata_server, c.global_segment_size, c.local_buffer_size,
+                                 c.protocol, c.device_name, c.master_server_address)
         except Exception as e:
             raise StorageError(f"Mooncake client setup raised: {e}") from e
         if rc != 0:

@@ -140,6 +140,14 @@ class MooncakeCluster:
         """Kill the master abruptly (SIGKILL), as a crash would."""
         self._stop_process("master", sig=signal.SIGKILL)
 
+    def kill_store(self) -> None:
+        """Kill the store service (the process that lends the cluster its memory) abruptly (SIGKILL)."""
+        self._stop_process("store", sig=signal.SIGKILL)
+
+    def start_store(self, timeout_s: float = 60.0) -> None:
+        """(Re)start the store service and wait until its segment is mounted."""
+        self._start_store_service(timeout_s)
+
     def stop(self, keep_workdir: bool = False) -> None:
         """Stop every service (store service first), killing whatever does not exit in time."""
         for name in ("store", "master", "metadata"):

@@ -125,3 +125,22 @@ def test_damaged_or_foreign_snapshot_is_never_trusted(tmp_path, damage):
 def test_snapshot_needs_the_host_tier():
     with pytest.raises(ConfigError, match="--hicache-snapshot-path needs --enable-hierarchical-cache"):
         ServerArgs(model_path="tiny", hicache_snapshot_path="/tmp/x").resolve()
+
+
+def test_a_failed_save_leaves_no_partial_file(tmp_path, monkeypatch):
+    import errno
+
+    from kvstrata.cache import host_snapshot
+
+    path = str(tmp_path / "l2.snapshot")
+    engine = make_engine(hicache_snapshot_path=path, **L2)
+    try:
+        first_round(engine)
+
+        def disk_full(fd: int) -> None:
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+        monkeypatch.setattr(host_snapshot.os, "fsync", disk_full)    # the write fails after its last byte
+    finally:
+        engine.shutdown()
+    assert os.listdir(tmp_path) == [], os.listdir(tmp_path)      # neither the snapshot nor its temp file

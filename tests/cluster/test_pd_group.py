@@ -37,6 +37,7 @@ def test_pd_group_answers_through_the_router(mooncake_env, tmp_path):
         served = requests.get(f"http://127.0.0.1:{decode['ports']['http']}/server_info", timeout=10).json()
         handoff = served["internal_states"][0]["disaggregation"]
         assert handoff["mode"] == "decode" and handoff["transfers_ok"] >= 1, handoff   # the KV came from the prefill
+        assert handoff["rejected_messages_total"] == 0, handoff     # both got the group's generated secret
         pids = [prefill["pid"], decode["pid"]]
         assert group.cli("down").returncode == 0
         group.proc.wait(60)

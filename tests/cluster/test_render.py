@@ -10,7 +10,7 @@ import yaml
 
 from kvstrata.cluster.plan import KubeNetwork, member_command
 from kvstrata.cluster.render import API_VERSION, render
-from kvstrata.cluster.spec import load_spec, parse_spec
+from kvstrata.cluster.spec import SpecError, load_spec, parse_spec
 from kvstrata.cluster.supervisor import Supervisor
 from tests.capabilities import requires_rbg_crd
 from tests.cluster.k8s_schema import validate_core, validate_crd_object
@@ -171,3 +171,58 @@ def test_cache_roles_keep_their_l2_snapshot_in_a_pod_volume(docs):
     mount = pod["containers"][0]["volumeMounts"][0]
     assert path.startswith(mount["mountPath"] + "/")
     assert {"name": mount["name"], "emptyDir": {}} in pod["volumes"]
+
+
+def test_pd_group_gets_a_secret_by_reference_and_a_network_policy(tmp_path, monkeypatch):
+    monkeypatch.delenv("KVSTRATA_DISAGGREGATION_SECRET", raising=False)
+    spec = parse_spec(PD_SPEC)
+    docs = render(spec)
+    by_kind = {d["kind"]: d for d in docs}
+    secret, policy = by_kind["Secret"], by_kind["NetworkPolicy"]
+    validate_core(secret)
+    validate_core(policy)
+    value = secret["stringData"]["disaggregation-secret"]
+    assert len(value) >= 32 and value not in yaml.safe_dump(docs[0])      # pods hold a reference, not the value
+    roles = {r["name"]: r["template"]["spec"]["containers"][0] for r in docs[0]["spec"]["roles"]}
+    for name in ("prefill", "decode"):
+        env = {e["name"]: e for e in roles[name]["env"]}
+        assert env["KVSTRATA_DISAGGREGATION_SECRET"]["valueFrom"]["secretKeyRef"] == {
+            "name": secret["metadata"]["name"], "key": "disaggregation-secret"}
+        assert (env["MC_MIN_RPC_PORT"]["value"], env["MC_MAX_RPC_PORT"]["value"]) == ("15000", "15063")
+    assert "KVSTRATA_DISAGGREGATION_SECRET" not in {e["name"] for e in roles["router"]["env"]}
+    # the policy: PD pods only; HTTP from anywhere; bootstrap and the transfer range from the group's pods only
+    selector = policy["spec"]["podSelector"]
+    assert selector["matchLabels"] == {"rolebasedgroup.workloads.x-k8s.io/name": "kvpd"}
+    assert selector["matchExpressions"][0]["values"] == ["prefill", "decode"]
+    open_rule, group_rule = policy["spec"]["ingress"]
+    assert "from" not in open_rule and [p["port"] for p in open_rule["ports"]] == [30000]
+    assert group_rule["from"] == [{"podSelector": {"matchLabels": {"rolebasedgroup.workloads.x-k8s.io/name": "kvpd"}}}]
+    assert {(p["port"], p.get("endPort")) for p in group_rule["ports"]} == {(15000, 15063), (8998, None)}
+    # a second render makes a new secret unless one is given; a local group shares one across its PD members
+    assert render(spec)[-2]["stringData"]["disaggregation-secret"] != value
+    monkeypatch.setenv("KVSTRATA_DISAGGREGATION_SECRET", "pinned-secret-0123456789")
+    assert render(spec)[-2]["stringData"]["disaggregation-secret"] == "pinned-secret-0123456789"
+    monkeypatch.delenv("KVSTRATA_DISAGGREGATION_SECRET")
+    members = Supervisor(spec, tmp_path).members
+    secrets = {m.cmd.secret_env["KVSTRATA_DISAGGREGATION_SECRET"] for r in ("prefill", "decode") for m in members[r]}
+    assert len(secrets) == 1 and not members["router"][0].cmd.secret_env
+    assert secrets.pop() not in " ".join(members["prefill"][0].cmd.args)
+
+
+def test_no_pd_objects_without_pd_roles(docs):
+    assert {d["kind"] for d in docs} == {"RoleBasedGroup", "Service"}
+
+
+def test_termination_grace_covers_drain_and_l2_snapshot(docs):
+    pods = {r["name"]: r["template"]["spec"] for r in docs[0]["spec"]["roles"]}
+    assert pods["worker"]["terminationGracePeriodSeconds"] == 30 + 120 + 15     # drain + snapshot + margin
+    assert "terminationGracePeriodSeconds" not in pods["router"]
+    spec = parse_spec(PD_SPEC.replace("args: {model-path: tiny}}", "args: {model-path: tiny, graceful-shutdown-timeout: 90}}", 1))
+    pods = {r["name"]: r["template"]["spec"] for r in render(spec)[0]["spec"]["roles"]}
+    assert pods["prefill"]["terminationGracePeriodSeconds"] == 90 + 10 + 15      # no L2 snapshot: scheduler stop
+    assert pods["decode"]["terminationGracePeriodSeconds"] == 30 + 10 + 15
+
+
+def test_the_pd_secret_is_not_a_spec_arg():
+    with pytest.raises(SpecError, match="disaggregation-secret: derived by the launcher"):
+        parse_spec(PD_SPEC.replace("{model-path: tiny}}", "{model-path: tiny, disaggregation-secret: x}}", 1))

@@ -19,10 +19,13 @@ from typing import Optional
 import pytest
 import requests
 
+from kvstrata.args import DISAGGREGATION_SECRET_ENV
 from kvstrata.bench.launcher import ServerProcess, free_port
 from kvstrata.disagg.prefill import FAULT_DELAY_ENV
 
 TIMEOUT_S = 5.0       # --disaggregation-bootstrap-timeout of every PD server here
+SECRET = "pd-test-secret-0123456789abcdef"   # the group's --disaggregation-secret
+SECRET_ENV = {DISAGGREGATION_SECRET_ENV: SECRET}
 SERVER_FLAGS = ["--max-total-tokens", "2048", "--page-size", "4", "--random-seed", "0", "--log-level", "warning",
                 "--dtype", "float32", "--enable-deterministic-inference", "--num-threads", "1",
                 "--max-running-requests", "48"]
@@ -30,10 +33,12 @@ ROUTER_FLAGS = ["--log-level", "warning", "--health-check-interval-secs", "0.5",
                 "--worker-load-check-interval", "0.5"]
 
 
-def pd_flags(mode: str, bootstrap_port: Optional[int] = None) -> list[str]:
-    """Server flags of one PD role."""
+def pd_flags(mode: str, bootstrap_port: Optional[int] = None, secret: Optional[str] = None) -> list[str]:
+    """Server flags of one PD role (`secret`: as a flag; the fixtures give it by environment otherwise)."""
     flags = [*SERVER_FLAGS, "--disaggregation-mode", mode, "--disaggregation-transfer-backend", "mooncake",
              "--disaggregation-bootstrap-timeout", str(TIMEOUT_S)]
+    if secret is not None:
+        flags += ["--disaggregation-secret", secret]
     if bootstrap_port is not None:
         flags += ["--disaggregation-bootstrap-port", str(bootstrap_port)]
     return flags
@@ -44,13 +49,14 @@ class Deployment:
 
     def __init__(self, log_dir: Path):
         self.bootstrap_port = free_port()
-        self.prefill = ServerProcess(pd_flags("prefill", self.bootstrap_port), str(log_dir / "prefill.log"))
-        self.decode = ServerProcess(pd_flags("decode"), str(log_dir / "decode.log"))
+        # The secret reaches the prefill as a flag and the decode by environment: both ways are exercised.
+        self.prefill = ServerProcess(pd_flags("prefill", self.bootstrap_port, SECRET), str(log_dir / "prefill.log"))
+        self.decode = ServerProcess(pd_flags("decode"), str(log_dir / "decode.log"), env=SECRET_ENV)
         self.colocated = ServerProcess(SERVER_FLAGS, str(log_dir / "colocated.log"))
         # A prefill whose every write waits 30 s first, so that a test can kill it mid-transfer.
         self.doomed_port = free_port()
         self.doomed_prefill = ServerProcess(pd_flags("prefill", self.doomed_port), str(log_dir / "doomed.log"),
-                                            env={FAULT_DELAY_ENV: "30"})
+                                            env={FAULT_DELAY_ENV: "30", **SECRET_ENV})
         self.router = ServerProcess(["--pd-disaggregation", "--prefill", self.prefill.url, str(self.bootstrap_port),
                                      "--decode", self.decode.url, *ROUTER_FLAGS], str(log_dir / "router.log"),
                                     module="kvstrata.router")

@@ -102,3 +102,19 @@ def test_health_503_and_exit_when_the_scheduler_dies(tmp_path):
         assert handle.proc.wait(30) not in (0, None)
     finally:
         stop_server(handle)
+
+
+def test_file_l3_has_a_default_capacity_and_the_http_process_still_has_no_torch(tmp_path):
+    l3 = tmp_path / "l3"
+    handle = launch_server(tmp_path, "--enable-hierarchical-cache", "--hicache-ratio", "1.5",
+                           "--hicache-storage-backend", "file", "--hicache-storage-dir", str(l3))
+    try:
+        backend = handle.scheduler_state()["hicache"]["storage"]["backend"]
+        assert 0 < backend["capacity_bytes"] < float("inf"), backend
+        assert backend["capacity_source"].startswith("default"), backend
+        assert handle.get("/load").json()["storage_id"] == f"file:{l3}"
+        with open(f"/proc/{handle.proc.pid}/maps") as fh:     # /load names the file L3 without torch
+            maps = fh.read()
+        assert "libtorch" not in maps and "libc10" not in maps
+    finally:
+        stop_server(handle)

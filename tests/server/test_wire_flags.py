@@ -24,7 +24,7 @@ ACCEPTED = [
 ]
 NO_EFFECT = ["--trust-remote-code", "--disable-cuda-graph", "--attention-backend", "--enable-cache-report",
              "--show-time-cost", "--cuda-graph-max-bs", "--sampling-backend", "--disable-overlap-schedule",
-             "--enable-torch-compile", "--enable-mixed-chunk", "--skip-server-warmup", "--watchdog-timeout"]
+             "--enable-torch-compile", "--enable-mixed-chunk", "--skip-server-warmup"]
 
 
 def test_help_lists_every_sglang_flag(capsys):

@@ -235,3 +235,40 @@ def test_concurrent_writers_leave_only_whole_pages(tmp_path):
         assert out[0].min() == out[0].max()
     assert reader.stats()["corrupt"] == 0
     assert list(tmp_path.rglob(".*.tmp")) == []
+
+
+def test_default_capacity_is_a_share_of_free_space(tmp_path):
+    import shutil
+
+    from kvstrata.storage.file_store_dir import DEFAULT_FREE_FRACTION
+
+    FileBackend(PAGE_BYTES, tmp_path, capacity_bytes=100 * STORED_BYTES).batch_set(keys("old", 4), pages(4))
+    backend = FileBackend(PAGE_BYTES, tmp_path)             # no capacity given
+    expected = DEFAULT_FREE_FRACTION * (shutil.disk_usage(tmp_path).free + 4 * STORED_BYTES)
+    assert 0 < backend.capacity_bytes and abs(backend.capacity_bytes - expected) < 0.01 * expected
+    stats = backend.stats()
+    assert stats["capacity_bytes"] == backend.capacity_bytes and stats["capacity_source"].startswith("default")
+    assert create_backend("file", PAGE_BYTES, {"capacity_gb": 1}, str(tmp_path)).stats()["capacity_source"] == \
+        "configured"
+
+
+def test_a_full_disk_lowers_the_capacity_evicts_and_logs_once(tmp_path, monkeypatch, caplog):
+    import errno
+
+    from kvstrata.storage import file_backend
+
+    backend = FileBackend(PAGE_BYTES, tmp_path, capacity_bytes=1000 * STORED_BYTES, low_watermark=0.5)
+    backend.batch_set(keys("held", 10), pages(10))
+
+    def disk_full(f, view):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(file_backend, "_write_fully", disk_full)
+    with caplog.at_level("WARNING", logger="kvstrata.storage.file_backend"):
+        for i in range(50):
+            assert backend.batch_set([f"new{i}"], pages(1, seed=i)) == 0
+    assert backend.capacity_bytes == 10 * STORED_BYTES           # what the directory held when the disk filled
+    assert sum(backend.batch_exists([k]) for k in keys("held", 10)) == 5    # evicted to the low watermark
+    assert backend.stats()["evictions"] == 5 and backend.stats()["errors"] == 50
+    assert len(caplog.records) <= 2, [r.getMessage() for r in caplog.records]   # not one line per failed write
+    assert not [p for p in tmp_path.rglob(".*.tmp")]

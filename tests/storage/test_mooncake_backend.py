@@ -8,11 +8,14 @@ import time
 import uuid
 from pathlib import Path
 
+import psutil
 import pytest
 import torch
 
 from kvstrata.storage.base import StorageError, create_backend
 from kvstrata.storage.mooncake_services import MooncakeCluster
+from tests.capabilities import requires_outside_ipv4
+from tests.net_probe import answers, outside_ipv4
 
 pytestmark = pytest.mark.mooncake
 
@@ -34,6 +37,18 @@ def backend(mooncake_cluster):
     backend = create_backend("mooncake", PAGE_BYTES, mooncake_cluster.client_config())
     yield backend
     backend.close()
+
+
+@requires_outside_ipv4
+def test_client_transfer_engine_refuses_other_interfaces(backend):
+    """The client binds 127.0.0.1 here: its transfer engine's ports (which Mooncake opens on every interface)
+    accept loopback connections only (asked at this machine's own non-loopback address)."""
+    outside = outside_ipv4()
+    wildcard = [c.laddr.port for c in psutil.Process().net_connections("tcp")
+                if c.status == psutil.CONN_LISTEN and c.laddr.ip in ("0.0.0.0", "::")]
+    assert wildcard, "the Mooncake client's transfer engine should be listening"
+    assert [p for p in wildcard if answers(outside, p)] == []
+    assert all(answers("127.0.0.1", p) for p in wildcard)
 
 
 @pytest.fixture(scope="module")
@@ -262,3 +277,41 @@ def test_staged_pages_carry_checksums_too(backend):
     out = [torch.zeros(PAGE_BYTES, dtype=torch.uint8) for _ in range(2)]
     assert backend.batch_get(ks, out) == 0
     assert backend.batch_get(ks[1:], out[1:]) == 1 and torch.equal(out[1], data[1])
+
+
+def test_availability_follows_errors_when_the_store_service_dies(own_mooncake_cluster):
+    cluster = own_mooncake_cluster
+    b = create_backend("mooncake", PAGE_BYTES, {**cluster.client_config(), "retry_backoff_s": 0.2,
+                                                 "retry_backoff_max_s": 1.0})
+    try:
+        pool = random_pages(8, seed=7)
+        b.register_buffer(pool)
+        ks = unique_keys(4)
+        assert b.batch_set(ks, [pool[i] for i in range(4)]) == 4
+        assert b.stats()["available"]
+
+        cluster.kill_store()             # the master still answers; every transfer fails
+        deadline = time.monotonic() + 30
+        while b.stats()["available"]:
+            assert time.monotonic() < deadline, f"still 'available' with errors climbing: {b.stats()}"
+            b.batch_get(ks, [pool[4 + i] for i in range(4)])
+            b.batch_set(unique_keys(1), [pool[0]])
+        down = b.stats()
+        assert down["errors"] > 0 and down["outages"] == 1
+        started = time.monotonic()
+        for _ in range(10):              # down: answered at once, errors stop climbing (a probe per backoff)
+            assert b.batch_get(ks, [pool[4 + i] for i in range(4)]) == 0
+        assert time.monotonic() - started < 5.0
+        stats = b.stats()
+        assert not stats["available"] and stats["skipped_unavailable"] > down["skipped_unavailable"]
+        assert stats["errors"] - down["errors"] <= 3 * 4
+
+        cluster.start_store()            # re-probed after the backoff: back once a page is served
+        fresh = unique_keys(2)
+        deadline = time.monotonic() + 60
+        while b.batch_set(fresh, [pool[0], pool[1]]) != 2:
+            assert time.monotonic() < deadline, b.stats()
+            time.sleep(0.2)
+        assert b.stats()["available"] and b.batch_get(fresh, [pool[6], pool[7]]) == 2
+    finally:
+        b.close()
