@@ -63,13 +63,17 @@ class HostTier:
         """Whether node has a complete host copy."""
         return node.host_ready
 
+    def pages_of(self, node: TreeNode) -> list[int] | None:
+        """The host pages of node's complete copy (None: it has none)."""
+        return node.host.pages.tolist() if node.host is not None and node.host.ready else None
+
     def eviction_candidates(self) -> Iterator[TreeNode]:
         """Unlocked nodes with a settled host copy that no child's host copy hangs below, in policy order."""
         return self.tree.eviction_order(self._is_candidate)
 
     def _is_candidate(self, node: TreeNode) -> bool:
         return (not node.is_root and node.lock_ref == 0 and node.host_ready and node.host.op_id is None
-                and (node.storage is None or node.storage.op_id is None)
+                and (self.storage is None or not self.storage.writing(node))
                 and all(c.host is None for c in node.children.values()))
 
     def drop(self, node: TreeNode) -> None:

@@ -63,6 +63,10 @@ class StorageTier:
     def reset(self) -> None:
         """L3 is shared with other processes and keeps its pages across a flush."""
 
+    def writing(self, node: TreeNode) -> bool:
+        """Whether an L3 write of `node`'s groups is in flight (it reads the node's host pages)."""
+        return node.storage is not None and node.storage.op_id is not None
+
     # ---- keys -------------------------------------------------------------------------------------------
 
     def _namespace_key(self, namespace: str | None) -> str:
@@ -120,7 +124,7 @@ class StorageTier:
 
     def _retry_below(self, node: TreeNode, reach: int) -> None:
         """Write the waiting groups of host-ready `node` and of its descendants within `reach` tokens."""
-        if not node.host_ready:
+        if not self.host.holds(node):
             return
         record = node.storage
         if record is not None and not record.backed and record.op_id is None:
@@ -139,8 +143,7 @@ class StorageTier:
         if pages is None:
             up, reach = node.parent, self.group_tokens
             while not up.is_root and reach > 0:
-                if not up.host_ready and up.host is None and up.device_slots is not None:
-                    self.host.backup(up)
+                self.host.backup(up)         # a no-op if it is on the host (or on its way) already
                 reach -= len(up.key)
                 up = up.parent
             return
@@ -157,7 +160,8 @@ class StorageTier:
         ps, chunks, up = self.tree.page_size, [], node
         reach = len(node.key) + max(0, self.group_tokens - record.ends[0])   # node + its first group's head
         while not up.is_root and reach > 0:
-            chunks.append(up.host.pages.tolist() if up.host_ready else [None] * (len(up.key) // ps))
+            pages = self.host.pages_of(up)
+            chunks.append(pages if pages is not None else [None] * (len(up.key) // ps))
             reach -= len(up.key)
             up = up.parent
         path = [p for chunk in reversed(chunks) for p in chunk]

@@ -8,7 +8,7 @@ as a typed constructor argument:
     StorageTier(tree, io, namespace, host: HostPages)      reserves, pins and fills host pages through L2
 
 L3 reaches L2 only through the small HostPages protocol below (the host tier satisfies it), so the
-storage tier knows nothing else of the host tier. The radix tree records residency on its nodes; a tier
+storage tier knows nothing else of the host tier, and reads no host record on a node. The radix tree records residency on its nodes; a tier
 writes only its own record. Copies a tier starts are acknowledged in `apply_acks`, which the facade calls
 once per step (begin_step) and nowhere else.
 """
@@ -62,6 +62,12 @@ class HostPages(Protocol):
 
     def unpin(self, pages: list[int]) -> None:
         """An L3 write that read `pages` finished."""
+
+    def holds(self, node: TreeNode) -> bool:
+        """Whether node has a complete host copy."""
+
+    def pages_of(self, node: TreeNode) -> list[int] | None:
+        """The host pages of node's complete copy (None: it has none)."""
 
     def backup(self, node: TreeNode) -> bool:
         """Start copying a device node to the host (an L3 group that begins in it waits for it)."""
