@@ -162,8 +162,8 @@ class KVCacheManager:
         if self.storage is None or h.prefetch_refetches >= MAX_REFETCHES or (op is not None and not op.applied):
             return False
         expected = h.prefetch_local
-        if op is not None:      # the op read groups from token tag[2] on; `done` of them arrived
-            expected = max(expected, op.tag[2] + op.done * self.storage.group_tokens)
+        if op is not None:
+            expected = max(expected, self.storage.prefetch_reach(op))
         return self._local_tokens(req) < expected
 
     # ------------------------------------------------------------------ per step

@@ -213,6 +213,10 @@ class StorageTier:
         self._prefetches[op.op_id] = op
         return PrefetchStart(op)
 
+    def prefetch_reach(self, op: StorageOp) -> int:
+        """Prompt tokens from the start that the local tiers hold once `op`'s read groups are attached."""
+        return op.tag[2] + op.done * self.group_tokens      # it read groups from token tag[2] on
+
     def _skip(self, reason: str) -> PrefetchStart:
         self.prefetch_skipped[reason] += 1
         return PrefetchStart(None, reason)

@@ -9,35 +9,7 @@ from __future__ import annotations
 import pytest
 
 from kvstrata.cache.manager import KVCacheManager
-from kvstrata.runtime.req import Req
-from kvstrata.runtime.sampling_params import SamplingParams
-from tests.cache.stack import make_cache
-
-
-def make_manager(page_size: int, device_pages: int, context: int = 128, **fields) -> KVCacheManager:
-    """A cache facade over a small CPU pool; `fields`: ServerArgs fields (tiers, --kv-run-spare-tokens)."""
-    return make_cache(page_size, device_pages, context, **fields)[0]
-
-
-def new_req(rid: str, tokens: list[int]) -> Req:
-    return Req(rid=rid, prompt_ids=tokens, sampling=SamplingParams(max_new_tokens=4))
-
-
-def run_prefill(manager: KVCacheManager, req: Req, budget: int = 64) -> None:
-    """Plan, admit, 'compute' the chunk and commit it, as the scheduler does."""
-    plan = manager.plan_admit(req, budget)
-    assert plan is not None and plan.fits() and manager.admit(req, plan)
-    manager.advance(req, req.slot_len)
-    manager.commit(req)
-
-
-def cache_on_host_only(manager: KVCacheManager, history: list[int]) -> None:
-    """Compute `history` (plus one token) into the cache, then demote it all to the host tier."""
-    req = new_req("history", history + [99])
-    run_prefill(manager, req, budget=len(history) + 1)
-    manager.release(req)
-    manager.host.wait_idle()                          # the write-through backups land
-    manager.device.evict(10**6)                       # demote everything to the host
+from tests.cache.drivers import cache_on_host_only, make_manager, new_req, run_prefill
 
 
 def snapshot(manager: KVCacheManager) -> tuple:

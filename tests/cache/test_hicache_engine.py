@@ -4,28 +4,8 @@ from __future__ import annotations
 
 import pytest
 
+from tests.cache.drivers import run_conversations
 from tests.runtime.helpers import NUMERIC_DTYPES, assert_idle_integrity, make_engine
-
-GREEDY = {"temperature": 0, "max_new_tokens": 8, "ignore_eos": True}
-QUESTIONS = ["Tell me about caches and pages in a serving engine.",
-             "Why does prefix sharing help multi-turn chat so much?",
-             "And what does the host tier add on top of that?"]
-CONVERSATIONS = ["Agent A speaks first. ", "Bravo answers in turn, a different one. ",
-                 "Charlie speaks here. ", "Delta. "]
-
-
-def run_conversations(engine, rounds: int = 3) -> tuple[list[list[int]], list[dict]]:
-    """Interleave conversations round by round; each turn's prompt is the history plus a new question."""
-    histories = [engine.tokenizer.encode(c, add_special_tokens=False) for c in CONVERSATIONS]
-    outputs, metas = [], []
-    for r in range(rounds):
-        for i, hist in enumerate(histories):
-            prompt = hist + engine.tokenizer.encode(QUESTIONS[r % len(QUESTIONS)], add_special_tokens=False)
-            out = engine.generate(input_ids=prompt, sampling_params=GREEDY)
-            outputs.append(out["output_ids"])
-            metas.append({"round": r, "history": len(hist), **out["meta_info"]})
-            histories[i] = prompt + out["output_ids"]
-    return outputs, metas
 
 
 @pytest.fixture(scope="module", params=NUMERIC_DTYPES)

@@ -7,44 +7,19 @@ is a value derived from its prefix, so a page that was lost or mixed up shows as
 
 from __future__ import annotations
 
-import zlib
-
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvstrata.cache.manager import KVCacheManager
-from kvstrata.memory.device_pool import DeviceKVPool
 from kvstrata.runtime.req import Req
 from kvstrata.runtime.sampling_params import SamplingParams
-from tests.cache.stack import LAYERS, make_cache
-
-
-def kv_value(tokens: list[int]) -> float:
-    """The fake K value of the last token of `tokens` (a function of its whole prefix)."""
-    return float(zlib.crc32(bytes(tokens)) % 10007)
+from tests.cache.drivers import compute
+from tests.cache.stack import make_cache
 
 
 def make_manager(policy: str, page_size: int, device_pages: int, host_ratio: float) -> tuple:
     return make_cache(page_size, device_pages, 64, enable_hierarchical_cache=True, hicache_write_policy=policy,
                       hicache_ratio=host_ratio, max_running_requests=15)
-
-
-def compute(manager: KVCacheManager, pool: DeviceKVPool, req: Req) -> None:
-    """Pretend to run the forward: wait for load-backs, check cached KV, write KV of the new tokens."""
-    wait = manager.take_layer_wait()
-    for layer in range(LAYERS):
-        if wait is not None:
-            wait(layer)
-    tokens = req.fill_ids
-    slots = manager.slots_of(req, 0, req.slot_len)
-    for i in range(req.kv_len):
-        got = pool.k_buffer[0][slots[i], 0, 0].item()
-        assert got == kv_value(tokens[: i + 1]), f"cached KV of token {i} is wrong: a page was lost or mixed up"
-    for i in range(req.kv_len, req.slot_len):
-        for layer in range(LAYERS):
-            pool.k_buffer[layer][slots[i]] = kv_value(tokens[: i + 1])
-    manager.advance(req, req.slot_len)
 
 
 ops = st.lists(st.tuples(st.sampled_from(["start", "start", "finish", "evict", "evict_host", "ack"]),

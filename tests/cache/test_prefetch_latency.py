@@ -24,7 +24,7 @@ from kvstrata.memory.host_pool import HostKVPool
 from kvstrata.runtime.req import Req
 from kvstrata.runtime.sampling_params import SamplingParams
 from kvstrata.storage.file_backend import FileBackend
-from tests.cache.test_prefetch_refetch import follow_up_after_history, make_manager, serve_history, settle
+from tests.cache.drivers import follow_up_after_history, make_file_l3_manager, serve_history, settle
 
 
 class GatedFileBackend(FileBackend):
@@ -77,7 +77,7 @@ def _remote_lookups(manager, monkeypatch) -> None:
 
 def test_a_step_waits_for_a_fresh_prefetch(tmp_path, monkeypatch):
     monkeypatch.setattr(storage_tier, "PREFETCH_GRACE_S", 30.0)   # a slow machine must not change the outcome
-    manager = make_manager(tmp_path)
+    manager = make_file_l3_manager(tmp_path)
     _remote_lookups(manager, monkeypatch)
     try:
         nxt = follow_up_after_history(manager)
@@ -93,7 +93,7 @@ def test_a_step_waits_for_a_fresh_prefetch(tmp_path, monkeypatch):
 
 def test_a_slow_prefetch_holds_a_step_only_for_the_grace_period(tmp_path, monkeypatch):
     monkeypatch.setattr(storage_tier, "PREFETCH_GRACE_S", 0.2)
-    manager = make_manager(tmp_path)
+    manager = make_file_l3_manager(tmp_path)
     _remote_lookups(manager, monkeypatch)
     backend = manager.storage.io.backend
     gate = threading.Event()
@@ -117,7 +117,7 @@ def test_a_slow_prefetch_holds_a_step_only_for_the_grace_period(tmp_path, monkey
 
 
 def test_a_local_miss_is_skipped_without_a_lookup_or_host_pages(tmp_path):
-    manager = make_manager(tmp_path)
+    manager = make_file_l3_manager(tmp_path)
     try:
         nxt = serve_history(manager)
         host = manager.host
@@ -135,7 +135,7 @@ def test_a_local_miss_is_skipped_without_a_lookup_or_host_pages(tmp_path):
 
 
 def test_a_stored_prefix_is_still_read_from_l3(tmp_path):
-    manager = make_manager(tmp_path)
+    manager = make_file_l3_manager(tmp_path)
     try:
         nxt = serve_history(manager)                     # on the host, then in L3
         manager.device.evict(manager.tree.total_size())

@@ -12,7 +12,7 @@ import pytest
 from kvstrata.args import ServerArgs
 from kvstrata.cache.manager import KVCacheManager
 from kvstrata.runtime.req import Req
-from tests.cache.test_admission import cache_on_host_only, make_manager, new_req, run_prefill
+from tests.cache.drivers import cache_on_host_only, make_manager, new_req, run_prefill
 
 
 def prefill(manager: KVCacheManager, rid: str, prompt: list[int]) -> Req:

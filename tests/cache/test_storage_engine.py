@@ -7,7 +7,7 @@ import multiprocessing as mp
 
 import pytest
 
-from tests.cache.test_hicache_engine import run_conversations
+from tests.cache.drivers import run_conversations
 from tests.runtime.helpers import assert_idle_integrity, make_engine
 
 # Host pool just above the device pool: returning conversations must come back from L3, not L2. These

@@ -17,8 +17,8 @@ from kvstrata.cache.manager import KVCacheManager
 from kvstrata.cache.page_hash import page_keys
 from kvstrata.runtime.req import Req
 from kvstrata.runtime.sampling_params import SamplingParams
+from tests.cache.drivers import compute
 from tests.cache.stack import make_cache
-from tests.cache.test_hicache_property import compute
 
 # Prompts share long prefixes (one of a few bases, then a short tail), so arrivals find pages in L3.
 BASES = [[1 + (i * j) % 3 for j in range(20)] for i in range(1, 4)]
