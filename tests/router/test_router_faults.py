@@ -112,7 +112,7 @@ def test_add_and_remove_worker(workers, tmp_path):
         assert list(list_workers(router)) == [workers.urls[0]]
         added = requests.post(router.url + "/add_worker", params={"url": workers.urls[1] + "/"}, timeout=30)
         assert added.status_code == 200 and added.json() == {"success": True, "url": workers.urls[1],
-                                                            "added": True, "healthy": True}
+                                                            "id": "worker-1", "added": True, "healthy": True}
         again = requests.post(router.url + "/add_worker", params={"url": workers.urls[1]}, timeout=30)
         assert again.json()["added"] is False
         for i in range(4):
@@ -148,3 +148,32 @@ def test_api_key_and_concurrency_limit(workers, tmp_path):
                 assert over.status_code == 429 and "max-concurrent-requests" in over.json()["error"]["message"]
             assert held.result().status_code == 200
         assert requests.post(router.url + "/generate", json=body, headers=auth, timeout=60).status_code == 200
+
+
+def test_frozen_worker_is_taken_out_within_the_first_byte_bound(workers, tmp_path):
+    stuck, alive = workers.urls
+    bound = 2.0
+    # Health checks alone would not notice in time (one check waits a minute): the bound must.
+    flags = ("--policy", "round_robin", "--worker-first-byte-timeout-secs", str(bound),
+             "--health-check-timeout-secs", "60")
+    with run_router(workers.urls, tmp_path / "router.log", *flags) as router:
+        with frozen(workers.procs[0]), ThreadPoolExecutor(8) as pool:
+            start = time.monotonic()
+            futures = [pool.submit(_generate, router.url, i, i % 2 == 0) for i in range(8)]
+            results = [f.result() for f in futures]
+            assert list_workers(router)[stuck]["stalled"]
+            later = time.monotonic()
+            after = _generate(router.url, 99, True)        # a new request does not wait on it at all
+        for r in (*results, after):
+            assert r["status"] == 200 and not r["error_event"] and r["done"] in (True, None), r
+            assert r["worker"] == alive
+        # Half the requests went to the frozen worker first: none waited on it much beyond the bound.
+        assert max(r["first_byte"] for r in results) - start < bound + 10
+        assert after["first_byte"] - later < bound
+        # Thawed, it answers again (its /load report) and takes requests again.
+        wait_for(lambda: not list_workers(router)[stuck]["stalled"] and list_workers(router)[stuck]["healthy"],
+                 timeout_s=30, what="the thawed worker back")
+        served = {_generate(router.url, 100 + i, False)["worker"] for i in range(4)}
+        assert served == {stuck, alive}
+        metrics = requests.get(router.url + "/metrics", timeout=10).text
+        assert f'kvstrata_router_retries_total{{worker="{stuck}"}}' in metrics
