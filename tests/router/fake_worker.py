@@ -14,11 +14,18 @@ from typing import Optional
 
 
 class FakeWorker:
-    """127.0.0.1:<port>: /health 200, /load 404, /dashboard/data `dashboard_data`, POST anything 200 JSON."""
+    """127.0.0.1:<port>: /health 200, /load 200 {}, /dashboard/data `dashboard_data`, POST anything 200 JSON.
+
+    `freeze()` makes it behave like a worker whose scheduler stopped while its HTTP front end runs on:
+    /health still answers, /load waits, and a POST gets the status line of an event stream and then
+    nothing, until `thaw()`.
+    """
 
     def __init__(self, dashboard_data: Optional[dict] = None):
         self.dashboard_data = dashboard_data or {}
         self.seen: list[tuple[str, str, Optional[str]]] = []     # (method, path, Authorization header)
+        self.awake = threading.Event()
+        self.awake.set()
         worker = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -26,6 +33,9 @@ class FakeWorker:
                 worker.seen.append(("GET", self.path, self.headers.get("Authorization")))
                 path = self.path.split("?")[0]
                 if path == "/health":
+                    self._answer(200, {})
+                elif path == "/load":
+                    worker.awake.wait()
                     self._answer(200, {})
                 elif path == "/dashboard/data":
                     self._answer(200, worker.dashboard_data)
@@ -35,7 +45,15 @@ class FakeWorker:
             def do_POST(self) -> None:
                 worker.seen.append(("POST", self.path, self.headers.get("Authorization")))
                 self.rfile.read(int(self.headers.get("Content-Length", 0)))
-                self._answer(200, {"text": "from the fake worker", "meta_info": {}})
+                if worker.awake.is_set():
+                    self._answer(200, {"text": "from the fake worker", "meta_info": {}})
+                    return
+                self.send_response(200)
+                self.send_header("Content-Type", "text/event-stream")
+                self.end_headers()
+                self.wfile.flush()
+                worker.awake.wait()
+                self.close_connection = True
 
             def _answer(self, status: int, body: dict) -> None:
                 data = json.dumps(body).encode()
@@ -56,6 +74,14 @@ class FakeWorker:
         """Base URL."""
         return f"http://127.0.0.1:{self._server.server_address[1]}"
 
+    def freeze(self) -> None:
+        """Stop answering (see the class docstring)."""
+        self.awake.clear()
+
+    def thaw(self) -> None:
+        """Answer again; what waited is answered (a frozen POST's stream just ends)."""
+        self.awake.set()
+
     def credentials(self) -> set[Optional[str]]:
         """Every Authorization header value it received (None: a request without one)."""
         return {auth for _, _, auth in list(self.seen)}
@@ -65,6 +91,7 @@ class FakeWorker:
         return self
 
     def __exit__(self, *exc: object) -> None:
+        self.thaw()
         self._server.shutdown()
         self._server.server_close()
         self._thread.join(10)

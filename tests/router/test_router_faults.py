@@ -19,6 +19,7 @@ import requests
 
 from kvstrata.bench.launcher import ServerProcess
 from tests.router.conftest import list_workers, run_router, wait_for
+from tests.router.fake_worker import FakeWorker
 
 # Long enough to still be streaming while a test does its checks (the tiny model decodes ~2 ms/token).
 LONG = {"sampling_params": {"max_new_tokens": 1500, "temperature": 0, "ignore_eos": True}, "stream": True}
@@ -177,3 +178,28 @@ def test_frozen_worker_is_taken_out_within_the_first_byte_bound(workers, tmp_pat
         assert served == {stuck, alive}
         metrics = requests.get(router.url + "/metrics", timeout=10).text
         assert f'kvstrata_router_retries_total{{worker="{stuck}"}}' in metrics
+
+
+def test_stream_stuck_after_its_status_line_is_retried_elsewhere(tmp_path):
+    """A frozen scheduler behind a live HTTP front end: the stream's status line comes, its first event
+    never does. No request waits on it beyond the bound; the client never sees that attempt."""
+    bound = 1.5
+    flags = ("--policy", "round_robin", "--worker-first-byte-timeout-secs", str(bound))
+    with FakeWorker() as stuck, FakeWorker() as fine, \
+            run_router([stuck.url, fine.url], tmp_path / "router.log", *flags) as router:
+        stuck.freeze()
+        body = {"text": "x", "stream": True}
+        with ThreadPoolExecutor(6) as pool:
+            start = time.monotonic()
+            answers = list(pool.map(lambda _: requests.post(router.url + "/generate", json=body, timeout=20),
+                                    range(6)))
+            elapsed = time.monotonic() - start
+        assert [(a.status_code, a.headers["x-kvstrata-worker"]) for a in answers] == [(200, fine.url)] * 6
+        assert elapsed < bound + 5, elapsed
+        assert list_workers(router)[stuck.url]["stalled"] and list_workers(router)[stuck.url]["healthy"]
+        assert sum(p == "/generate" for m, p, _ in stuck.seen if m == "POST") >= 1
+        stuck.thaw()
+        wait_for(lambda: not list_workers(router)[stuck.url]["stalled"], timeout_s=15, what="the thawed worker back")
+        served = {requests.post(router.url + "/generate", json={"text": "y"}, timeout=20).headers["x-kvstrata-worker"]
+                  for _ in range(4)}
+        assert served == {stuck.url, fine.url}
