@@ -44,10 +44,11 @@ def key_matches(token: Optional[str], key: str) -> bool:
 class ApiKeyMiddleware:
     """Reject requests without the API key (401), except open paths and admin paths guarded by their own key."""
 
-    def __init__(self, app: ASGIApp, api_key: str, admin_key_set: bool):
+    def __init__(self, app: ASGIApp, api_key: str, admin_key_set: bool, admin_paths: frozenset = ADMIN_PATHS):
         self.app = app
         self.api_key = api_key
         self.admin_key_set = admin_key_set
+        self.admin_paths = admin_paths      # the router has its own (kvstrata/router/access.py)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http" and scope["method"] != "OPTIONS" and self._needs_api_key(scope["path"]):
@@ -60,7 +61,7 @@ class ApiKeyMiddleware:
     def _needs_api_key(self, path: str) -> bool:
         if path in OPEN_PATHS:
             return False
-        return not (path in ADMIN_PATHS and self.admin_key_set)
+        return not (path in self.admin_paths and self.admin_key_set)
 
 
 def require_admin(request: Request, admin_api_key: Optional[str]) -> None:
