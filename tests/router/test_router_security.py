@@ -13,6 +13,7 @@ import socket
 
 import requests
 
+from tests.capabilities import requires_chromium
 from tests.router.conftest import list_workers, run_router
 from tests.router.fake_worker import FakeWorker
 from tests.server.browser import chromium_page, screenshot
@@ -109,6 +110,7 @@ HOSTILE_DATA = {
 }
 
 
+@requires_chromium
 def test_dashboard_renders_a_hostile_workers_data_as_text(tmp_path):
     with FakeWorker(HOSTILE_DATA) as hostile, run_router([hostile.url], tmp_path / "router.log") as router:
         assert requests.post(router.url + "/add_worker", params={"url": HTML_HOST_URL}, timeout=10).status_code == 400
