@@ -48,6 +48,12 @@ def test_control_routes_are_post_only_and_refuse_strangers(tmp_path):
             assert r.status_code == 403 and "admin" in r.json()["error"]["message"], (path, r.text)
         assert list(list_workers(router)) == [worker.url]
         assert not [p for _, p, _ in worker.seen if p.startswith(("/abort_request", "/flush_cache"))]
+        # Nor may another site's page, through the operator's own browser on loopback (a form POST needs no
+        # CORS preflight): the browser names that page's origin.
+        for headers in ({"Origin": "https://evil.example"}, {"Sec-Fetch-Site": "cross-site"}):
+            r = requests.post(router.url + "/add_worker", params={"url": other.url}, headers=headers, timeout=10)
+            assert r.status_code == 403 and "another site" in r.json()["error"]["message"], r.text
+        assert list(list_workers(router)) == [worker.url]
         # The same answer for an open, a closed and an unroutable port: /add_worker scans nothing.
         answers = {requests.post(router.url + "/add_worker", params={"url": url}, headers=STRANGER,
                                  timeout=10).text for url in (other.url, _closed_port_url(), "http://192.0.2.200:9")}
