@@ -7,9 +7,10 @@ policy's weights and the load-poll interval are ours.
 from __future__ import annotations
 
 import argparse
+import ipaddress
+import re
 from dataclasses import dataclass, field
 from typing import Optional
-from urllib.parse import urlsplit
 
 from kvstrata.args import (
     ConfigError,
@@ -49,7 +50,17 @@ class RouterArgs:
     max_tree_size: int = field(default=2 ** 26, metadata=cli_option(
         "Entries (tokens or characters) each worker's approximate prefix tree keeps after an eviction."))
     api_key: Optional[str] = field(default=None, metadata=cli_option(
-        "Require this API key (Bearer token) from clients, and send it to the workers."))
+        "Require this API key (Bearer token) from clients, and send it to the workers given at start "
+        "(--worker-urls, --prefill, --decode). A worker added later with /add_worker gets only the key "
+        "given in that request."))
+    admin_api_key: Optional[str] = field(default=None, metadata=cli_option(
+        "Key for the control routes (/add_worker, /remove_worker, /list_workers, /abort_request, "
+        "/flush_cache) and for seeing worker URLs; --api-key does not grant them. Without it, only "
+        "loopback clients may use them. Never sent to a worker."))
+    worker_first_byte_timeout_secs: float = field(default=30.0, metadata=cli_option(
+        "Take a worker out when it has requests in flight and sends nothing (no answer, no stream chunk, "
+        "no /load report) for this long; its requests that got no byte yet are retried on another "
+        "worker. It comes back once it answers again."))
     request_timeout_secs: float = field(default=1800.0, metadata=cli_option(
         "Time limit for one proxied request, streaming included."))
     max_concurrent_requests: int = field(default=-1, metadata=cli_option(
@@ -113,7 +124,8 @@ class RouterArgs:
         if not 0.0 <= self.cache_threshold <= 1.0:
             raise ConfigError(f"--cache-threshold must be in [0, 1], got {self.cache_threshold}")
         for name in ("eviction_interval_secs", "max_tree_size", "request_timeout_secs",
-                     "health_check_interval_secs", "health_check_timeout_secs", "health_failure_threshold",
+                     "health_check_interval_secs", "health_check_timeout_secs",
+                     "worker_first_byte_timeout_secs", "health_failure_threshold",
                      "health_success_threshold", "worker_load_check_interval"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"--{name.replace('_', '-')} must be positive, got {getattr(self, name)}")
@@ -126,17 +138,44 @@ class RouterArgs:
         return f"http://{self.host}:{self.port}"
 
 
+# One RFC 1123 label: letters, digits and inner hyphens, at most 63 characters.
+_LABEL = re.compile(r"[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?")
+_URL = re.compile(r"(?P<scheme>https?)://(?:\[(?P<ipv6>[0-9A-Fa-f:.]+)\]|(?P<host>[A-Za-z0-9.-]+)):(?P<port>[0-9]{1,5})/?")
+
+
 def check_worker_url(url: str) -> str:
-    """Return `url` without a trailing slash; raise ConfigError unless it is http(s)://host:port[/]."""
+    """Return `url` as `scheme://host:port`; raise ConfigError naming the problem unless it is exactly that.
+
+    The scheme is http or https; the host an RFC 1123 hostname, a dotted IPv4 address or a bracketed IPv6
+    address; the port 1..65535; no user info, path, query or fragment (one trailing slash is dropped).
+    The URL is shown in pages and logs, so nothing else may get through.
+    """
+    m = _URL.fullmatch(url) if isinstance(url, str) else None
+    if m is None:
+        raise ConfigError(f"bad worker URL {url!r}: expected http(s)://host:port with a hostname, an IPv4 "
+                          "address or a [IPv6] address, and no user, path, query or fragment")
+    if m["ipv6"] is not None:
+        _check_ip(url, m["ipv6"], ipaddress.IPv6Address)
+    elif m["host"].replace(".", "").isdigit():
+        _check_ip(url, m["host"], ipaddress.IPv4Address)
+    else:
+        _check_hostname(url, m["host"])
+    if not 0 < int(m["port"]) <= 65535:
+        raise ConfigError(f"bad worker URL {url!r}: port {int(m['port'])} is not in 1..65535")
+    return url[:-1] if url.endswith("/") else url
+
+
+def _check_ip(url: str, text: str, kind: type) -> None:
     try:
-        parts = urlsplit(url)
-        port = parts.port
-    except ValueError as e:
-        raise ConfigError(f"bad worker URL {url!r}: {e}") from None
-    if parts.scheme not in ("http", "https") or not parts.hostname:
-        raise ConfigError(f"bad worker URL {url!r}: expected http://host:port")
-    if port is None:
-        raise ConfigError(f"bad worker URL {url!r}: the port is missing")
-    if parts.path.strip("/") or parts.query or parts.fragment:
-        raise ConfigError(f"bad worker URL {url!r}: expected a base URL without path or query")
-    return url.rstrip("/")
+        kind(text)
+    except ValueError:
+        raise ConfigError(f"bad worker URL {url!r}: {text!r} is not an {kind.__name__[:4]} address") from None
+
+
+def _check_hostname(url: str, host: str) -> None:
+    labels = host[:-1].split(".") if host.endswith(".") else host.split(".")
+    if len(host) > 253 or not all(_LABEL.fullmatch(label) for label in labels):
+        raise ConfigError(f"bad worker URL {url!r}: {host!r} is not a hostname (RFC 1123 labels of letters, "
+                          "digits and inner hyphens)")
+    if labels[-1].isdigit():
+        raise ConfigError(f"bad worker URL {url!r}: {host!r} is neither an IPv4 address nor a hostname")

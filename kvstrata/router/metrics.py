@@ -1,13 +1,17 @@
 """The router's Prometheus metrics: per worker requests, errors, retries, routing decisions by reason
 (counters), and in-flight requests, health and drain state (gauges read from the registry at scrape time).
+
+Series are labelled by worker URL; a caller who may not see URLs (kvstrata/router/access.py) gets the
+same series labelled by worker id instead.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 from prometheus_client import CollectorRegistry, Counter, disable_created_metrics, generate_latest
 from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.metrics_core import Metric
 from prometheus_client.registry import Collector
 
 from kvstrata.router.workers import WorkerRegistry
@@ -31,10 +35,27 @@ class RouterMetrics:
         self.decisions = Counter(PREFIX + "routing_decisions", "Routing decisions by policy reason.",
                                  ["worker", "reason"], registry=self.registry)
         self.registry.register(_WorkerGauges(workers))
+        self.workers = workers
 
-    def render(self) -> bytes:
-        """The text exposition format."""
-        return generate_latest(self.registry)
+    def render(self, reveal_urls: bool) -> bytes:
+        """The text exposition format, workers labelled by URL when `reveal_urls`, else by id."""
+        return generate_latest(self.registry if reveal_urls else _Relabelled(self.registry, self.workers.id_of))
+
+
+class _Relabelled:
+    """A registry's samples with every `worker` label passed through `rename`."""
+
+    def __init__(self, registry: CollectorRegistry, rename: Callable[[str], str]):
+        self.registry = registry
+        self.rename = rename
+
+    def collect(self) -> Iterator[Metric]:
+        for family in self.registry.collect():
+            out = Metric(family.name, family.documentation, family.type, family.unit)
+            for s in family.samples:
+                labels = {k: self.rename(v) if k == "worker" else v for k, v in s.labels.items()}
+                out.add_sample(s.name, labels, s.value, s.timestamp, s.exemplar)
+            yield out
 
 
 class _WorkerGauges(Collector):

@@ -60,6 +60,8 @@ class WorkerMonitor:
             return False
         if passed:
             w.success_streak, w.failure_streak = w.success_streak + 1, 0
+            if w.stalled and w.url in self._no_load_api:
+                w.progress()      # no /load report to wait for: its health check is the only sign of life
             # A new worker is admitted on its first pass; one that was taken out must pass M in a row.
             if not w.healthy and (not w.admitted_before or w.success_streak >= self.args.health_success_threshold):
                 logger.info("worker %s is healthy: admitted", w.url)
@@ -74,7 +76,7 @@ class WorkerMonitor:
     async def _get_ok(self, w: Worker, path: str, timeout_s: float) -> bool:
         assert self.proxy.session is not None
         try:
-            async with self.proxy.session.get(w.url + path, headers=self.proxy.worker_headers(),
+            async with self.proxy.session.get(w.url + path, headers=self.proxy.worker_headers(w),
                                               timeout=aiohttp.ClientTimeout(total=timeout_s)) as resp:
                 await resp.read()
                 return resp.status == 200
@@ -85,7 +87,7 @@ class WorkerMonitor:
 
     # ------------------------------------------------------------------ load
     async def poll_loads(self) -> None:
-        """GET /load from every healthy worker that has it."""
+        """GET /load from every healthy worker that has it (a stalled one too: an answer brings it back)."""
         await asyncio.gather(*(self.poll_load(w) for w in self.workers.all()
                                if w.healthy and w.url not in self._no_load_api))
 
@@ -93,13 +95,14 @@ class WorkerMonitor:
         """Refresh w.load from its /load report (a worker without /load is not asked again)."""
         assert self.proxy.session is not None
         try:
-            async with self.proxy.session.get(w.url + "/load", headers=self.proxy.worker_headers(),
+            async with self.proxy.session.get(w.url + "/load", headers=self.proxy.worker_headers(w),
                                               timeout=aiohttp.ClientTimeout(total=5.0)) as resp:
                 if resp.status == 404:
                     self._no_load_api.add(w.url)
                     return
                 if resp.status == 200:
                     w.load = WorkerLoad.from_json(await resp.json())
+                    w.progress()      # its scheduler answered: not stalled
         except (aiohttp.ClientError, asyncio.TimeoutError, OSError, ValueError) as e:
             logger.debug("load poll of %s failed: %s", w.url, e)
 

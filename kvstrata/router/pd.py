@@ -29,6 +29,7 @@ from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 
 from kvstrata.args import ConfigError
+from kvstrata.router.access import worker_name
 from kvstrata.router.policies import Policy, make_policy
 from kvstrata.router.proxy import FAILURES, Proxy, error_response, response_headers, stream_error
 from kvstrata.router.request_key import route_key
@@ -115,8 +116,8 @@ class PDRouter:
         d = self.decode_policy.select(decodes, key).worker if decodes else None
         return p, d
 
-    async def route(self, request: Request) -> Response:
-        """Serve one generation request through a prefill/decode pair."""
+    async def route(self, request: Request, reveal: bool = False) -> Response:
+        """Serve one generation request through a prefill/decode pair (named by URL in errors if `reveal`)."""
         raw = await request.body()
         try:
             body = json.loads(raw)
@@ -146,7 +147,8 @@ class PDRouter:
             return await self._answer(request, body, decode, prefill)
         except FAILURES as e:
             prefill.cancel()
-            return error_response(f"the decode server {d.url} failed: {type(e).__name__}: {e}", 502)
+            name = worker_name(d.url, d.id, reveal)
+            return error_response(f"the decode server {name} failed: {type(e).__name__}", 502)
         finally:
             if not streaming:
                 d.end(0, True)
@@ -170,7 +172,7 @@ class PDRouter:
             async for chunk in decode.content.iter_any():
                 yield chunk
         except FAILURES as e:
-            yield b"\n\n" + stream_error(f"the decode server {d.url} failed mid-stream: {type(e).__name__}")
+            yield b"\n\n" + stream_error(f"the decode server failed mid-stream: {type(e).__name__}")
         finally:
             decode.close()
             d.end(0, True)
@@ -198,7 +200,7 @@ class PDRouter:
     async def _send(self, w: Worker, request: Request, body: dict) -> aiohttp.ClientResponse:
         assert self.proxy.session is not None
         timeout = aiohttp.ClientTimeout(total=self.proxy.args.request_timeout_secs, sock_connect=5.0)
-        headers = self.proxy.worker_headers({"content-type": "application/json"})
+        headers = self.proxy.worker_headers(w, {"content-type": "application/json"})
         return await self.proxy.session.post(w.url + request.url.path, data=json.dumps(body).encode(),
                                              headers=headers, timeout=timeout)
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import time
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -40,7 +41,11 @@ class Worker:
     """One worker as the router sees it."""
 
     url: str
+    id: str = ""                          # "worker-N": how clients that may not see URLs name it
+    api_key: Optional[str] = field(default=None, repr=False)   # the only credential the router sends it
     healthy: bool = False
+    stalled: bool = False                 # in flight yet silent for --worker-first-byte-timeout-secs
+    last_progress: float = 0.0            # monotonic time of its last byte while it had requests in flight
     draining: bool = False
     in_flight: int = 0
     decoding: int = 0                     # in-flight requests whose first byte came back
@@ -59,7 +64,16 @@ class Worker:
     @property
     def routable(self) -> bool:
         """May receive new requests."""
-        return self.healthy and not self.draining
+        return self.healthy and not self.draining and not self.stalled
+
+    def progress(self) -> None:
+        """The worker sent something (an answer, a stream chunk, a /load report): it is not stalled."""
+        self.last_progress = time.monotonic()
+        self.stalled = False
+
+    def silent_for(self) -> float:
+        """Seconds since its last byte while it had requests in flight (0 when idle)."""
+        return time.monotonic() - self.last_progress if self.in_flight else 0.0
 
     def tree_for(self, key: object) -> PrefixTree:
         """The tree that records keys of this kind (token ids or text)."""
@@ -67,6 +81,8 @@ class Worker:
 
     def begin(self, prefill_units: int) -> None:
         """A request was sent here."""
+        if self.in_flight == 0:
+            self.last_progress = time.monotonic()   # idle time is not silence
         self.in_flight += 1
         self.pending_prefill += prefill_units
         self.idle.clear()
@@ -87,9 +103,9 @@ class Worker:
             self.idle.set()
 
     def summary(self) -> dict:
-        """JSON for /list_workers."""
-        return {"url": self.url, "healthy": self.healthy, "draining": self.draining,
-                "in_flight": self.in_flight, "load": dataclasses.asdict(self.load)}
+        """JSON for /list_workers (an admin route: URLs are shown; the API key never is)."""
+        return {"url": self.url, "id": self.id, "healthy": self.healthy, "stalled": self.stalled,
+                "draining": self.draining, "in_flight": self.in_flight, "load": dataclasses.asdict(self.load)}
 
 
 class WorkerRegistry:
@@ -97,16 +113,24 @@ class WorkerRegistry:
 
     def __init__(self) -> None:
         self._workers: dict[str, Worker] = {}
+        self._ids: dict[str, str] = {}        # every URL ever added keeps its id (metric series stay put)
 
-    def add(self, url: str) -> tuple[Worker, bool]:
-        """Register `url` (unhealthy until checked); returns the worker and whether it is new."""
+    def add(self, url: str, api_key: Optional[str] = None) -> tuple[Worker, bool]:
+        """Register `url` (unhealthy until checked) with the key to send it; returns the worker and
+        whether it is new. Re-adding a listed worker cancels its drain and, if a key is given, sets it."""
         existing = self._workers.get(url)
         if existing is not None:
             existing.draining = False
+            if api_key is not None:
+                existing.api_key = api_key
             return existing, False
-        worker = Worker(url)
+        worker = Worker(url, id=self.id_of(url), api_key=api_key)
         self._workers[url] = worker
         return worker, True
+
+    def id_of(self, url: str) -> str:
+        """The id of `url` ("worker-N", N in order of first registration)."""
+        return self._ids.setdefault(url, f"worker-{len(self._ids)}")
 
     def remove(self, url: str) -> Optional[Worker]:
         """Forget `url`; returns its worker or None. Its in-flight requests finish on their connections."""

@@ -2,7 +2,8 @@
 
     /health, /metrics            open (load balancers and scrapers carry no key)
     admin routes (ADMIN_PATHS)   --admin-api-key when set (the plain --api-key is not enough);
-                                 without an admin key: loopback clients only (plus --api-key if set)
+                                 without an admin key: loopback clients only (plus --api-key if set),
+                                 and never a browser request made by another site's page (CSRF)
     everything else              --api-key when set
 
 Keys travel as `Authorization: Bearer <key>`; the scheme name is case-insensitive (RFC 7235).
@@ -13,6 +14,7 @@ from __future__ import annotations
 import hmac
 import ipaddress
 from typing import Optional
+from urllib.parse import urlsplit
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse
@@ -44,10 +46,11 @@ def key_matches(token: Optional[str], key: str) -> bool:
 class ApiKeyMiddleware:
     """Reject requests without the API key (401), except open paths and admin paths guarded by their own key."""
 
-    def __init__(self, app: ASGIApp, api_key: str, admin_key_set: bool):
+    def __init__(self, app: ASGIApp, api_key: str, admin_key_set: bool, admin_paths: frozenset = ADMIN_PATHS):
         self.app = app
         self.api_key = api_key
         self.admin_key_set = admin_key_set
+        self.admin_paths = admin_paths      # the router has its own (kvstrata/router/access.py)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http" and scope["method"] != "OPTIONS" and self._needs_api_key(scope["path"]):
@@ -60,7 +63,7 @@ class ApiKeyMiddleware:
     def _needs_api_key(self, path: str) -> bool:
         if path in OPEN_PATHS:
             return False
-        return not (path in ADMIN_PATHS and self.admin_key_set)
+        return not (path in self.admin_paths and self.admin_key_set)
 
 
 def require_admin(request: Request, admin_api_key: Optional[str]) -> None:
@@ -72,6 +75,22 @@ def require_admin(request: Request, admin_api_key: Optional[str]) -> None:
     host = request.client.host if request.client else ""
     if not _is_loopback(host):
         raise ApiError("this is an admin action, allowed only from loopback unless --admin-api-key is set", 403)
+    if _cross_site(request):
+        raise ApiError("this is an admin action: refused from another site's page (the browser's Origin / "
+                       "Sec-Fetch-Site says so); set --admin-api-key to call it from a browser", 403)
+
+
+def _cross_site(request: Request) -> bool:
+    """Whether a browser sent this for a page of another origin. Without an admin key a loopback caller is
+    trusted, and any web page the local user opens can make the browser POST to 127.0.0.1 (a form needs no
+    CORS preflight); browsers name the page's origin in `Origin` and `Sec-Fetch-Site`. Clients that are not
+    browsers send neither."""
+    if request.headers.get("sec-fetch-site", "none") not in ("none", "same-origin"):
+        return True
+    origin = request.headers.get("origin")
+    if origin is None:
+        return False
+    return urlsplit(origin).netloc.lower() != request.headers.get("host", "").lower()
 
 
 def _is_loopback(host: str) -> bool:

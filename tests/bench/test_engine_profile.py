@@ -15,7 +15,7 @@ from kvstrata.model.paged_kernels import paged_attention_op
 
 def test_profile_breaks_each_step_down():
     args = argparse.Namespace(model_path="tiny", dtype="bfloat16", threads=1, context=96, decode_tokens=4,
-                              streams=2, repeat=1, page_size=1, device="cpu", suffix=32,
+                              streams=2, repeat=1, page_size=1, device="cpu", load_format="auto", suffix=32,
                               enable_hierarchical_cache=False)
     threads = torch.get_num_threads()
     try:
@@ -38,7 +38,7 @@ def test_profile_breaks_each_step_down():
 def test_extend_step_refuses_an_uncached_prefix():
     """Without the radix cache the extend scenario would time a plain prefill: it says so instead."""
     args = argparse.Namespace(model_path="tiny", dtype="bfloat16", threads=1, context=64, decode_tokens=4,
-                              streams=1, repeat=1, page_size=1, device="cpu", suffix=16,
+                              streams=1, repeat=1, page_size=1, device="cpu", load_format="auto", suffix=16,
                               enable_hierarchical_cache=False)
     with pytest.raises(RuntimeError, match="prefix tokens cached"):
         run_profile(args, lambda: make_engine(args), prompt_maker)

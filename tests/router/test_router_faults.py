@@ -19,6 +19,7 @@ import requests
 
 from kvstrata.bench.launcher import ServerProcess
 from tests.router.conftest import list_workers, run_router, wait_for
+from tests.router.fake_worker import FakeWorker
 
 # Long enough to still be streaming while a test does its checks (the tiny model decodes ~2 ms/token).
 LONG = {"sampling_params": {"max_new_tokens": 1500, "temperature": 0, "ignore_eos": True}, "stream": True}
@@ -112,7 +113,7 @@ def test_add_and_remove_worker(workers, tmp_path):
         assert list(list_workers(router)) == [workers.urls[0]]
         added = requests.post(router.url + "/add_worker", params={"url": workers.urls[1] + "/"}, timeout=30)
         assert added.status_code == 200 and added.json() == {"success": True, "url": workers.urls[1],
-                                                            "added": True, "healthy": True}
+                                                            "id": "worker-1", "added": True, "healthy": True}
         again = requests.post(router.url + "/add_worker", params={"url": workers.urls[1]}, timeout=30)
         assert again.json()["added"] is False
         for i in range(4):
@@ -148,3 +149,57 @@ def test_api_key_and_concurrency_limit(workers, tmp_path):
                 assert over.status_code == 429 and "max-concurrent-requests" in over.json()["error"]["message"]
             assert held.result().status_code == 200
         assert requests.post(router.url + "/generate", json=body, headers=auth, timeout=60).status_code == 200
+
+
+def test_frozen_worker_is_taken_out_within_the_first_byte_bound(workers, tmp_path):
+    stuck, alive = workers.urls
+    bound = 2.0
+    # Health checks alone would not notice in time (one check waits a minute): the bound must.
+    flags = ("--policy", "round_robin", "--worker-first-byte-timeout-secs", str(bound),
+             "--health-check-timeout-secs", "60")
+    with run_router(workers.urls, tmp_path / "router.log", *flags) as router:
+        with frozen(workers.procs[0]), ThreadPoolExecutor(8) as pool:
+            start = time.monotonic()
+            futures = [pool.submit(_generate, router.url, i, i % 2 == 0) for i in range(8)]
+            results = [f.result() for f in futures]
+            assert list_workers(router)[stuck]["stalled"]
+            later = time.monotonic()
+            after = _generate(router.url, 99, True)        # a new request does not wait on it at all
+        for r in (*results, after):
+            assert r["status"] == 200 and not r["error_event"] and r["done"] in (True, None), r
+            assert r["worker"] == alive
+        # Half the requests went to the frozen worker first: none waited on it much beyond the bound.
+        assert max(r["first_byte"] for r in results) - start < bound + 10
+        assert after["first_byte"] - later < bound
+        # Thawed, it answers again (its /load report) and takes requests again.
+        wait_for(lambda: not list_workers(router)[stuck]["stalled"] and list_workers(router)[stuck]["healthy"],
+                 timeout_s=30, what="the thawed worker back")
+        served = {_generate(router.url, 100 + i, False)["worker"] for i in range(4)}
+        assert served == {stuck, alive}
+        metrics = requests.get(router.url + "/metrics", timeout=10).text
+        assert f'kvstrata_router_retries_total{{worker="{stuck}"}}' in metrics
+
+
+def test_stream_stuck_after_its_status_line_is_retried_elsewhere(tmp_path):
+    """A frozen scheduler behind a live HTTP front end: the stream's status line comes, its first event
+    never does. No request waits on it beyond the bound; the client never sees that attempt."""
+    bound = 1.5
+    flags = ("--policy", "round_robin", "--worker-first-byte-timeout-secs", str(bound))
+    with FakeWorker() as stuck, FakeWorker() as fine, \
+            run_router([stuck.url, fine.url], tmp_path / "router.log", *flags) as router:
+        stuck.freeze()
+        body = {"text": "x", "stream": True}
+        with ThreadPoolExecutor(6) as pool:
+            start = time.monotonic()
+            answers = list(pool.map(lambda _: requests.post(router.url + "/generate", json=body, timeout=20),
+                                    range(6)))
+            elapsed = time.monotonic() - start
+        assert [(a.status_code, a.headers["x-kvstrata-worker"]) for a in answers] == [(200, fine.url)] * 6
+        assert elapsed < bound + 5, elapsed
+        assert list_workers(router)[stuck.url]["stalled"] and list_workers(router)[stuck.url]["healthy"]
+        assert sum(p == "/generate" for m, p, _ in stuck.seen if m == "POST") >= 1
+        stuck.thaw()
+        wait_for(lambda: not list_workers(router)[stuck.url]["stalled"], timeout_s=15, what="the thawed worker back")
+        served = {requests.post(router.url + "/generate", json={"text": "y"}, timeout=20).headers["x-kvstrata-worker"]
+                  for _ in range(4)}
+        assert served == {stuck.url, fine.url}

@@ -192,14 +192,33 @@ def test_registry_add_remove():
     assert reg.remove("http://127.0.0.1:1") is w and reg.all() == []
 
 
+
+def test_registry_ids_keys_and_stalls():
+    reg = WorkerRegistry()
+    a, _ = reg.add("http://127.0.0.1:1", api_key="s3cret")
+    b, _ = reg.add("http://127.0.0.1:2")
+    assert (a.id, b.id, a.api_key, b.api_key) == ("worker-0", "worker-1", "s3cret", None)
+    assert "s3cret" not in repr(a) and "s3cret" not in str(a.summary())
+    reg.remove(a.url)
+    again, _ = reg.add(a.url)
+    assert again.id == "worker-0" and again.api_key is None     # the id stays, a key is given per add
+    again.healthy = again.stalled = True
+    assert not again.routable and again.silent_for() == 0.0     # idle: silence is not counted
+    again.begin(0)
+    again.progress()
+    assert again.routable and again.silent_for() < 1.0
+
+
 # ---------------------------------------------------------------------- args and CLI
 def test_cli_is_generated_from_router_args():
     parser = argparse.ArgumentParser()
     RouterArgs.add_cli_args(parser)
     ns = parser.parse_args(["--worker-urls", "http://127.0.0.1:1", "http://127.0.0.1:2", "--policy",
                             "cache_aware", "--eviction-interval", "30", "--cache-threshold", "0.5",
-                            "--max-tree-size", "1000", "--api-key", "k", "--max-concurrent-requests", "8"])
+                            "--max-tree-size", "1000", "--api-key", "k", "--max-concurrent-requests", "8",
+                            "--admin-api-key", "a", "--worker-first-byte-timeout-secs", "7.5"])
     args = RouterArgs.from_cli_args(ns)
+    assert args.admin_api_key == "a" and args.worker_first_byte_timeout_secs == 7.5
     assert args.worker_urls == ("http://127.0.0.1:1", "http://127.0.0.1:2")
     assert args.policy == "cache_aware" and args.eviction_interval_secs == 30 and args.cache_threshold == 0.5
     assert args.max_tree_size == 1000 and args.api_key == "k" and args.max_concurrent_requests == 8
@@ -207,10 +226,21 @@ def test_cli_is_generated_from_router_args():
     assert defaults == RouterArgs() and defaults.policy == "tier_aware"
 
 
-@pytest.mark.parametrize("url", ["foo", "127.0.0.1:80", "ftp://h:1", "http://h", "http://h:1/x", "http://h:99999"])
+@pytest.mark.parametrize("url", [
+    "foo", "127.0.0.1:80", "ftp://h:1", "http://h", "http://h:1/x", "http://h:99999", "http://h:0",
+    "http://<img src=x onerror=alert(1)>:80", "http://a\"b:1", "http://user:pw@h:1", "http://h:1?q", "http://h:1#f",
+    "http://h:1//", "http://-h:1", "http://h-:1", "http://a..b:1", "http://" + "a" * 64 + ":1", "http://999.0.0.1:1",
+    "http://1.2.3:1", "http://[::1%25lo]:1", "http://[nope]:1", "HTTP://h:1", "http://h:1\n", " http://h:1",
+    "http://h :1", "http://h:+1"])
 def test_bad_worker_urls(url):
     with pytest.raises(ConfigError):
         check_worker_url(url)
+
+
+@pytest.mark.parametrize("url", ["http://127.0.0.1:8000", "https://w-0.w.default.svc.cluster.local:30000/",
+                                 "http://[::1]:80", "http://[fd00::1:2]:1", "http://localhost:65535"])
+def test_good_worker_urls(url):
+    assert check_worker_url(url) == url.rstrip("/")
 
 
 def test_bad_settings():
@@ -220,6 +250,8 @@ def test_bad_settings():
         RouterArgs(cache_threshold=2)
     with pytest.raises(ConfigError):
         RouterArgs(max_concurrent_requests=0)
+    with pytest.raises(ConfigError):
+        RouterArgs(worker_first_byte_timeout_secs=0)
     assert check_worker_url("http://127.0.0.1:8000/") == "http://127.0.0.1:8000"
 
 

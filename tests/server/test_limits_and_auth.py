@@ -179,6 +179,36 @@ def test_without_an_admin_key_only_loopback_may_abort():
         assert e.value.status == 403
 
 
+@pytest.mark.parametrize("headers, allowed", [
+    ({}, True),                                                           # curl, SDKs: no browser headers
+    ({"origin": "http://127.0.0.1:30000"}, True),                         # the server's own page
+    ({"sec-fetch-site": "same-origin", "origin": "http://127.0.0.1:30000"}, True),
+    ({"sec-fetch-site": "none"}, True),                                   # typed into the address bar
+    ({"origin": "https://evil.example"}, False),                          # a form or fetch on another site
+    ({"origin": "null"}, False),                                          # a sandboxed frame or a file
+    ({"origin": "http://127.0.0.1:8080"}, False),                         # another local port is another origin
+    ({"sec-fetch-site": "cross-site"}, False),
+    ({"sec-fetch-site": "same-site"}, False),
+], ids=["no-browser", "own-page", "own-page-fetch-meta", "address-bar", "other-site", "null-origin",
+        "other-port", "cross-site", "same-site"])
+def test_without_an_admin_key_no_other_site_may_abort_through_a_local_browser(headers, allowed):
+    from starlette.requests import Request
+
+    from kvstrata.server.auth import require_admin
+    from kvstrata.server.protocol import ApiError
+
+    raw = [(b"host", b"127.0.0.1:30000")] + [(k.encode(), v.encode()) for k, v in headers.items()]
+    request = Request({"type": "http", "method": "POST", "path": "/abort_request", "headers": raw,
+                       "client": ("127.0.0.1", 5000)})
+    if allowed:
+        require_admin(request, None)
+    else:
+        with pytest.raises(ApiError) as e:
+            require_admin(request, None)
+        assert e.value.status == 403 and "another site" in e.value.message
+    require_admin(Request({**request.scope, "headers": raw + [(b"authorization", b"Bearer k")]}), "k")
+
+
 def test_stale_ipc_dirs_are_removed_at_start(admin_server):
     assert not os.path.exists(admin_server.planted_stale_dir)
     live = glob.glob(os.path.join(tempfile.gettempdir(), f"{IPC_PREFIX}{admin_server.proc.pid}-*"))

@@ -159,10 +159,15 @@ def test_p2p_handshake_cluster_round_trip(mooncake_env, tmp_path):
             assert b.batch_get(["p2p-key"], out) == 1 and torch.equal(out[0], data[0])
 
 
+def quick_retry_backend(cluster):
+    """A backend of `cluster` that probes a failed cluster again after 0.2-1 s (tests that kill a service)."""
+    return create_backend("mooncake", PAGE_BYTES, {**cluster.client_config(), "retry_backoff_s": 0.2,
+                                                   "retry_backoff_max_s": 1.0})
+
+
 def test_master_killed_then_restarted(own_mooncake_cluster):
     cluster = own_mooncake_cluster
-    b = create_backend("mooncake", PAGE_BYTES, {**cluster.client_config(), "retry_backoff_s": 0.2,
-                                                 "retry_backoff_max_s": 1.0})
+    b = quick_retry_backend(cluster)
     try:
         pool = random_pages(8, seed=5)
         b.register_buffer(pool)
@@ -281,8 +286,7 @@ def test_staged_pages_carry_checksums_too(backend):
 
 def test_availability_follows_errors_when_the_store_service_dies(own_mooncake_cluster):
     cluster = own_mooncake_cluster
-    b = create_backend("mooncake", PAGE_BYTES, {**cluster.client_config(), "retry_backoff_s": 0.2,
-                                                 "retry_backoff_max_s": 1.0})
+    b = quick_retry_backend(cluster)
     try:
         pool = random_pages(8, seed=7)
         b.register_buffer(pool)
