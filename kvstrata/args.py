@@ -11,30 +11,23 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import os
 import random
-import types
-import typing
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from kvstrata.cache.config import CacheConfig
 from kvstrata.cache.eviction import EVICTION_POLICIES as EVICTION_KEYS
 from kvstrata.cache.write_policy import WRITE_POLICIES
+from kvstrata.config_cli import (  # re-exported: the rest of kvstrata imports them from here
+    ConfigError,
+    add_dataclass_cli_args,
+    check_choices,
+    cli_option,
+    dataclass_from_cli_args,
+    flag_name,
+)
 from kvstrata.net import is_ip_literal, is_loopback
-from kvstrata.platform import cpu_has_fast_bf16
-
-
-class ConfigError(ValueError):
-    """An invalid setting or combination of settings, raised at start-up."""
-
-
-def cli_option(help: str, choices: Optional[list] = None, cli: bool = True, aliases: tuple[str, ...] = (),
-               no_effect: Optional[str] = None) -> dict:
-    """Field metadata read by `add_dataclass_cli_args`: help text, allowed values, extra flag names, and
-    why a flag has no effect here (if so)."""
-    return {"help": help, "choices": choices, "cli": cli, "aliases": aliases, "no_effect": no_effect}
-
+from kvstrata.platform import cpu_has_fast_bf16, env
 
 _opt = cli_option
 
@@ -475,7 +468,7 @@ class ServerArgs:
         for f in dataclasses.fields(self):
             value, why = f.metadata.get("only", (getattr(self, f.name), ""))
             if getattr(self, f.name) != value:
-                raise ConfigError(f"--{_flag(f.name)} {_shown(getattr(self, f.name))} cannot be honoured: {why}")
+                raise ConfigError(f"--{flag_name(f.name)} {_shown(getattr(self, f.name))} cannot be honoured: {why}")
         if self.constrained_json_whitespace_pattern is not None:
             if self.constrained_json_disable_any_whitespace:
                 raise ConfigError("--constrained-json-whitespace-pattern contradicts "
@@ -508,7 +501,7 @@ class ServerArgs:
         for f in dataclasses.fields(self):
             why = f.metadata.get("no_effect")
             if why and getattr(self, f.name) != f.default:
-                notes.append(f"--{_flag(f.name)} has no effect on kvstrata: {why}")
+                notes.append(f"--{flag_name(f.name)} has no effect on kvstrata: {why}")
         return notes
 
     # ------------------------------------------------------------------ derived values
@@ -538,7 +531,7 @@ class ServerArgs:
             dtype=_DTYPE_ALIASES.get(self.dtype, self.dtype),
             random_seed=self.random_seed if self.random_seed is not None else random.randrange(1 << 30),
             max_running_requests=self.max_running_requests or 256,
-            disaggregation_secret=self.disaggregation_secret or env_flag(DISAGGREGATION_SECRET_ENV) or None,
+            disaggregation_secret=self.disaggregation_secret or env(DISAGGREGATION_SECRET_ENV) or None,
         )
         args._check_disaggregation_exposure()
         return args._resolve_device() if with_device else args
@@ -637,67 +630,8 @@ class ServerArgs:
         return f"http://{self.host}:{self.port}"
 
 
-def env_flag(name: str, default: str = "") -> str:
-    """Read a KVSTRATA_* environment variable (the one place env vars are read)."""
-    return os.environ.get(name, default)
-
-
-def add_dataclass_cli_args(parser: argparse.ArgumentParser, cls: type, groups: Optional[dict[str, str]] = None,
-                           argparse_choices: bool = True) -> None:
-    """Add one `--flag-name` per field of the config dataclass `cls` (metadata from `_opt`).
-
-    bool fields get `--flag/--no-flag`; tuple fields take any number of values; `aliases` in a field's
-    metadata adds more flag names for the same field. `groups` maps the first field of each section to its
-    `--help` heading (fields follow in declaration order). With `argparse_choices=False` a value outside a
-    field's choices is left to `check_choices` (a ConfigError naming the flag, not argparse's exit).
-    """
-    target: Any = parser
-    for f in dataclasses.fields(cls):
-        if groups and f.name in groups:
-            target = parser.add_argument_group(groups[f.name])
-        if not f.metadata.get("cli", True):
-            continue
-        flags = ["--" + _flag(f.name), *f.metadata.get("aliases", ())]
-        kind = _base_type(f.type)
-        kwargs: dict[str, Any] = {"dest": f.name, "help": f.metadata.get("help"), "default": f.default}
-        if kind is bool:
-            target.add_argument(*flags, action=argparse.BooleanOptionalAction, **kwargs)
-            continue
-        choices = f.metadata.get("choices")
-        if choices and argparse_choices:
-            kwargs["choices"] = choices
-        elif choices:
-            kwargs["metavar"] = "{" + ",".join(map(str, choices)) + "}"
-        if typing.get_origin(kind) is tuple:
-            kind, kwargs["nargs"] = typing.get_args(kind)[0], "*"
-        target.add_argument(*flags, type=kind, **kwargs)
-
-
-def dataclass_from_cli_args(cls: type, ns: argparse.Namespace) -> Any:
-    """Build the config dataclass `cls` from parsed CLI arguments (unknown attributes are ignored)."""
-    fields = {f.name: f for f in dataclasses.fields(cls)}
-    values = {k: v for k, v in vars(ns).items() if k in fields}
-    for name, value in values.items():
-        if isinstance(value, list):
-            values[name] = tuple(value)
-    return cls(**values)
-
-
-def check_choices(config: Any) -> None:
-    """Raise ConfigError for a field whose value is not one of its metadata `choices`."""
-    for f in dataclasses.fields(config):
-        choices = f.metadata.get("choices")
-        value = getattr(config, f.name)
-        if choices and value is not None and value not in choices:
-            raise ConfigError(f"--{_flag(f.name)} must be one of {choices}, got {value!r}")
-
-
 def _shown(value: Any) -> str:
     return " ".join(map(str, value)) if isinstance(value, tuple) else str(value)
-
-
-def _flag(name: str) -> str:
-    return name.replace("_", "-")
 
 
 def _check_regex(flag: str, pattern: str) -> None:
@@ -713,14 +647,6 @@ def _positive(args: ServerArgs, *names: str) -> None:
     for name in names:
         value = getattr(args, name)
         if value is not None and value <= 0:
-            raise ConfigError(f"--{_flag(name)} must be positive, got {value}")
+            raise ConfigError(f"--{flag_name(name)} must be positive, got {value}")
 
 
-def _base_type(tp: Any) -> type:
-    """int for 'Optional[int]' etc.; annotations are strings under `from __future__ import annotations`."""
-    if isinstance(tp, str):
-        tp = eval(tp, {"Optional": Optional, **vars(typing)})  # our own annotations only
-    if typing.get_origin(tp) in (typing.Union, types.UnionType):
-        args = [a for a in typing.get_args(tp) if a is not type(None)]
-        tp = args[0]
-    return tp

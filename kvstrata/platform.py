@@ -1,6 +1,7 @@
-"""What this machine's CPU offers: feature probes read once from /proc/cpuinfo.
+"""What this machine offers: the CPU's feature probes (read once from /proc/cpuinfo), the environment
+variables kvstrata reads (`env`: the one place they are read) and its cache directory.
 
-These are the probes the runtime chooses its paths with (the dtype, the compiled kernels' variants, oneDNN's
+The CPU probes are the probes the runtime chooses its paths with (the dtype, the compiled kernels' variants, oneDNN's
 prepacked weights), and the ones the test suite's capability markers read (tests/capabilities.py), so a test
 is skipped exactly where the server would not take the path it checks. No torch here: the HTTP process
 imports this module through `args`.
@@ -9,12 +10,25 @@ imports this module through `args`.
 from __future__ import annotations
 
 import functools
+import os
 import platform
 from pathlib import Path
 
 # oneDNN reorders a bf16 weight into its blocked layout only where it has bf16 conversions: AVX-512 BW/VL/DQ
 # or AVX-NE-CONVERT (its error otherwise: "bf16 path needs the cpu support avx_ne_convert or avx512bw, ...").
 _ONEDNN_BF16_REORDER_ISAS = ({"avx512bw", "avx512vl", "avx512dq"}, {"avx_ne_convert"})
+
+
+def env(name: str, default: str = "") -> str:
+    """An environment variable's value (`default` when unset): the one place kvstrata reads its settings
+    from the environment (KVSTRATA_*, CXX, XDG_CACHE_HOME, ...)."""
+    return os.environ.get(name, default)
+
+
+def cache_dir() -> Path:
+    """kvstrata's cache directory: $KVSTRATA_CACHE_DIR, else ~/.cache/kvstrata (built-in models, kernels,
+    role-group state)."""
+    return Path(env("KVSTRATA_CACHE_DIR") or Path.home() / ".cache" / "kvstrata")
 
 
 @functools.lru_cache(maxsize=1)

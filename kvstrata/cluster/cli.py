@@ -14,10 +14,10 @@ from typing import Any, Optional
 import psutil
 import yaml
 
-from kvstrata.args import env_flag
 from kvstrata.cluster import control
 from kvstrata.cluster.control import ControlRequest
 from kvstrata.cluster.spec import DEFAULT_SPEC_YAML, GroupSpec, SpecError, load_spec
+from kvstrata.platform import cache_dir
 from kvstrata.storage.mooncake_services import stop_group
 
 
@@ -25,8 +25,7 @@ def run_dir_for(spec: GroupSpec, override: Optional[str] = None) -> Path:
     """Where `up` keeps the state, socket and logs of a group: one directory per spec name."""
     if override:
         return Path(override)
-    base = env_flag("KVSTRATA_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "kvstrata")
-    return Path(base) / "cluster" / spec.name
+    return cache_dir() / "cluster" / spec.name
 
 
 def build_parser() -> argparse.ArgumentParser:

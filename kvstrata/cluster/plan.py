@@ -21,8 +21,9 @@ import secrets
 from dataclasses import dataclass, field
 from typing import Optional, Protocol
 
-from kvstrata.args import DISAGGREGATION_SECRET_ENV, ServerArgs, env_flag
+from kvstrata.args import DISAGGREGATION_SECRET_ENV, ServerArgs
 from kvstrata.cluster.spec import SERVER_KINDS, GroupSpec, RoleSpec, to_flags
+from kvstrata.platform import env
 from kvstrata.server.launch import SNAPSHOT_STOP_TIMEOUT_S, STOP_TIMEOUT_S
 from kvstrata.storage.mooncake_config import parse_size
 
@@ -43,7 +44,7 @@ STOP_MARGIN_S = 15.0            # beyond a server's drain and scheduler stop (se
 
 def new_pd_secret() -> str:
     """The group's PD secret: $KVSTRATA_DISAGGREGATION_SECRET when set (so a re-render keeps it), else random."""
-    return env_flag(DISAGGREGATION_SECRET_ENV) or secrets.token_urlsafe(32)
+    return env(DISAGGREGATION_SECRET_ENV) or secrets.token_urlsafe(32)
 
 
 @dataclass(frozen=True)

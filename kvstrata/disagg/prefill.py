@@ -19,7 +19,6 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Optional
 
-from kvstrata.args import env_flag
 from kvstrata.disagg.channel import BootstrapChannel
 from kvstrata.disagg.common import HandoffStats, check_disagg_request, endpoint_state, prompt_digest
 from kvstrata.disagg.messages import KVTransferAbort, KVTransferDone, KVTransferFailed, KVTransferRequest
@@ -30,6 +29,7 @@ from kvstrata.disagg.transfer import (
     plan_writes,
     slots_list,
 )
+from kvstrata.platform import env
 from kvstrata.runtime.messages import BootstrapInfo, ReqOutput
 from kvstrata.runtime.req import Req, ReqState
 
@@ -68,7 +68,7 @@ class PrefillHandoff:
         self.rooms: dict[int, _Room] = {}
         self.by_rid: dict[str, _Room] = {}
         self.writer = ThreadPoolExecutor(1, thread_name_prefix="kv-transfer")
-        self.delay_s = float(env_flag(FAULT_DELAY_ENV, "0") or 0)
+        self.delay_s = float(env(FAULT_DELAY_ENV, "0") or 0)
         self.stats = HandoffStats(self.mode)
 
     # ------------------------------------------------------------------ scheduler hooks

@@ -11,9 +11,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from kvstrata.args import env_flag
 from kvstrata.model.builtin_tokenizer import TokenizerSpec, build_tokenizer
 from kvstrata.model.chat_templates import CHATML_TEMPLATE, LLAMA3_TEMPLATE
+from kvstrata.platform import cache_dir
 
 if TYPE_CHECKING:
     import torch
@@ -91,7 +91,7 @@ BUILTIN_SPECS = {"tiny": _TINY, "bench": _BENCH}
 
 def default_cache_dir() -> str:
     """$KVSTRATA_CACHE_DIR, else ~/.cache/kvstrata."""
-    return env_flag("KVSTRATA_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "kvstrata")
+    return str(cache_dir())
 
 
 def resolve_model_path(name_or_path: str, cache_dir: str | None = None) -> str:

@@ -21,7 +21,7 @@ from typing import NamedTuple, Optional
 
 import torch
 
-from kvstrata.platform import cpu_flags_line
+from kvstrata.platform import cache_dir, cpu_flags_line, env
 
 logger = logging.getLogger(__name__)
 
@@ -37,12 +37,11 @@ def _build_dir() -> Path:
     parts = [*(src.read_bytes() for src in SOURCES + HEADERS), torch.__version__.encode(), cpu_flags_line().encode(),
              " ".join(CFLAGS).encode()]
     key = hashlib.sha256(b"\0".join(parts)).hexdigest()
-    root = Path(os.environ.get("KVSTRATA_CACHE_DIR") or Path.home() / ".cache" / "kvstrata")
-    return root / "kernels" / key[:16]
+    return cache_dir() / "kernels" / key[:16]
 
 
 def _load() -> bool:
-    if shutil.which(os.environ.get("CXX", "c++")) is None:
+    if shutil.which(env("CXX", "c++")) is None:
         logger.warning("no C++ compiler: CPU attention uses the plain-torch path (K/V gather)")
         return False
     final = _build_dir()

@@ -10,7 +10,7 @@ import os
 import shutil
 from pathlib import Path
 
-from kvstrata.args import env_flag
+from kvstrata.platform import env
 
 # Without `capacity_gb`/`capacity_bytes`: this share of what the directory could hold at start (the free
 # space of its filesystem plus the pages already in it), so a server never fills its disk by default.
@@ -19,10 +19,10 @@ DEFAULT_FREE_FRACTION = 0.5
 
 def default_storage_dir() -> Path:
     """$KVSTRATA_STORAGE_DIR, else <user cache dir>/kvstrata/kv."""
-    explicit = env_flag("KVSTRATA_STORAGE_DIR")
+    explicit = env("KVSTRATA_STORAGE_DIR")
     if explicit:
         return Path(explicit).expanduser()
-    cache_home = env_flag("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    cache_home = env("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
     return Path(cache_home) / "kvstrata" / "kv"
 
 
