@@ -22,6 +22,7 @@ from collections.abc import AsyncIterator, Callable, Iterator
 from typing import Any, Optional, Union
 
 from kvstrata.args import ServerArgs
+from kvstrata.disagg import handoff_for
 from kvstrata.runtime.loop import SchedulerLoop
 from kvstrata.runtime.messages import (
     AbortReq,
@@ -215,7 +216,8 @@ class Engine:
         # cores, libgomp cuts its workers' spin-wait to ~100 spins, so every parallel region wakes them from
         # sleep: a decode step took 16-17 ms here instead of 7-8 (docs/benchmarks.md).
         try:
-            self.scheduler = Scheduler(self.server_args)
+            self.scheduler = Scheduler(self.server_args,
+                                       handoff_factory=handoff_for(self.server_args.disaggregation_mode))
             self._loop = SchedulerLoop(self.scheduler, self._recv, self._dispatch)
         except BaseException as e:  # raised to the constructor's caller
             self._error = e

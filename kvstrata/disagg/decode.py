@@ -28,6 +28,7 @@ from kvstrata.disagg.transfer import (
     attach_pool,
     slots_list,
 )
+from kvstrata.runtime.handoff import HandoffHost
 from kvstrata.runtime.messages import BootstrapInfo, ReqOutput
 from kvstrata.runtime.req import Req, ReqState
 
@@ -50,7 +51,7 @@ class DecodeHandoff:
 
     mode = "decode"
 
-    def __init__(self, scheduler, transfer: Optional[TransferBackend] = None):
+    def __init__(self, scheduler: HandoffHost, transfer: Optional[TransferBackend] = None):
         args = scheduler.args
         self.sched = scheduler
         self.timeout_s = args.disaggregation_bootstrap_timeout

@@ -30,6 +30,7 @@ from kvstrata.disagg.transfer import (
     slots_list,
 )
 from kvstrata.platform import env
+from kvstrata.runtime.handoff import HandoffHost
 from kvstrata.runtime.messages import BootstrapInfo, ReqOutput
 from kvstrata.runtime.req import Req, ReqState
 
@@ -58,7 +59,7 @@ class PrefillHandoff:
 
     mode = "prefill"
 
-    def __init__(self, scheduler, transfer: Optional[TransferBackend] = None):
+    def __init__(self, scheduler: HandoffHost, transfer: Optional[TransferBackend] = None):
         args = scheduler.args
         self.sched = scheduler
         self.timeout_s = args.disaggregation_bootstrap_timeout
@@ -86,8 +87,7 @@ class PrefillHandoff:
         room.req = req
         self.rooms[info.room] = room
         self.by_rid[req.rid] = room
-        self.sched.waiting.append(req)
-        self.sched.cache.start_prefetch(req)
+        self.sched.queue(req)
         return None
 
     def hold(self, req: Req) -> bool:
@@ -95,8 +95,7 @@ class PrefillHandoff:
         room = self.by_rid.get(req.rid)
         if room is None:
             return False
-        self.sched.running.remove(req)
-        self.sched.cache.commit(req)       # its prompt is shareable at once, as after any prefill
+        self.sched.park(req)               # its prompt is shareable at once, as after any prefill
         room.prefilled = True
         return True
 

@@ -19,7 +19,7 @@ import torch
 from kvstrata.args import ServerArgs
 from kvstrata.cache.build import build_kv_cache
 from kvstrata.runtime.batch import BatchEntry, ScheduledBatch, StepResult
-from kvstrata.runtime.disagg_hooks import add_bootstrapped, create_handoff
+from kvstrata.runtime.handoff import Handoff, HandoffFactory
 from kvstrata.runtime.messages import ControlOut, ReqOutput, TokenizedGenerateReq
 from kvstrata.runtime.model_runner import ModelRunner
 from kvstrata.runtime.req import Req, ReqState, finish_abort
@@ -38,7 +38,10 @@ INIT_NEW_TOKEN_RATIO, MIN_NEW_TOKEN_RATIO, NEW_TOKEN_RATIO_DECAY = 0.7, 0.1, 0.0
 class Scheduler:
     """Owns requests, the cache facade and the runner; `step()` advances everything by one forward."""
 
-    def __init__(self, args: ServerArgs, runner: Optional[ModelRunner] = None):
+    def __init__(self, args: ServerArgs, runner: Optional[ModelRunner] = None,
+                 handoff_factory: Optional[HandoffFactory] = None):
+        """`handoff_factory`: the PD handoff of --disaggregation-mode prefill/decode (kvstrata.disagg.handoff_for);
+        required in those modes, unused otherwise."""
         self.args = args
         self.runner = runner or ModelRunner(args)
         self.page_size = args.page_size
@@ -54,7 +57,12 @@ class Scheduler:
         self.engine_meter = UtilizationMeter()   # share of wall clock spent in forwards
         self._grammar = None
         self.grammar_backend()   # built now: its vocabulary scan would otherwise stall the first request
-        self.handoff = create_handoff(self)   # PD disaggregation (None when co-located)
+        self.handoff: Optional[Handoff] = None   # PD disaggregation (None when co-located)
+        if args.disaggregation_mode != "null":
+            if handoff_factory is None:
+                raise ValueError(f"--disaggregation-mode {args.disaggregation_mode} needs a handoff "
+                                 "(kvstrata.disagg.handoff_for)")
+            self.handoff = handoff_factory(self)
 
     # ------------------------------------------------------------------ inputs
     def add_request(self, msg: TokenizedGenerateReq) -> Optional[ReqOutput]:
@@ -73,7 +81,10 @@ class Scheduler:
             # Its own generator, seeded at arrival: its draws never depend on what else is in the batch.
             req.generator = torch.Generator().manual_seed(self.runner.sampler.next_seed())
         if msg.bootstrap is not None:
-            return add_bootstrapped(self, req, msg.bootstrap)
+            if self.handoff is None:
+                return self.error_for(req, "bootstrap_room was given but this server runs with "
+                                      "--disaggregation-mode null")
+            return self.handoff.add(req, msg.bootstrap)
         if self.args.max_queued_requests is not None and len(self.waiting) >= self.args.max_queued_requests:
             return error_output(msg.rid, len(msg.input_ids), QUEUE_FULL_MESSAGE, status=503)
         if s.constraint is not None:
@@ -116,7 +127,7 @@ class Scheduler:
                 req.finish_reason = finish_abort("aborted by client")
                 req.state = ReqState.FINISHED
                 self.metrics["aborted_requests"] += 1
-                outs.append(self._output(req))
+                outs.append(self.output_for(req))
         return outs
 
     def flush_cache(self) -> ControlOut:
@@ -163,14 +174,14 @@ class Scheduler:
         outputs = []
         for req in reqs:
             if req.state == ReqState.FINISHED:     # finished (and released) by _process before the failure
-                outputs.append(self._output(req))
+                outputs.append(self.output_for(req))
                 continue
             if req in self.running:
                 self.running.remove(req)
             self.cache.release(req, cache=False)   # what this step wrote may be garbage: never cache it
             req.finish_reason = finish_abort(message)
             req.state = ReqState.FINISHED
-            out = self._output(req)
+            out = self.output_for(req)
             out.error, out.error_status = message, 500
             outputs.append(out)
         return outputs
@@ -249,7 +260,7 @@ class Scheduler:
         req = self.waiting[0]
         if req.output_ids or req.retractions or req.grammar_future is not None or not self.cache.prefetch_settled(req):
             return
-        headroom = self._decode_headroom_pages() + self._future_pages(req)
+        headroom = self.decode_headroom_pages() + self._future_pages(req)
         if self.cache.available_pages() >= -(-req.fill_len // self.page_size) + headroom:
             return                  # fits even with nothing cached: no tree walk on the common path
         plan = self.cache.plan_admit(req, budget)
@@ -290,7 +301,7 @@ class Scheduler:
         if not self.waiting:
             return
         threshold = self.args.prefill_admit_threshold
-        reserved_decode = self._decode_headroom_pages()
+        reserved_decode = self.decode_headroom_pages()
         started: list[list[int]] = []
         for req in list(self.waiting):
             if budget <= 0 or len(self.running) >= self.args.max_running_requests or 0 < threshold <= filled:
@@ -309,13 +320,10 @@ class Scheduler:
             n = plan.new_tokens
             if req.admitted_at_step < 0:
                 req.cached_tokens = req.kv_len
-                self.metrics["prompt_tokens"] += len(req.prompt_ids)
-                self.metrics["cached_tokens"] += req.kv_len
-            req.admitted_at_step = self.step_count
+                self._count_admission(req)
             req.paused_for = None
             self.waiting.remove(req)
-            self.running.append(req)
-            req.state = ReqState.RUNNING
+            self._start_running(req)
             entries.append(self._prefill_entry(req, n))
             reserved_decode += self._future_pages(req)
             started.append(req.fill_ids[: SHARED_PREFIX_TOKENS])
@@ -344,7 +352,8 @@ class Scheduler:
             return False
         return any(h == head for h in started)
 
-    def _decode_headroom_pages(self) -> int:
+    def decode_headroom_pages(self) -> int:
+        """Pages the running requests are expected to need for their remaining tokens."""
         tokens = sum(r.remaining_new_tokens() for r in self.running)
         return int(tokens * self.new_token_ratio) // self.page_size + len(self.running)
 
@@ -382,9 +391,9 @@ class Scheduler:
                 if self.handoff is not None and self.handoff.hold(req):
                     continue                     # a prefill's KV goes to its decode server first
                 self._finish(req)
-                outputs.append(self._output(req))
+                outputs.append(self.output_for(req))
             elif req.stream and self._stream_due(req):
-                outputs.append(self._output(req))
+                outputs.append(self.output_for(req))
         return outputs
 
     def _stream_due(self, req: Req) -> bool:
@@ -423,13 +432,64 @@ class Scheduler:
         else:
             req.input_top_logprobs.extend([] for _ in range(len(chosen)))
 
+    def _count_admission(self, req: Req) -> None:
+        """Count a request's prompt and cached tokens, once (a retracted request is not counted again)."""
+        self.metrics["prompt_tokens"] += len(req.prompt_ids)
+        self.metrics["cached_tokens"] += req.cached_tokens
+
+    def _start_running(self, req: Req) -> None:
+        req.admitted_at_step = self.step_count
+        req.state = ReqState.RUNNING
+        self.running.append(req)
+
     def _finish(self, req: Req) -> None:
+        """Free req's KV (its prefix stays cached) and count it finished; it may be running or parked."""
         self.cache.release(req, cache=True)
-        self.running.remove(req)
+        if req in self.running:
+            self.running.remove(req)
         req.state = ReqState.FINISHED
         self.metrics["finished_requests"] += 1
 
-    def _output(self, req: Req) -> ReqOutput:
+    # ------------------------------------------------------------------ HandoffHost (runtime/handoff.py)
+    def queue(self, req: Req) -> None:
+        """Queue req for prefill (a bootstrapped prefill request), its L3 prefetch started."""
+        self.waiting.append(req)
+        self.cache.start_prefetch(req)
+
+    def park(self, req: Req) -> None:
+        """Take a prefilled req out of the running list; its KV stays, its prompt is shared at once."""
+        self.running.remove(req)
+        self.cache.commit(req)
+
+    def start_decoding(self, req: Req, token: int, logprob: Optional[float], top: list) -> list[ReqOutput]:
+        """req's prompt KV arrived in its slots: give it its first token and let it decode (or finish)."""
+        self._count_admission(req)
+        self._start_running(req)
+        self.accept_token(req, token, logprob if req.return_logprob else None, top)
+        if req.finished:
+            self._finish(req)
+            return [self.output_for(req)]
+        self.cache.commit(req)            # its prompt is shareable at once, as after a local prefill
+        return [self.output_for(req)] if req.stream else []
+
+    def finish_held(self, req: Req) -> ReqOutput:
+        """A parked prefill request is done (its KV was sent): free it, return its final output."""
+        self._finish(req)
+        return self.output_for(req)
+
+    def drop_queued(self, req: Req) -> None:
+        """Take req out of the waiting queue or running list and free what it holds (idempotent)."""
+        for queue in (self.waiting, self.running):
+            if req in queue:
+                queue.remove(req)
+        self.cache.release(req, cache=True)
+
+    def error_for(self, req: Req, message: str, status: int = 400) -> ReqOutput:
+        """A final error output for req."""
+        return error_output(req.rid, len(req.prompt_ids), message, status)
+
+    def output_for(self, req: Req) -> ReqOutput:
+        """req's output since its last one (new tokens, logprobs; the prompt's logprobs once)."""
         start = req.sent_tokens
         out = ReqOutput(
             rid=req.rid, new_token_ids=req.output_ids[start:], finished=req.finished,

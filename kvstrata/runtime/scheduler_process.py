@@ -19,6 +19,7 @@ import zmq
 
 from kvstrata.args import ConfigError, ServerArgs
 from kvstrata.model.light_tokenizer import fingerprint
+from kvstrata.runtime.handoff import HandoffFactory
 from kvstrata.runtime.heartbeat import Heartbeat
 from kvstrata.runtime.loop import SchedulerLoop
 from kvstrata.runtime.messages import SchedulerReady
@@ -30,9 +31,10 @@ logger = logging.getLogger(__name__)
 
 
 def run_scheduler_process(server_args: ServerArgs, recv_addr: str, send_addr: str, ready_conn,
-                          heartbeat: Optional[Heartbeat] = None) -> None:
+                          heartbeat: Optional[Heartbeat] = None,
+                          handoff_factory: Optional[HandoffFactory] = None) -> None:
     """Process entry point: load the model, report readiness, serve until the frontend goes away; beats
-    `heartbeat` once per loop iteration."""
+    `heartbeat` once per loop iteration. `handoff_factory`: the PD handoff of the server's mode, if any."""
     logging.basicConfig(level=server_args.log_level.upper(),
                         format="[%(asctime)s scheduler] %(levelname)s %(name)s: %(message)s")
     signal.signal(signal.SIGINT, signal.SIG_IGN)   # the frontend decides when we stop (SIGTERM)
@@ -46,7 +48,7 @@ def run_scheduler_process(server_args: ServerArgs, recv_addr: str, send_addr: st
     try:
         from kvstrata.runtime.scheduler import Scheduler
 
-        scheduler = Scheduler(server_args)
+        scheduler = Scheduler(server_args, handoff_factory=handoff_factory)
         pull = ctx.socket(zmq.PULL)
         pull.bind(recv_addr)
         push = ctx.socket(zmq.PUSH)

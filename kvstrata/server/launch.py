@@ -230,9 +230,10 @@ def _scheduler_main(args: ServerArgs, recv_addr: str, send_addr: str, ready_conn
     """Entry point of the spawned process: die with the parent, then run the scheduler."""
     _die_with_parent(parent_pid)
     signal.signal(signal.SIGINT, signal.SIG_IGN)   # Ctrl-C reaches the whole group; the parent decides
+    from kvstrata.disagg import handoff_for
     from kvstrata.runtime.scheduler_process import run_scheduler_process
 
-    run_scheduler_process(args, recv_addr, send_addr, ready_conn, heartbeat)
+    run_scheduler_process(args, recv_addr, send_addr, ready_conn, heartbeat, handoff_for(args.disaggregation_mode))
     exit_now(0)
 
 

@@ -7,46 +7,16 @@ import cannot hide an upward dependency; imports under `if TYPE_CHECKING:` count
 
 from __future__ import annotations
 
-import ast
 import os
 import subprocess
 import sys
 from pathlib import Path
 
 import kvstrata.cache
+from tests.import_graph import imports_of
 
 CACHE_DIR = Path(kvstrata.cache.__file__).parent
 FORBIDDEN = ("kvstrata.runtime", "kvstrata.args", "kvstrata.server", "kvstrata.disagg")
-
-
-def _imports(path: Path) -> list[tuple[str, bool]]:
-    """(module, type_only) for every import in `path`; `from a import b` counts as a.b when that is a module."""
-    tree = ast.parse(path.read_text())
-    type_only_nodes = {id(n) for stmt in ast.walk(tree) if isinstance(stmt, ast.If) and _is_type_checking(stmt.test)
-                       for body in stmt.body for n in ast.walk(body)}
-    out = []
-    for node in ast.walk(tree):
-        if isinstance(node, ast.Import):
-            out += [(alias.name, id(node) in type_only_nodes) for alias in node.names]
-        elif isinstance(node, ast.ImportFrom) and node.module:
-            for alias in node.names:
-                name = f"{node.module}.{alias.name}"
-                target = name if _is_module(name) else node.module
-                out.append((target, id(node) in type_only_nodes))
-    return out
-
-
-def _is_type_checking(test: ast.expr) -> bool:
-    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or \
-        (isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
-
-
-def _is_module(name: str) -> bool:
-    if not name.startswith("kvstrata."):
-        return False
-    rel = Path(*name.split(".")[1:])
-    root = CACHE_DIR.parent
-    return (root / rel).with_suffix(".py").exists() or (root / rel / "__init__.py").exists()
 
 
 def _cache_modules() -> dict[str, Path]:
@@ -55,13 +25,13 @@ def _cache_modules() -> dict[str, Path]:
 
 def test_cache_imports_neither_runtime_nor_args():
     bad = [f"{mod} imports {target}" for mod, path in _cache_modules().items()
-           for target, _ in _imports(path) if target.startswith(FORBIDDEN)]
+           for target, _ in imports_of(path) if target.startswith(FORBIDDEN)]
     assert not bad, bad
 
 
 def test_cache_modules_form_no_import_cycle():
     modules = _cache_modules()
-    graph = {mod: {t for t, type_only in _imports(path) if not type_only and t in modules}
+    graph = {mod: {t for t, type_only in imports_of(path) if not type_only and t in modules}
              for mod, path in modules.items()}
     state: dict[str, int] = {}      # 1: on the current path, 2: done
 

@@ -120,9 +120,9 @@ def test_the_scheduler_is_built_on_the_engine_thread(monkeypatch, sequential):
     built_on = []
     real = engine_module.Scheduler
 
-    def recording(args):
+    def recording(args, **kwargs):
         built_on.append(threading.current_thread())
-        return real(args)
+        return real(args, **kwargs)
 
     monkeypatch.setattr(engine_module, "Scheduler", recording)
     eng = make_engine(disable_radix_cache=True)
@@ -135,7 +135,7 @@ def test_the_scheduler_is_built_on_the_engine_thread(monkeypatch, sequential):
 
 
 def test_a_scheduler_that_cannot_be_built_raises_to_the_caller(monkeypatch):
-    def broken(args):
+    def broken(args, **kwargs):
         raise RuntimeError("no weights here")
 
     monkeypatch.setattr(engine_module, "Scheduler", broken)
