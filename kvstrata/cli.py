@@ -11,7 +11,7 @@ commands:
   router        route requests across workers (same flags as python -m kvstrata.router; --help lists them)
   bench NAME    run a benchmark: engine (prefill/decode speed vs transformers), multiturn (multi-turn
                 cache benchmark against a server), compare (L1 vs L1+L2 vs L1+L2+L3), grammar
-                (structured-output overhead), pd (prefill/decode disaggregation vs co-located),
+                (structured-output overhead), grammar-steps (the mask fill and apply per step), pd (prefill/decode disaggregation vs co-located),
                 upgrade (in-place upgrade of a local role group under load), restart (a server restart
                 with and without the L2 snapshot), dashboard, router; `kvstrata bench NAME --help`
   cluster CMD   role-based deployment: spec, render (Kubernetes RoleBasedGroup), up, status, down, logs,

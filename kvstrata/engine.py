@@ -142,11 +142,16 @@ class Engine:
             self._inbox.put(msg)
             return self._control.get(timeout=60)
 
-    def shutdown(self) -> None:
-        """Stop the scheduler thread."""
+    def detach_scheduler(self):
+        """Stop the scheduler thread but keep its scheduler, returned for the caller's thread to drive (the
+        engine takes no more requests; the caller closes the scheduler)."""
         self._inbox.put(None)
         self._thread.join(timeout=30)
-        self.scheduler.close()
+        return self.scheduler
+
+    def shutdown(self) -> None:
+        """Stop the scheduler thread and close the scheduler."""
+        self.detach_scheduler().close()
 
     def __enter__(self) -> Engine:
         return self

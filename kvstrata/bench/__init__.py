@@ -8,6 +8,7 @@ import sys
 BENCHMARKS = {"engine": "kvstrata.bench.engine_bench", "multiturn": "kvstrata.bench.multiturn",
               "compare": "kvstrata.bench.compare"}
 BENCHMARKS["grammar"] = "kvstrata.bench.grammar_bench"
+BENCHMARKS["grammar-steps"] = "kvstrata.bench.grammar_overhead"   # the mask fill and apply per step, no server
 BENCHMARKS["router"] = "kvstrata.bench.router_bench"
 BENCHMARKS["upgrade"] = "kvstrata.bench.upgrade_bench"
 BENCHMARKS["pd"] = "kvstrata.bench.pd_bench"

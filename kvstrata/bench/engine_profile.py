@@ -296,8 +296,7 @@ def run_profile(args, make_engine: Callable, prompt_maker: Callable) -> dict[str
     overheads = {s.name: engine_step_overhead(engine, s.engine_prompts, s.engine_new_tokens) for s in todo}
     # Stop the engine's loop thread but keep its scheduler: it is driven from this thread from now on
     # (Engine.shutdown would also close the scheduler).
-    engine._inbox.put(None)
-    engine._thread.join(timeout=30)
+    engine.detach_scheduler()
     timer = _instrument(scheduler)
     results = {}
     try:

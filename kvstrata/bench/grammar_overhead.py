@@ -1,6 +1,6 @@
 """Per-step cost of grammar masks: fill the bitmask of a batch, then apply it to the logits.
 
-Usage: python -m kvstrata.bench.grammar_overhead [--batch-size 8] [--vocab-size 32000] [--steps 200]
+Usage: kvstrata bench grammar-steps [--batch-size 8] [--vocab-size 32000] [--steps 200]
 
 Trains a byte-level BPE tokenizer of the requested size on the Python standard library's sources
 (no download), compiles a JSON schema, a regex and an EBNF grammar, and decodes `--steps` steps of a
@@ -56,14 +56,14 @@ def _ms(seconds: list[float]) -> str:
             f"p99 {1e3 * p99:.3f} ms")
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> int:
     """Run the benchmark and print a small report."""
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="kvstrata bench grammar-steps", description=__doc__.splitlines()[0])
     parser.add_argument("--batch-size", type=int, default=8)
     parser.add_argument("--vocab-size", type=int, default=32000)
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
 
     start = time.perf_counter()
     tokenizer = train_tokenizer(args.vocab_size)
@@ -80,6 +80,7 @@ def main() -> None:
         _decode(backend, args)
     finally:
         backend.close()
+    return 0
 
 
 def _decode(backend, args: argparse.Namespace) -> None:

@@ -19,7 +19,7 @@ from __future__ import annotations
 import statistics
 import time
 
-from kvstrata.bench.engine_bench import make_engine, prompt_maker
+from kvstrata.bench.engines import make_engine, prompt_maker
 
 GREEDY1 = {"temperature": 0, "max_new_tokens": 1, "ignore_eos": True}
 SPARE_TOKENS = 32   # the device pool holds --context + 2 x --suffix + this many tokens

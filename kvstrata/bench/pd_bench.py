@@ -111,11 +111,11 @@ def summarize(streams: list[Stream]) -> dict:
         ttfts = sorted(s.ttft for s in ok if s.ttft is not None)
         gaps = sorted(g for s in ok for g in s.gaps)
         out[kind] = {"requests": len(ok), "mean_ttft": statistics.fmean(ttfts) if ttfts else float("nan"),
-                     "p90_ttft": _pct(ttfts, 0.9), "p50_itl": _pct(gaps, 0.5), "p99_itl": _pct(gaps, 0.99)}
+                     "p90_ttft": pct(ttfts, 0.9), "p50_itl": pct(gaps, 0.5), "p99_itl": pct(gaps, 0.99)}
     return out
 
 
-def _pct(xs: list[float], q: float) -> float:
+def pct(xs: list[float], q: float) -> float:
     return xs[min(len(xs) - 1, int(q * len(xs)))] if xs else float("nan")
 
 

@@ -6,11 +6,13 @@ import math
 from typing import Any, Optional
 
 
-def _pct(x: float) -> str:
+def pct(x: Optional[float]) -> str:
+    """A fraction as a percentage with one decimal ("n/a" for None or NaN)."""
     return "n/a" if x is None or math.isnan(x) else f"{100 * x:.1f}%"
 
 
-def _sec(x: float) -> str:
+def sec(x: Optional[float]) -> str:
+    """Seconds with three decimals ("n/a" for None or NaN)."""
     return "n/a" if x is None or math.isnan(x) else f"{x:.3f}"
 
 
@@ -32,7 +34,7 @@ def round_table(rounds: list[dict]) -> str:
     header = ["round", "requests", "failed", "prompt tokens", "hit rate", "ideal", "mean TTFT (s)",
               "P90 TTFT (s)"]
     rows = [[str(r["round"]), str(r["requests"]), str(r["failed"]), str(r["prompt_tokens"]),
-             _pct(r["cache_hit_rate"]), _pct(r["ideal_hit_rate"]), _sec(r["mean_ttft"]), _sec(r["p90_ttft"])]
+             pct(r["cache_hit_rate"]), pct(r["ideal_hit_rate"]), sec(r["mean_ttft"]), sec(r["p90_ttft"])]
             for r in rounds]
     return markdown_table(header, rows)
 
@@ -45,15 +47,15 @@ def format_run(result: dict) -> str:
         f"tokens, output {w['output_length']}, max parallel {w['max_parallel']}, rate {w['request_rate']} req/s, "
         f"barrier {'on' if w['enable_round_barrier'] else 'off'}; prompts: {w['source']}",
         f"Requests: {s['completed']} completed, {s['failed']} failed, {s['skipped']} skipped after a failure",
-        f"Cache hit rate: {_pct(s['cache_hit_rate'])}  (ideal {_pct(s['ideal_hit_rate'])}, "
-        f"hit rate / ideal {_pct(s['hit_rate_vs_ideal'])}; page size {w['page_size']})",
-        f"TTFT (s): mean {_sec(s['mean_ttft'])}  P50 {_sec(s['p50_ttft'])}  P90 {_sec(s['p90_ttft'])}  "
-        f"P99 {_sec(s['p99_ttft'])}",
-        f"Latency (s): mean {_sec(s['mean_latency'])}  P90 {_sec(s['p90_latency'])}",
+        f"Cache hit rate: {pct(s['cache_hit_rate'])}  (ideal {pct(s['ideal_hit_rate'])}, "
+        f"hit rate / ideal {pct(s['hit_rate_vs_ideal'])}; page size {w['page_size']})",
+        f"TTFT (s): mean {sec(s['mean_ttft'])}  P50 {sec(s['p50_ttft'])}  P90 {sec(s['p90_ttft'])}  "
+        f"P99 {sec(s['p99_ttft'])}",
+        f"Latency (s): mean {sec(s['mean_latency'])}  P90 {sec(s['p90_latency'])}",
         f"Throughput: input {s['input_throughput']:.1f} tok/s, output {s['output_throughput']:.1f} tok/s, "
         f"{s['request_throughput']:.2f} req/s over {s['duration_s']:.1f} s "
         f"(barrier pauses excluded: {s['barrier_pause_s']:.1f} s)",
-        f"Engine utilisation (share of wall clock in forward passes): {_pct(s.get('engine_utilization'))}",
+        f"Engine utilisation (share of wall clock in forward passes): {pct(s.get('engine_utilization'))}",
         "",
         round_table(result["rounds"]),
     ]
@@ -86,11 +88,11 @@ def compare_table(rows: list[dict]) -> str:
                         ""])
             continue
         b = None if s is base else base
-        out.append([row["name"], _pct(s["cache_hit_rate"]), _pct(s["hit_rate_vs_ideal"]),
-                    _sec(s["mean_ttft"]) + _change(s["mean_ttft"], b and b["mean_ttft"]),
-                    _sec(s["p90_ttft"]) + _change(s["p90_ttft"], b and b["p90_ttft"]),
+        out.append([row["name"], pct(s["cache_hit_rate"]), pct(s["hit_rate_vs_ideal"]),
+                    sec(s["mean_ttft"]) + _change(s["mean_ttft"], b and b["mean_ttft"]),
+                    sec(s["p90_ttft"]) + _change(s["p90_ttft"], b and b["p90_ttft"]),
                     f"{s['input_throughput']:,.1f}" + _change(s["input_throughput"], b and b["input_throughput"]),
-                    str(s["failed"]), _pct(s.get("engine_utilization"))])
+                    str(s["failed"]), pct(s.get("engine_utilization"))])
     return markdown_table(header, out)
 
 

@@ -205,13 +205,13 @@ def render(rows: list[dict], overhead: Optional[dict], command: str, machine: st
     """Markdown: one table per workload, the overhead lines, date, machine, command."""
     mt = report.markdown_table(
         ["policy", "hit rate", "mean TTFT (s)", "P90 TTFT (s)", "input tok/s", "failed"],
-        [[r["policy"], report._pct(r["multiturn"]["cache_hit_rate"]), report._sec(r["multiturn"]["mean_ttft"]),
-          report._sec(r["multiturn"]["p90_ttft"]), f"{r['multiturn']['input_throughput']:.0f}",
+        [[r["policy"], report.pct(r["multiturn"]["cache_hit_rate"]), report.sec(r["multiturn"]["mean_ttft"]),
+          report.sec(r["multiturn"]["p90_ttft"]), f"{r['multiturn']['input_throughput']:.0f}",
           str(r["multiturn"]["failed"])] for r in rows])
     hot = report.markdown_table(
         ["policy", "hit rate", "ideal", "mean TTFT (s)", "requests per worker", "max/min", "failed"],
-        [[r["policy"], report._pct(r["hot"]["cache_hit_rate"]), report._pct(r["hot"]["ideal_hit_rate"]),
-          report._sec(r["hot"]["mean_ttft"]), " / ".join(f"{v:.0f}" for v in r["hot"]["per_worker"].values()),
+        [[r["policy"], report.pct(r["hot"]["cache_hit_rate"]), report.pct(r["hot"]["ideal_hit_rate"]),
+          report.sec(r["hot"]["mean_ttft"]), " / ".join(f"{v:.0f}" for v in r["hot"]["per_worker"].values()),
           _spread(r["hot"]["per_worker"]), str(r["hot"]["failed"])] for r in rows])
     lines = ["Multi-turn:", "", mt, "", "Hot prefix:", "", hot, ""]
     if overhead:

@@ -29,7 +29,7 @@ from typing import Any, Optional
 
 from kvstrata.bench import accounting
 from kvstrata.bench.multiturn import get_json, load_token_source
-from kvstrata.bench.report import _pct, _sec, markdown_table
+from kvstrata.bench.report import markdown_table, pct, sec
 from kvstrata.bench.runner import MultiTurnRunner, RunConfig
 from kvstrata.bench.workload import build_conversations, make_prompt_source
 
@@ -178,10 +178,10 @@ def summarize(mode: str, records: list[accounting.RequestRecord], events: dict, 
 def format_result(res: dict) -> str:
     """The console/markdown report of one mode."""
     ev = res["events"]
-    rows = [[f"{w['start_s']:.0f}", str(w["ok"]), str(w["failed"]), _pct(w["hit_rate"]), _sec(w["mean_ttft"]),
-             _sec(w["p99_ttft"])] for w in res["windows"]]
+    rows = [[f"{w['start_s']:.0f}", str(w["ok"]), str(w["failed"]), pct(w["hit_rate"]), sec(w["mean_ttft"]),
+             sec(w["p99_ttft"])] for w in res["windows"]]
     t = res["targets"]
-    phases = [[name, str(p["ok"]), str(p["failed"]), _pct(p["hit_rate"]), _sec(p["mean_ttft"]), _sec(p["p99_ttft"])]
+    phases = [[name, str(p["ok"]), str(p["failed"]), pct(p["hit_rate"]), sec(p["mean_ttft"]), sec(p["p99_ttft"])]
               for name, p in (("minute before", res["before"]), ("during", res["during"]),
                               ("minute after", res["after"]))]
     ratio = t["hit_rate_after_vs_before"]
@@ -192,7 +192,7 @@ def format_result(res: dict) -> str:
         "", markdown_table(["window start (s)", "ok", "failed", "hit rate", "mean TTFT (s)", "P99 TTFT (s)"], rows),
         "", markdown_table(["phase", "ok", "failed", "hit rate", "mean TTFT (s)", "P99 TTFT (s)"], phases), "",
         f"failed requests: {res['failed']}" + (f" ({'; '.join(res['errors'])})" if res["errors"] else ""),
-        f"hit rate after / before: {_pct(ratio) if ratio is not None else 'n/a'} (target >= 95%); "
+        f"hit rate after / before: {pct(ratio) if ratio is not None else 'n/a'} (target >= 95%); "
         f"P99 TTFT during / steady: {f'{p99:.2f}x' if p99 is not None else 'n/a'} (target <= 2x)",
     ])
 

@@ -18,7 +18,7 @@ from kvstrata.cluster import control
 from kvstrata.cluster.control import ControlRequest
 from kvstrata.cluster.spec import DEFAULT_SPEC_YAML, GroupSpec, SpecError, load_spec
 from kvstrata.platform import cache_dir
-from kvstrata.storage.mooncake_services import stop_group
+from kvstrata.process import stop_group
 
 
 def run_dir_for(spec: GroupSpec, override: Optional[str] = None) -> Path:

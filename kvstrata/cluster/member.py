@@ -15,7 +15,7 @@ import requests
 
 from kvstrata.cluster.plan import MemberCommand
 from kvstrata.cluster.spec import RoleSpec, parse_cpu_list
-from kvstrata.storage.mooncake_services import stop_group
+from kvstrata.process import stop_group
 
 REPO_ROOT = str(Path(__file__).resolve().parents[2])
 BACKOFF_FIRST_S = 1.0

@@ -32,8 +32,8 @@ from kvstrata.cluster.member import BACKOFF_FIRST_S, BACKOFF_MAX_S, STABLE_S, Me
 from kvstrata.cluster.plan import KIND_PORTS, LocalNetwork, member_command, mooncake_addresses
 from kvstrata.cluster.spec import SERVER_KINDS, GroupSpec, RoleSpec, SpecError, check_spec
 from kvstrata.cluster.store_migration import segment_of
+from kvstrata.process import stop_group
 from kvstrata.storage.mooncake_config import free_port
-from kvstrata.storage.mooncake_services import stop_group
 
 WATCH_PERIOD_S = 0.25
 

@@ -30,6 +30,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from kvstrata.process import alive, stop_group
 from kvstrata.storage.mooncake_config import (
     MIB,
     P2P_HANDSHAKE,
@@ -204,35 +205,6 @@ class MooncakeCluster:
         (self.workdir / "cluster.json").write_text(json.dumps(state, indent=2))
 
 
-def stop_group(pid: int, sig: int = signal.SIGTERM, grace_s: float = 5.0) -> None:
-    """Signal the process group led by `pid`; SIGKILL it if the leader is still alive after `grace_s`."""
-    try:
-        os.killpg(pid, sig)
-    except ProcessLookupError:
-        return
-    deadline = time.monotonic() + grace_s
-    while time.monotonic() < deadline:
-        if not _alive(pid):
-            return
-        time.sleep(0.05)
-    try:
-        os.killpg(pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
-
-
-def _alive(pid: int) -> bool:
-    try:
-        done, _ = os.waitpid(pid, os.WNOHANG)  # reap our own child so it does not linger as a zombie
-        if done:
-            return False
-    except ChildProcessError:
-        pass
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    return True
 
 
 def _wait_port(port: int, proc: subprocess.Popen, timeout_s: float, log: Path) -> None:
@@ -318,7 +290,7 @@ def main(argv: list[str] | None = None) -> int:
     state = json.loads(state_path.read_text())
     if args.command == "status":
         for name, pid in state["pids"].items():
-            print(f"{name}: pid {pid} {'running' if _alive(pid) else 'gone'}")
+            print(f"{name}: pid {pid} {'running' if alive(pid) else 'gone'}")
         return 0
     for name in ("store", "master", "metadata"):
         if name in state["pids"]:

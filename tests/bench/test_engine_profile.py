@@ -8,8 +8,8 @@ import argparse
 import pytest
 import torch
 
-from kvstrata.bench.engine_bench import make_engine, prompt_maker
 from kvstrata.bench.engine_profile import FORWARD_ROWS, format_table, run_profile
+from kvstrata.bench.engines import make_engine, prompt_maker
 from kvstrata.model.paged_kernels import paged_attention_op
 
 

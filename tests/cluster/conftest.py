@@ -15,7 +15,7 @@ import requests
 from kvstrata.bench.launcher import free_port
 from kvstrata.cluster import control
 from kvstrata.cluster.control import ControlRequest
-from kvstrata.storage.mooncake_services import stop_group
+from kvstrata.process import stop_group
 
 TEST_SPEC = """
 name: kvt
