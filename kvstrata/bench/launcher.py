@@ -73,18 +73,18 @@ class ServerProcess:
                 raise ServerStartError(f"the server was not healthy after {timeout_s:g} s:\n{self.log_tail()}")
             time.sleep(0.25)
 
-    def stop(self) -> Optional[int]:
-        """SIGTERM by PID, SIGKILL if it has not exited in time; returns the exit code."""
+    def stop(self, timeout_s: float = STOP_TIMEOUT_S) -> Optional[int]:
+        """SIGTERM by PID, SIGKILL if it has not exited within `timeout_s`; returns the exit code."""
         proc = self.proc
         if proc is None:
             return None
         if proc.poll() is None:
             proc.send_signal(signal.SIGTERM)
             try:
-                proc.wait(STOP_TIMEOUT_S)
+                proc.wait(timeout_s)
             except subprocess.TimeoutExpired:
                 proc.kill()
-                proc.wait(STOP_TIMEOUT_S)
+                proc.wait(timeout_s)
         return proc.returncode
 
     def log_tail(self, lines: int = 30) -> str:

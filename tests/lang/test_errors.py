@@ -8,7 +8,7 @@ import pytest
 
 import kvstrata.lang as sgl
 from kvstrata.lang import assistant, assistant_begin, gen, select, user_begin, user_end
-from tests.lang.conftest import free_port
+from kvstrata.net import free_port
 from tests.lang.programs import support_ticket
 
 

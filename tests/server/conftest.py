@@ -7,9 +7,7 @@ even when a test fails. The shared server runs with an API key, so every client 
 from __future__ import annotations
 
 import os
-import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 from typing import Any, Optional
@@ -17,6 +15,7 @@ from typing import Any, Optional
 import pytest
 import requests
 
+from kvstrata.bench.launcher import ServerProcess
 from kvstrata.net import free_port
 
 API_KEY = "test-secret-key"
@@ -30,11 +29,12 @@ BASE_FLAGS = ["--max-total-tokens", "4096", "--random-seed", "0", "--log-level",
 class ServerHandle:
     """A running server subprocess and small helpers to talk to it."""
 
-    def __init__(self, proc: subprocess.Popen, url: str, api_key: Optional[str], log_path: Path):
-        self.proc = proc
-        self.url = url
+    def __init__(self, process: ServerProcess, api_key: Optional[str]):
+        self.process = process
+        self.proc: subprocess.Popen = process.proc
+        self.url = process.url
         self.api_key = api_key
-        self.log_path = log_path
+        self.log_path = process.log_path
 
     @property
     def headers(self) -> dict[str, str]:
@@ -75,49 +75,24 @@ class ServerHandle:
         return self.log_path.read_text(errors="replace")
 
 
+def server_env() -> dict[str, str]:
+    """What the test servers run with: one OpenMP thread, quiet tokenizers, this checkout first on the path."""
+    return {"OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false",
+            "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")]))}
+
+
 def launch_server(log_dir: Path, *extra: str, api_key: Optional[str] = None) -> ServerHandle:
-    """Start a server with the tiny model and wait until /health answers 200."""
+    """Start a server with the tiny model and wait until /health answers 200 (bench.launcher's rule)."""
     port = free_port()
-    cmd = [sys.executable, "-m", "kvstrata.launch_server", "--host", "127.0.0.1", "--port", str(port),
-           *BASE_FLAGS, *extra]
-    if api_key:
-        cmd += ["--api-key", api_key]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false",
-           "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")]))}
-    log_path = log_dir / f"server-{port}.log"
-    with open(log_path, "w") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=REPO_ROOT,
-                                start_new_session=True)
-    handle = ServerHandle(proc, f"http://127.0.0.1:{port}", api_key, log_path)
-    deadline = time.monotonic() + START_TIMEOUT_S
-    try:
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError(f"server exited with {proc.returncode} during start-up:\n{handle.log()}")
-            try:
-                if requests.get(handle.url + "/health", timeout=2).status_code == 200:
-                    return handle
-            except (requests.ConnectionError, requests.Timeout):
-                pass         # not listening yet, or the socket is bound but uvicorn not serving yet
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"server not healthy after {START_TIMEOUT_S} s:\n{handle.log()}")
-            time.sleep(0.2)
-    except BaseException:
-        stop_server(handle)
-        raise
+    flags = [*BASE_FLAGS, *extra] + (["--api-key", api_key] if api_key else [])
+    process = ServerProcess(flags, str(log_dir / f"server-{port}.log"), port=port, env=server_env())
+    process.start(START_TIMEOUT_S)
+    return ServerHandle(process, api_key)
 
 
 def stop_server(handle: ServerHandle, timeout: float = 20.0) -> Optional[int]:
     """SIGTERM the server by PID, SIGKILL it if it does not exit in time; returns its exit code."""
-    proc = handle.proc
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(timeout)
-    return proc.returncode
+    return handle.process.stop(timeout)
 
 
 def pid_alive(pid: int) -> bool:
