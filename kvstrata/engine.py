@@ -64,7 +64,7 @@ class Engine:
         self._built.wait()
         if self._error is not None:
             raise self._error
-        self.tokenizer = self.scheduler.stop.tokenizer
+        self.tokenizer = self.scheduler.tokenizer
         self.limits = RequestLimits.of(ready_message(self.scheduler), self.tokenizer)
         self.token_text = TokenTexts(self.tokenizer)
 

@@ -18,6 +18,8 @@ import torch
 
 from kvstrata.args import ServerArgs
 from kvstrata.cache.build import build_kv_cache
+from kvstrata.model.builtin import resolve_model_path
+from kvstrata.model.tokenizer import load_tokenizer
 from kvstrata.runtime.batch import BatchEntry, ScheduledBatch, StepResult
 from kvstrata.runtime.handoff import Handoff, HandoffFactory
 from kvstrata.runtime.messages import ControlOut, ReqOutput, TokenizedGenerateReq
@@ -47,7 +49,9 @@ class Scheduler:
         self.page_size = args.page_size
         self.context_len = self.runner.context_len
         self.cache = build_kv_cache(args.cache_config(), self.runner.pool, self.runner.model_path, self.context_len)
-        self.stop = StopChecker(args.tokenizer_path, self.runner.config.eos_token_ids)
+        # The scheduler process's tokenizer: stop strings, grammars, and the fingerprint the HTTP process checks.
+        self.tokenizer = load_tokenizer(resolve_model_path(args.tokenizer_path))
+        self.stop = StopChecker(self.tokenizer, self.runner.config.eos_token_ids)
         self.waiting: list[Req] = []
         self.running: list[Req] = []
         self.new_token_ratio = INIT_NEW_TOKEN_RATIO
@@ -109,7 +113,7 @@ class Scheduler:
             from kvstrata.constrained.registry import create_grammar_backend
 
             self._grammar = create_grammar_backend(
-                self.args.grammar_backend, self.stop.tokenizer, self.runner.vocab_size,
+                self.args.grammar_backend, self.tokenizer, self.runner.vocab_size,
                 sorted(self.stop.eos_token_ids),
                 any_whitespace=not self.args.constrained_json_disable_any_whitespace,
                 whitespace_pattern=self.args.constrained_json_whitespace_pattern)

@@ -104,4 +104,4 @@ def ready_message(scheduler: Scheduler) -> SchedulerReady:
         max_total_tokens=runner.max_total_tokens, context_length=runner.context_len,
         vocab_size=runner.vocab_size, eos_token_ids=list(runner.config.eos_token_ids),
         max_running_requests=args.max_running_requests, page_size=args.page_size, server_args=args,
-        tokenizer_fingerprint=fingerprint(scheduler.stop.tokenizer))
+        tokenizer_fingerprint=fingerprint(scheduler.tokenizer))

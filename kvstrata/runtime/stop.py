@@ -3,10 +3,8 @@
 from __future__ import annotations
 
 import re
-from typing import Optional
+from typing import Any, Optional
 
-from kvstrata.model.builtin import resolve_model_path
-from kvstrata.model.tokenizer import load_tokenizer
 from kvstrata.runtime.req import Req, finish_length, finish_stop
 
 STOP_WINDOW_EXTRA_TOKENS = 8
@@ -16,11 +14,12 @@ REGEX_WINDOW_TOKENS = 64
 class StopChecker:
     """eos / stop_token_ids / stop strings / stop_regex / max_new_tokens / context limit / grammar end."""
 
-    def __init__(self, tokenizer_path: str, eos_token_ids: tuple[int, ...]):
-        self.tokenizer = load_tokenizer(resolve_model_path(tokenizer_path))
+    def __init__(self, tokenizer: Any, eos_token_ids: tuple[int, ...]):
+        """`tokenizer` decodes the tail of an output for stop strings and stop_regex (the scheduler's)."""
+        self.tokenizer = tokenizer
         self.eos_token_ids = set(eos_token_ids)
-        if self.tokenizer.eos_token_id is not None:
-            self.eos_token_ids.add(self.tokenizer.eos_token_id)
+        if tokenizer.eos_token_id is not None:
+            self.eos_token_ids.add(tokenizer.eos_token_id)
 
     def check(self, req: Req, context_len: int) -> Optional[dict]:
         """finish_reason for req after its newest token, or None to go on."""
