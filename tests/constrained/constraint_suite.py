@@ -10,8 +10,6 @@ own parser for arithmetic, by a bracket counter for balanced brackets.
 from __future__ import annotations
 
 import ast
-import copy
-import datetime
 import json
 import re
 from collections.abc import Callable
@@ -20,20 +18,7 @@ from dataclasses import dataclass
 import jsonschema
 import regex as partial_re  # a dependency of transformers; has partial (prefix) matching
 
-from tests.constrained.test_json_schema_walks import FORMAT_CHECKER as WALK_FORMAT_CHECKER
-from tests.constrained.test_json_schema_walks import SCHEMAS
-
-# RFC 3339 allows a leap second (":60"), which xgrammar emits and Python's datetime cannot parse.
-FORMAT_CHECKER = copy.deepcopy(WALK_FORMAT_CHECKER)
-_LEAP_SECOND = re.compile(r"(T\d\d:\d\d):60")
-
-
-@FORMAT_CHECKER.checks("date-time", raises=ValueError)
-def _is_date_time(value: object) -> bool:
-    if not isinstance(value, str):
-        return True
-    return datetime.datetime.fromisoformat(_LEAP_SECOND.sub(r"\1:59", value)).tzinfo is not None
-
+from tests.constrained.schemas import FORMAT_CHECKER, SCHEMAS
 
 REGEXES: dict[str, str] = {
     "seed_braces": r"\{.*\}",                        # the seed's gen(regex=r'\{.*\}') example

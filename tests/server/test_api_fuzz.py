@@ -13,7 +13,7 @@ import schemathesis
 from hypothesis import HealthCheck, Phase, given, settings
 
 from tests.server.conftest import launch_server, stop_server
-from tests.server.test_limits_and_auth import HealthProbe
+from tests.server.helpers import HealthProbe
 
 EXAMPLES_PER_OPERATION = 30
 CALL_TIMEOUT_S = 30.0

@@ -22,7 +22,7 @@ import requests
 
 from kvstrata.server.launch import IPC_PREFIX, remove_stale_ipc_dirs
 from tests.server.conftest import API_KEY, launch_server, pid_alive, stop_server
-from tests.server.helpers import parse_sse
+from tests.server.helpers import HealthProbe, parse_sse
 
 ADMIN_KEY = "admin-secret"
 GREEDY = {"text": "The quick brown fox", "sampling_params": {"temperature": 0, "max_new_tokens": 6}}
@@ -46,35 +46,7 @@ def admin_server(tmp_path_factory):
         stop_server(handle)
 
 
-class HealthProbe:
-    """Polls /health in a thread and records the slowest answer."""
 
-    def __init__(self, url: str):
-        self.url = url
-        self.worst = 0.0
-        self.failures: list[str] = []
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            start = time.monotonic()
-            try:
-                status = requests.get(self.url + "/health", timeout=5).status_code
-                if status != 200:
-                    self.failures.append(f"status {status}")
-            except requests.RequestException as e:
-                self.failures.append(repr(e))
-            self.worst = max(self.worst, time.monotonic() - start)
-            time.sleep(0.02)
-
-    def __enter__(self) -> HealthProbe:
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        self._thread.join(10)
 
 
 def post_raw(server, body, path: str = "/generate") -> requests.Response:

@@ -7,8 +7,7 @@ import requests
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.server.conftest import launch_server, stop_server
-from tests.server.helpers import parse_sse
-from tests.server.test_wire_compat import bench_multiturn_body
+from tests.server.helpers import bench_multiturn_body, parse_sse
 
 POOL_TOKENS = 256
 PAGE = 4

@@ -6,19 +6,7 @@ import re
 
 import pytest
 
-from tests.server.helpers import sse_events
-
-
-def bench_multiturn_body(prompt: str, output_len: int) -> dict:
-    """The /generate body SGLang's benchmark/hicache/bench_multiturn.py sends (field for field)."""
-    return {
-        "text": prompt,
-        "sampling_params": {"temperature": 0.0, "max_new_tokens": output_len, "ignore_eos": True},
-        "stream": True,
-        "lora_path": "",
-        "return_logprob": False,
-        "logprob_start_len": -1,
-    }
+from tests.server.helpers import bench_multiturn_body, sse_events
 
 
 def test_bench_multiturn_body_streams_to_the_end(server):
