@@ -53,7 +53,8 @@ _SINGLE_VALUE = {
     "tp_size": (1, "tensor parallelism is not implemented; run one server per device behind a router"),
     "dp_size": (1, "data parallelism is not implemented; run one server per device behind a router"),
     "pp_size": (1, "pipeline parallelism is not implemented"),
-    "ep_size": (1, "expert parallelism is not implemented (no MoE models)"),
+    "ep_size": (1, "expert parallelism is not implemented (it needs tensor parallelism, which is not either); "
+                   "MoE models run all their experts on one device"),
     "nnodes": (1, "multi-node serving is not implemented"),
     "node_rank": (0, "multi-node serving is not implemented"),
     "enable_dp_attention": (False, "data-parallel attention is not implemented"),
@@ -75,7 +76,7 @@ class ServerArgs:
 
     # --- model ---
     model_path: str = field(default="tiny", metadata=_opt(
-        "Local Hugging Face checkpoint folder, or a built-in model: 'tiny' (default) or 'bench'."))
+        "Local Hugging Face checkpoint folder, or a built-in model: 'tiny' (default), 'bench' or 'bench-moe'."))
     tokenizer_path: Optional[str] = field(default=None, metadata=_opt("Tokenizer folder (default: model path)."))
     served_model_name: Optional[str] = field(default=None, metadata=_opt(
         "Model name reported by the API (default: model path)."))

@@ -198,6 +198,23 @@ class RMSNorm(nn.Module):
         return self(residual), residual
 
 
+class SiluAndMul(nn.Module):
+    """silu(gate) * up of a fused `[T, 2 * inter]` gate|up product -> `[T, inter]`."""
+
+    def __init__(self, intermediate_size: int):
+        super().__init__()
+        self.intermediate_size = intermediate_size
+        # The compiled one-pass op for bf16 on CPU (see use_fused_activation), or None: torch ops.
+        self.op: Optional[Callable] = None
+
+    def forward(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """Apply the activation to `gate_up`."""
+        if self.op is not None and gate_up.dtype == torch.bfloat16 and gate_up.device.type == "cpu":
+            return self.op(gate_up)   # same bits as the two torch ops below
+        gate, up = gate_up.split(self.intermediate_size, dim=-1)
+        return F.silu(gate) * up
+
+
 class GatedMLP(nn.Module):
     """down(silu(gate(x)) * up(x)), with gate and up fused in one `[2 * inter, hidden]` matmul."""
 
@@ -206,20 +223,15 @@ class GatedMLP(nn.Module):
         self.intermediate_size = intermediate_size
         self.gate_up_proj = Linear(hidden_size, 2 * intermediate_size, bias=False)
         self.down_proj = Linear(intermediate_size, hidden_size, bias=False)
-        # The compiled one-pass silu(gate) * up for bf16 on CPU (see use_fused_activation), or None: torch ops.
-        self.silu_and_mul: Optional[Callable] = None
+        self.act = SiluAndMul(intermediate_size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Apply the MLP to `x` `[T, hidden]`."""
-        gate_up = self.gate_up_proj(x)
-        if self.silu_and_mul is not None and gate_up.dtype == torch.bfloat16 and gate_up.device.type == "cpu":
-            return self.down_proj(self.silu_and_mul(gate_up))   # same bits as the two torch ops below
-        gate, up = gate_up.split(self.intermediate_size, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(self.act(self.gate_up_proj(x)))
 
 
 def use_fused_activation(model: nn.Module, silu_and_mul: Optional[Callable]) -> None:
-    """Route every GatedMLP of `model` through the compiled activation op (None: back to torch ops)."""
+    """Route every SiluAndMul of `model` (dense MLPs and experts) through the compiled op (None: torch ops)."""
     for module in model.modules():
-        if isinstance(module, GatedMLP):
-            module.silu_and_mul = silu_and_mul
+        if isinstance(module, SiluAndMul):
+            module.op = silu_and_mul
