@@ -6,7 +6,8 @@
     group:    the T*k (token, rank) pairs sorted by expert id (stable: by token, then rank, within one);
               one gather of the rows.
     experts:  for each ACTIVE expert only, one product over its rows: down(silu(gate_up(rows))). A decode
-              step of a few tokens reads only the selected experts' weights.
+              step of a few tokens reads only the selected experts' weights; a lone row skips the grouping
+              (its k experts in rank order: the same products and sum, so the same bits).
     combine:  the outputs scattered back to their (token, rank) places, then summed rank by rank in
               float32 (rank 0 first), so a token's output never depends on which other tokens share its
               experts or in which order they arrived.
@@ -91,16 +92,19 @@ class FusedExperts(nn.Module):
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """`x` `[T, H]` through each row's experts `ids` `[T, k]`, weighted by `weights` `[T, k]` -> `[T, H]`."""
         tokens, top_k = ids.shape
+        if tokens == 1:   # a lone decode row: its k experts in rank order, no grouping to do
+            outs = [self.expert_mlp(e, x) for e in ids[0].tolist()]
+            return combine_ranks(torch.stack(outs, dim=1), weights)
         flat = ids.reshape(-1)
         order = torch.argsort(flat, stable=True)            # (token, rank) pairs grouped by expert
-        counts = torch.bincount(flat, minlength=self.num_experts).tolist()
+        counts = torch.bincount(flat, minlength=self.num_experts)
+        active = counts.nonzero().flatten()
         rows = x.index_select(0, order // top_k)
         out = torch.empty_like(rows)
         start = 0
-        for expert, count in enumerate(counts):
-            if count:
-                out[start:start + count] = self.expert_mlp(expert, rows[start:start + count])
-                start += count
+        for expert, count in zip(active.tolist(), counts[active].tolist(), strict=True):
+            out[start:start + count] = self.expert_mlp(expert, rows[start:start + count])
+            start += count
         expert_out = torch.empty_like(out).index_copy_(0, order, out).view(tokens, top_k, -1)
         return combine_ranks(expert_out, weights)
 
