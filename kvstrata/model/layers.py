@@ -56,6 +56,10 @@ class Linear(nn.Linear):
             return self._forward(F.pad(x, (0, 0, 0, self.min_rows - rows)))[:rows]
         return self._forward(x)
 
+    def serves_every_row(self) -> bool:
+        """Whether a compiled kernel (`decode_gemv` without a row limit) takes every product of this Linear."""
+        return self.decode_gemv is not None and self.decode_gemv.max_rows is None
+
     def _forward_in_blocks(self, x: torch.Tensor) -> torch.Tensor:
         """Batch-invariant products on a GPU: every GEMM has exactly DEVICE_INVARIANT_BLOCK_ROWS rows (the
         input zero-padded), so the library runs one kernel, one reduction order, whatever the batch."""
@@ -137,12 +141,13 @@ def use_onednn_weights(model: nn.Module) -> None:
     decode step's products (bench model: 6.5 -> 4.5 ms); at one row it is ~7% slower per token than the
     compiled GEMV, which would need a second copy of every weight. The row-major copy is released, except where another module shares it
     (the embedding of a tied lm_head). Not for batch-invariant mode: oneDNN's AMX kernels are not row-invariant.
+    Linears that a compiled kernel already serves at every row count (moe.use_expert_linear) keep it.
     """
     shared = {id(p) for m in model.modules() if not isinstance(m, Linear) for p in m.parameters(recurse=False)}
     for module in model.modules():
         if isinstance(module, Linear):
             w = module.weight
-            if w.device.type != "cpu" or w.dtype != torch.bfloat16:
+            if w.device.type != "cpu" or w.dtype != torch.bfloat16 or module.serves_every_row():
                 continue
             with torch.no_grad():
                 module.onednn_weight = torch.ops.mkldnn._reorder_linear_weight(w.detach().contiguous(), ONEDNN_PACK_ROWS)

@@ -21,13 +21,16 @@ use_onednn_weights walk these Linears like any other).
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 import torch
 from torch import nn
 
 from kvstrata.model.config import MoeConfig
-from kvstrata.model.layers import GatedMLP, Linear, SiluAndMul
+from kvstrata.model.layers import GatedMLP, Linear, SiluAndMul, use_decode_linear
+
+if TYPE_CHECKING:
+    from kvstrata.model.paged_kernels import DecodeLinear
 
 
 def route(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -163,3 +166,19 @@ def bind_experts(model: nn.Module) -> None:
     for module in list(model.modules()):
         if isinstance(module, FusedExperts) and module.gate_up is None:
             module.bind()
+
+
+def use_expert_linear(model: nn.Module, linear: DecodeLinear) -> None:
+    """Run every expert product of `model` through `linear`, a compiled kernel serving every row count
+    (paged_kernels.amx_linear_op()), keeping only the weight as it reads it.
+
+    For AMX CPUs in the default mode, where other products run on oneDNN's prepacked weights: an expert's
+    products are small (a decode token's row; ~T*k/E rows in a prefill), where the AMX linear reads a bf16
+    weight ~1.4x faster than oneDNN at 1-16 rows and is ~1.3x slower at 256 (measured, docs/benchmarks.md).
+    """
+    for module in model.modules():
+        if isinstance(module, FusedExperts):
+            use_decode_linear(module, linear)
+            for expert in module.modules():
+                if isinstance(expert, Linear) and expert.serves_every_row():
+                    expert.weight.data = torch.empty(0, dtype=expert.weight.dtype)   # the packed copy serves

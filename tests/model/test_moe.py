@@ -11,10 +11,11 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
 from kvstrata.model.config import ModelConfig, ModelLoadError
-from kvstrata.model.layers import Linear, make_batch_invariant, use_decode_linear
+from kvstrata.model.layers import Linear, make_batch_invariant, use_decode_linear, use_onednn_weights
 from kvstrata.model.loader import load_model
-from kvstrata.model.moe import SparseMoeBlock, combine_ranks, route
-from kvstrata.model.paged_kernels import decode_linear_op
+from kvstrata.model.moe import SparseMoeBlock, combine_ranks, route, use_expert_linear
+from kvstrata.model.paged_kernels import amx_linear_op, decode_linear_op
+from tests.capabilities import requires_amx, requires_onednn_bf16_reorder
 from tests.device import TEST_DEVICE
 from tests.model.hf_ckpt import MOE_CASES
 from tests.model.test_llama_vs_hf import PROMPT_LENS, TOLERANCE, Pair, random_prompts, relative_error
@@ -337,3 +338,21 @@ def test_bench_moe_greedy_matches_transformers(bench_moe, dtype):
         assert ours[i][:clear] == theirs[i][:clear], i
         compared += clear
     assert compared >= BENCH_PROMPTS // 2, "too few clear steps to compare"   # measured: 9
+
+
+@requires_amx
+@requires_onednn_bf16_reorder
+def test_experts_on_the_amx_linear_next_to_onednn_weights():
+    """The runner's default mode on AMX CPUs: experts on the AMX linear (their row-major copy released),
+    router and shared expert on oneDNN's prepacked weights; the same outputs as the torch path within bf16."""
+    block = _block(torch.bfloat16, shared=32)
+    x = torch.randn(40, 64).bfloat16()
+    with torch.inference_mode():
+        want = block(x)
+        use_expert_linear(block, amx_linear_op())
+        use_onednn_weights(block)
+        experts = list(block.experts.gate_up) + list(block.experts.down)
+        assert all(e.serves_every_row() and e.weight.numel() == 0 and e.onednn_weight is None for e in experts)
+        assert block.gate.onednn_weight is not None and block.shared_expert.down_proj.onednn_weight is not None
+        for rows in (x, x[:1], x[:7]):
+            assert relative_error(block(rows), want[:rows.shape[0]]) < 2e-2
