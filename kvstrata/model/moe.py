@@ -8,9 +8,10 @@
     experts:  for each ACTIVE expert only, one product over its rows: down(silu(gate_up(rows))). A decode
               step of a few tokens reads only the selected experts' weights; a lone row skips the grouping
               (its k experts in rank order: the same products and sum, so the same bits).
-    combine:  the outputs scattered back to their (token, rank) places, then summed rank by rank in
-              float32 (rank 0 first), so a token's output never depends on which other tokens share its
-              experts or in which order they arrived.
+    combine:  each token's k outputs weighted and summed rank by rank in float32 (rank 0 first), so a
+              token's output never depends on which other tokens share its experts or in which order they
+              arrived. On CPU a compiled kernel (csrc/moe_combine.cpp) reads the rows where the experts wrote
+              them; the torch fallback scatters them back to (token, rank) order first. Same bits.
 
 Weights are loaded into one stacked tensor per projection (`gate_up_proj` `[E, 2I, H]`, gate rows first as
 in GatedMLP, and `down_proj` `[E, H, I]`), filled expert by expert. `bind()` then gives every expert a
@@ -21,6 +22,7 @@ use_onednn_weights walk these Linears like any other).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Optional
 
 import torch
@@ -44,7 +46,7 @@ def route(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[t
     weights, ids = weights[:, :top_k], ids[:, :top_k]
     if renormalize:
         weights = weights / weights.sum(dim=-1, keepdim=True)
-    return weights, ids
+    return weights.contiguous(), ids
 
 
 def combine_ranks(expert_out: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
@@ -68,6 +70,8 @@ class FusedExperts(nn.Module):
         self.gate_up: Optional[nn.ModuleList] = None    # per-expert Linears over the stacked slices (bind)
         self.down: Optional[nn.ModuleList] = None
         self.act = SiluAndMul(intermediate_size)
+        # The compiled weighted sum (paged_kernels.moe_combine_op(), set by use_moe_combine), or None: torch ops.
+        self.combine: Optional[Callable] = None
 
     def bind(self) -> None:
         """Once loaded: give each expert a Linear whose weight is its slice of the stacked tensors.
@@ -95,9 +99,12 @@ class FusedExperts(nn.Module):
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """`x` `[T, H]` through each row's experts `ids` `[T, k]`, weighted by `weights` `[T, k]` -> `[T, H]`."""
         tokens, top_k = ids.shape
+        kernel = self.combine if x.device.type == "cpu" and x.dtype in (torch.bfloat16, torch.float32) else None
         if tokens == 1:   # a lone decode row: its k experts in rank order, no grouping to do
-            outs = [self.expert_mlp(e, x) for e in ids[0].tolist()]
-            return combine_ranks(torch.stack(outs, dim=1), weights)
+            rows = torch.stack([self.expert_mlp(e, x)[0] for e in ids[0].tolist()])
+            if kernel is not None:
+                return kernel(rows, torch.arange(top_k).view(1, top_k), weights)
+            return combine_ranks(rows.unsqueeze(0), weights)
         flat = ids.reshape(-1)
         order = torch.argsort(flat, stable=True)            # (token, rank) pairs grouped by expert
         counts = torch.bincount(flat, minlength=self.num_experts)
@@ -108,6 +115,9 @@ class FusedExperts(nn.Module):
         for expert, count in zip(active.tolist(), counts[active].tolist(), strict=True):
             out[start:start + count] = self.expert_mlp(expert, rows[start:start + count])
             start += count
+        if kernel is not None:   # each (token, rank)'s row in `out`: the inverse of `order`
+            slots = torch.empty_like(order).index_copy_(0, order, torch.arange(order.numel()))
+            return kernel(out, slots.view(tokens, top_k), weights)
         # Weighted in the grouped order, then put back in (token, rank) order and summed rank by rank: the
         # same float32 products and additions as combine_ranks, in fewer passes over the rows.
         weighted = out.float() * weights.reshape(-1)[order, None]
@@ -182,3 +192,11 @@ def use_expert_linear(model: nn.Module, linear: DecodeLinear) -> None:
             for expert in module.modules():
                 if isinstance(expert, Linear) and expert.serves_every_row():
                     expert.weight.data = torch.empty(0, dtype=expert.weight.dtype)   # the packed copy serves
+
+
+def use_moe_combine(model: nn.Module, op: Optional[Callable]) -> None:
+    """Sum every FusedExperts' outputs of `model` with the compiled `op` (paged_kernels.moe_combine_op()), or
+    with torch ops (None)."""
+    for module in model.modules():
+        if isinstance(module, FusedExperts):
+            module.combine = op

@@ -177,6 +177,12 @@ def amx_linear_op() -> Optional[DecodeLinear]:
     return DecodeLinear(torch.ops.kvstrata.amx_linear_pack, torch.ops.kvstrata.amx_linear, None)
 
 
+def moe_combine_op() -> Optional[Callable]:
+    """`op(rows [N, H], slots [T, k] int64, weights [T, k] float32) -> [T, H]`: each token's k expert rows
+    weighted and summed in rank order (moe.py's torch path, the same bits), bf16 / float32; or None."""
+    return torch.ops.kvstrata.moe_combine if _loaded() else None
+
+
 def argmax_op() -> Optional[Callable]:
     """`op(x [R, C] float32 / bf16, contiguous) -> torch.argmax(x, dim=-1)` (vectorized), or None."""
     return torch.ops.kvstrata.row_argmax if _loaded() else None

@@ -26,7 +26,7 @@ from kvstrata.model.layers import (
     use_onednn_weights,
 )
 from kvstrata.model.loader import load_model
-from kvstrata.model.moe import use_expert_linear
+from kvstrata.model.moe import use_expert_linear, use_moe_combine
 from kvstrata.model.paged_kernels import (
     BF16_HEAD_DIMS,
     amx_linear_op,
@@ -34,6 +34,7 @@ from kvstrata.model.paged_kernels import (
     decode_attention_op,
     decode_linear_op,
     extend_attention_op,
+    moe_combine_op,
     norm_ops,
     paged_attention_op,
     rope_op,
@@ -107,7 +108,8 @@ class ModelRunner:
         return argmax_op()
 
     def _use_layer_kernels(self) -> None:
-        """Compiled norms, rotary embedding and silu·mul (row-invariant: both modes) and the bf16 products:
+        """Compiled norms, rotary embedding, silu·mul and the MoE weighted sum (row-invariant: both modes) and
+        the bf16 products:
         on AMX CPUs oneDNN on prepacked weights, elsewhere the compiled GEMV (decode rows; AVX2: every
         product; MoE experts there take the AMX linear); deterministic mode takes the GEMV for every row count
         on every CPU, since oneDNN's AMX kernels sum a row differently at different row counts. On CPU unless --disable-cpu-kernels; plain
@@ -116,6 +118,7 @@ class ModelRunner:
             return
         use_fused_norms(self.model, norm_ops())
         use_rope_kernel(self.model, rope_op())
+        use_moe_combine(self.model, moe_combine_op())
         if self.dtype == torch.bfloat16:
             use_fused_activation(self.model, silu_and_mul_op())
         deterministic = self.args.enable_deterministic_inference

@@ -13,9 +13,9 @@ from safetensors.torch import load_file, save_file
 from kvstrata.model.config import ModelConfig, ModelLoadError
 from kvstrata.model.layers import Linear, make_batch_invariant, use_decode_linear, use_onednn_weights
 from kvstrata.model.loader import load_model
-from kvstrata.model.moe import SparseMoeBlock, combine_ranks, route, use_expert_linear
-from kvstrata.model.paged_kernels import amx_linear_op, decode_linear_op
-from tests.capabilities import requires_amx, requires_onednn_bf16_reorder
+from kvstrata.model.moe import SparseMoeBlock, combine_ranks, route, use_expert_linear, use_moe_combine
+from kvstrata.model.paged_kernels import amx_linear_op, decode_linear_op, moe_combine_op
+from tests.capabilities import requires_amx, requires_cpu_kernels, requires_onednn_bf16_reorder
 from tests.device import TEST_DEVICE
 from tests.model.hf_ckpt import MOE_CASES
 from tests.model.test_llama_vs_hf import PROMPT_LENS, TOLERANCE, Pair, random_prompts, relative_error
@@ -154,13 +154,14 @@ def test_ranks_are_summed_in_rank_order_in_float32():
 @pytest.mark.parametrize("dtype", DTYPES, ids=["f32", "bf16"])
 def test_deterministic_mode_token_output_independent_of_batch(dtype):
     """The dense path's batch-invariant rule (make_batch_invariant, and the every-row compiled GEMV where the
-    runner uses it) applied to the experts: a token's output is bit-identical alone and inside any batch,
-    whichever other tokens share its experts."""
+    runner uses it) applied to the experts, with the compiled weighted sum: a token's output is bit-identical
+    alone and inside any batch, whichever other tokens share its experts."""
     block = _block(dtype, shared=32)
     make_batch_invariant(block)
     gemv = decode_linear_op(every_row=True) if TEST_DEVICE.type == "cpu" else None
     if gemv is not None:
         use_decode_linear(block, gemv)
+    use_moe_combine(block, moe_combine_op() if TEST_DEVICE.type == "cpu" else None)
     g = torch.Generator().manual_seed(3)
     x = torch.randn(200, 64, generator=g).to(dtype).to(TEST_DEVICE)
     with torch.inference_mode():
@@ -356,3 +357,25 @@ def test_experts_on_the_amx_linear_next_to_onednn_weights():
         assert block.gate.onednn_weight is not None and block.shared_expert.down_proj.onednn_weight is not None
         for rows in (x, x[:1], x[:7]):
             assert relative_error(block(rows), want[:rows.shape[0]]) < 2e-2
+
+
+@requires_cpu_kernels
+@pytest.mark.parametrize("top_k", [1, 2, 4])
+@pytest.mark.parametrize("dtype", DTYPES, ids=["f32", "bf16"])
+def test_compiled_combine_gives_the_torch_paths_bits(dtype, top_k):
+    block = _block(dtype, top_k=top_k).cpu()
+    g = torch.Generator().manual_seed(top_k)
+    with torch.inference_mode():
+        for tokens in (1, 3, 37, 300):
+            x = torch.randn(tokens, 64, generator=g).to(dtype)
+            use_moe_combine(block, None)
+            want = block(x)
+            use_moe_combine(block, moe_combine_op())
+            assert torch.equal(block(x), want), tokens
+
+
+@requires_cpu_kernels
+def test_compiled_combine_refuses_a_slot_outside_the_rows():
+    rows, weights = torch.randn(4, 8), torch.ones(2, 2)
+    with pytest.raises(RuntimeError, match="slot 4 outside the 4 rows"):
+        moe_combine_op()(rows, torch.tensor([[0, 1], [2, 4]]), weights)
