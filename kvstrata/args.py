@@ -53,7 +53,7 @@ _SINGLE_VALUE = {
     "tp_size": (1, "tensor parallelism is not implemented; run one server per device behind a router"),
     "dp_size": (1, "data parallelism is not implemented; run one server per device behind a router"),
     "pp_size": (1, "pipeline parallelism is not implemented"),
-    "ep_size": (1, "expert parallelism is not implemented (it needs tensor parallelism, which is not either); "
+    "ep_size": (1, "expert parallelism is not implemented (it needs tensor parallelism, which is not implemented either); "
                    "MoE models run all their experts on one device"),
     "nnodes": (1, "multi-node serving is not implemented"),
     "node_rank": (0, "multi-node serving is not implemented"),
