@@ -85,7 +85,7 @@ class ServerArgs:
     # --- model ---
     model_path: str = field(default="tiny", metadata=_opt(
         "The model: a local Hugging Face checkpoint folder, a GGUF file, a built-in model ('tiny', the "
-        "default, or 'bench'), or a Hugging Face id (org/name) already in the local Hugging Face cache "
+        "default, 'bench' or 'bench-moe'), or a Hugging Face id (org/name) already in the local Hugging Face cache "
         "($HF_HUB_CACHE, $HF_HOME/hub or ~/.cache/huggingface/hub; nothing is downloaded: run "
         "`huggingface-cli download ID` first).", aliases=("--model",)))
     tokenizer_path: Optional[str] = field(default=None, metadata=_opt(
@@ -247,7 +247,8 @@ class ServerArgs:
         1, "pipeline parallelism is not implemented", "Pipeline parallel size (only 1).",
         aliases=("--pipeline-parallel-size",)))
     ep_size: int = field(default=1, metadata=_only(
-        1, "expert parallelism is not implemented (no MoE models yet)", "Expert parallel size (only 1).",
+        1, "expert parallelism is not implemented (it needs tensor parallelism, which is not implemented "
+           "either); MoE models run all their experts on one device", "Expert parallel size (only 1).",
         aliases=("--expert-parallel-size",)))
     nnodes: int = field(default=1, metadata=_only(1, "multi-node serving is not implemented",
                                                   "Number of nodes (only 1)."))

@@ -10,7 +10,8 @@ step:
     each part's fastest of --repeat rounds, the least disturbed estimate on a shared machine);
   * inside the forward, torch.profiler attributes every top-level aten op to the innermost labelled region
     (linear layers, attention kernel, K/V gather, K/V write, attention plan, norms, rope, activations,
-    embedding/residual); "Python overhead" is the forward's unprofiled wall time minus all those ops;
+    MoE routing, MoE grouping and weighted sum (the expert products count as linear), embedding/residual);
+    "Python overhead" is the forward's unprofiled wall time minus all those ops;
   * IPC/result handling: the offline Engine's time per step beyond the scheduler step (queue handoff,
     per-request bookkeeping), from the same workload through `kvstrata.Engine`.
 
@@ -37,7 +38,9 @@ LABELLED = [
     ("kvstrata.model.layers", "Linear.forward", "linear"),
     ("kvstrata.model.layers", "RMSNorm.forward", "norm"),
     ("kvstrata.model.layers", "RMSNorm.add_norm", "norm"),
-    ("kvstrata.model.layers", "GatedMLP.forward", "activation"),
+    ("kvstrata.model.layers", "SiluAndMul.forward", "activation"),
+    ("kvstrata.model.moe", "route", "MoE routing"),
+    ("kvstrata.model.moe", "FusedExperts.forward", "MoE grouping + sum"),
     ("kvstrata.model.llama", "apply_rotary", "rope"),
     ("kvstrata.model.rope", "RotaryEmbedding.rotation", "rope"),
     ("kvstrata.model.llama", "paged_attention", "attention kernel"),
@@ -46,7 +49,7 @@ LABELLED = [
     ("kvstrata.memory.device_pool", "DeviceKVPool.set_kv", "K/V write"),
 ]
 FORWARD_ROWS = ["linear", "attention kernel", "K/V gather", "K/V write", "attention plan", "norm", "rope",
-                "activation", "embedding/residual/other ops", "Python overhead"]
+                "activation", "MoE routing", "MoE grouping + sum", "embedding/residual/other ops", "Python overhead"]
 
 
 def _resolve(module: str, attr: str) -> tuple[object, str]:

@@ -1,4 +1,5 @@
-"""Built-in models ('tiny', 'bench'): complete HF checkpoint folders with random weights, made on first use."""
+"""Built-in models ('tiny', 'bench', 'bench-moe'): complete HF checkpoint folders with random weights, made on
+first use."""
 
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ from kvstrata.platform import cache_dir
 if TYPE_CHECKING:
     import torch
 
-BUILTIN_MODELS = ("tiny", "bench")
+BUILTIN_MODELS = ("tiny", "bench", "bench-moe")
 # Bump when anything that changes the built files changes, so that stale caches are not reused.
 BUILD_VERSION = "v1"
 _STAGING_MARK = "-building-"
@@ -44,6 +45,12 @@ class BuiltinSpec:
     seed: int
     init_std: tuple[float, float, float, float]  # embeddings, input projections, output projections, lm_head
     tokenizer: TokenizerSpec
+    rms_norm_eps: float = 1e-6
+    # Mixture of experts (Qwen3-MoE): every layer's MLP is `num_experts` experts of `moe_intermediate_size`,
+    # `top_k` per token (renormalized); 0 experts: a dense model.
+    num_experts: int = 0
+    top_k: int = 0
+    moe_intermediate_size: int = 0
 
     @property
     def vocab_size(self) -> int:
@@ -86,7 +93,18 @@ _BENCH = BuiltinSpec(
     ),
 )
 
-BUILTIN_SPECS = {"tiny": _TINY, "bench": _BENCH}
+# The shape `../shared/peers/make_model.py --arch qwen3_moe` writes for the peers (its config, field by field):
+# the bench model's attention and active MLP width per token (4 x 384 = 1536), 32 experts; ~190M parameters,
+# ~60M active (embedding included).
+_BENCH_MOE = BuiltinSpec(
+    architecture="Qwen3MoeForCausalLM", model_type="qwen3_moe", hidden_size=512, intermediate_size=1536,
+    num_layers=8, num_heads=8, num_kv_heads=2, head_dim=64, max_position_embeddings=4096,
+    rope_theta=10_000.0, tie_word_embeddings=False, qk_norm=True, dtype="bfloat16", seed=4322,
+    init_std=(0.1, 0.05, 0.2, 0.05), tokenizer=_BENCH.tokenizer, rms_norm_eps=1e-5,
+    num_experts=32, top_k=4, moe_intermediate_size=384,
+)
+
+BUILTIN_SPECS = {"tiny": _TINY, "bench": _BENCH, "bench-moe": _BENCH_MOE}
 
 
 def default_cache_dir() -> str:
@@ -192,7 +210,7 @@ def _write_configs(spec: BuiltinSpec, special_ids: dict[str, int], out_dir: str)
         "head_dim": spec.head_dim,
         "hidden_act": "silu",
         "max_position_embeddings": spec.max_position_embeddings,
-        "rms_norm_eps": 1e-6,
+        "rms_norm_eps": spec.rms_norm_eps,
         "rope_theta": spec.rope_theta,
         "rope_scaling": None,
         "attention_bias": False,
@@ -206,8 +224,11 @@ def _write_configs(spec: BuiltinSpec, special_ids: dict[str, int], out_dir: str)
         "torch_dtype": spec.dtype,
         "use_cache": True,
     }
-    if spec.model_type == "qwen3":
+    if spec.model_type in ("qwen3", "qwen3_moe"):
         config.update(use_sliding_window=False, sliding_window=None, max_window_layers=spec.num_layers)
+    if spec.num_experts:
+        config.update(num_experts=spec.num_experts, num_experts_per_tok=spec.top_k, norm_topk_prob=True,
+                      moe_intermediate_size=spec.moe_intermediate_size, decoder_sparse_step=1, mlp_only_layers=[])
     generation = {"bos_token_id": bos_id, "eos_token_id": eos_ids, "pad_token_id": special_ids[tok.pad_token]}
     _write_json(os.path.join(out_dir, "config.json"), config)
     _write_json(os.path.join(out_dir, "generation_config.json"), generation)
@@ -254,12 +275,27 @@ def random_weights(spec: BuiltinSpec) -> dict[str, torch.Tensor]:
             weights[p + "self_attn.q_norm.weight"] = torch.ones(d)
             weights[p + "self_attn.k_norm.weight"] = torch.ones(d)
         weights[p + "post_attention_layernorm.weight"] = torch.ones(h)
+        if spec.num_experts:
+            weights.update(_expert_weights(p + "mlp.", spec, uniform))
+            continue
         weights[p + "mlp.gate_proj.weight"] = uniform(inter, h)
         weights[p + "mlp.up_proj.weight"] = uniform(inter, h)
         weights[p + "mlp.down_proj.weight"] = uniform(h, inter, std=out_std)
     weights["model.norm.weight"] = torch.ones(h)
     if not spec.tie_word_embeddings:
         weights["lm_head.weight"] = uniform(spec.vocab_size, h, std=lm_head_std)
+    return weights
+
+
+def _expert_weights(prefix: str, spec: BuiltinSpec, uniform: Callable) -> dict[str, torch.Tensor]:
+    """One MoE layer's router and experts (HF's Qwen3-MoE names), drawn in a fixed order."""
+    h, inter, out_std = spec.hidden_size, spec.moe_intermediate_size, spec.init_std[2]
+    weights = {prefix + "gate.weight": uniform(spec.num_experts, h)}
+    for e in range(spec.num_experts):
+        expert = f"{prefix}experts.{e}."
+        weights[expert + "gate_proj.weight"] = uniform(inter, h)
+        weights[expert + "up_proj.weight"] = uniform(inter, h)
+        weights[expert + "down_proj.weight"] = uniform(h, inter, std=out_std)
     return weights
 
 

@@ -14,10 +14,14 @@ from typing import Any, Optional
 
 logger = logging.getLogger(__name__)
 
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+MOE_ARCHITECTURES = ("Qwen3MoeForCausalLM", "Qwen2MoeForCausalLM", "MixtralForCausalLM")
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
+                           *MOE_ARCHITECTURES)
 # Used when `architectures` is absent from config.json.
 _MODEL_TYPE_TO_ARCH = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
-                       "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+                       "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
+                       "qwen3_moe": "Qwen3MoeForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM",
+                       "mixtral": "MixtralForCausalLM"}
 _REQUIRED_FIELDS = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
                     "vocab_size", "max_position_embeddings")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
@@ -25,6 +29,18 @@ SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 
 class ModelLoadError(Exception):
     """A model folder that cannot be loaded; the message names the file, field or tensor at fault."""
+
+
+@dataclass(frozen=True)
+class MoeConfig:
+    """The mixture-of-experts block of a Qwen3-MoE, Qwen2-MoE or Mixtral checkpoint (softmax top-k routing)."""
+
+    num_experts: int
+    top_k: int                            # experts per token (num_experts_per_tok)
+    expert_intermediate_size: int         # each routed expert's gate/up width
+    norm_topk_prob: bool                  # renormalize the top-k probabilities to sum to 1
+    sparse_layers: tuple[int, ...]        # layers whose MLP is the expert block; the others are dense
+    shared_expert_intermediate_size: int  # Qwen2-MoE's always-on expert behind a sigmoid gate; 0: none
 
 
 @dataclass(frozen=True)
@@ -48,11 +64,16 @@ class ModelConfig:
     qk_norm: bool                         # Qwen3: RMSNorm over head_dim on q and k before RoPE
     eos_token_ids: tuple[int, ...]
     torch_dtype: Optional[str]
+    moe: Optional[MoeConfig] = None       # None: a dense model
+
+    def is_sparse_layer(self, layer: int) -> bool:
+        """Whether layer `layer`'s MLP is the mixture-of-experts block."""
+        return self.moe is not None and layer in self.moe.sparse_layers
 
     @property
     def o_proj_bias(self) -> bool:
         """Llama/Qwen3 put `attention_bias` on o_proj too; Qwen2 has bias on q/k/v only."""
-        return self.attention_bias and self.architecture != "Qwen2ForCausalLM"
+        return self.attention_bias and self.architecture not in ("Qwen2ForCausalLM", "Qwen2MoeForCausalLM")
 
     @staticmethod
     def from_path(path: str) -> ModelConfig:
@@ -96,9 +117,10 @@ class ModelConfig:
             max_position_embeddings=_context_limit(raw, arch),
             tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
             attention_bias=_attention_bias(raw, arch),
-            qk_norm=arch == "Qwen3ForCausalLM",
+            qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM"),
             eos_token_ids=_eos_ids(raw.get("eos_token_id"), (generation_config or {}).get("eos_token_id")),
             torch_dtype=raw.get("torch_dtype") or raw.get("dtype"),
+            moe=_moe(raw, arch, source) if arch in MOE_ARCHITECTURES else None,
         )
 
 
@@ -147,11 +169,64 @@ def _rope(raw: dict, source: str) -> tuple[float, Optional[dict]]:
     return theta, params
 
 
+# Fields of other MoE families (DeepSeek, GLM, Llama 4, ...) that change the routing or add experts this
+# engine does not compute: a checkpoint that sets one is refused rather than run wrong. Value: the neutral one.
+_FOREIGN_MOE_FIELDS = {"scoring_func": "softmax", "topk_method": "greedy", "n_group": 1, "topk_group": 1,
+                       "n_shared_experts": 0, "routed_scaling_factor": 1.0, "first_k_dense_replace": 0,
+                       "moe_layer_freq": 1, "num_shared_experts": 0}
+
+
+def _moe(raw: dict, arch: str, source: str) -> MoeConfig:
+    """The expert block of a Qwen3-MoE / Qwen2-MoE / Mixtral config; unsupported variants name their field."""
+    for name, neutral in _FOREIGN_MOE_FIELDS.items():
+        if raw.get(name) not in (None, neutral):
+            raise ModelLoadError(f"{source}: {name}={raw[name]!r} is not supported for {arch} "
+                                 f"(only {name}={neutral!r}: softmax top-k routing)")
+    if raw.get("hidden_act", "silu") != "silu":
+        raise ModelLoadError(f"{source}: hidden_act={raw['hidden_act']!r} is not supported (only silu)")
+    num_layers = int(raw["num_hidden_layers"])
+    if arch == "MixtralForCausalLM":
+        if raw.get("sliding_window") is not None:
+            raise ModelLoadError(f"{source}: sliding_window={raw['sliding_window']!r} is not supported for "
+                                 f"{arch} (only null: sliding-window attention is not implemented)")
+        num_experts, inter = _int_field(raw, "num_local_experts", source), int(raw["intermediate_size"])
+        norm_topk, sparse, shared = True, tuple(range(num_layers)), 0
+    else:
+        # transformers 5 writes Qwen3-MoE's expert count as num_local_experts; Qwen's own configs say num_experts.
+        key = "num_experts" if raw.get("num_experts") is not None else "num_local_experts"
+        num_experts, inter = _int_field(raw, key, source), _int_field(raw, "moe_intermediate_size", source)
+        norm_topk = bool(raw.get("norm_topk_prob", arch == "Qwen3MoeForCausalLM"))
+        step = int(raw.get("decoder_sparse_step") or 1)
+        dense = set(raw.get("mlp_only_layers") or [])
+        sparse = tuple(i for i in range(num_layers) if i not in dense and num_experts > 0 and (i + 1) % step == 0)
+        shared = int(raw.get("shared_expert_intermediate_size") or 0)
+        if shared and arch != "Qwen2MoeForCausalLM":
+            raise ModelLoadError(f"{source}: shared_expert_intermediate_size={shared} is not supported for {arch} "
+                                 "(shared experts: Qwen2MoeForCausalLM only)")
+        if arch == "Qwen2MoeForCausalLM" and not shared:
+            raise ModelLoadError(f"{source}: missing required field shared_expert_intermediate_size")
+    top_k = _int_field(raw, "num_experts_per_tok", source)
+    if sparse and not 0 < top_k <= num_experts:
+        raise ModelLoadError(f"{source}: num_experts_per_tok={top_k} must be between 1 and the {num_experts} experts")
+    return MoeConfig(num_experts=num_experts, top_k=top_k, expert_intermediate_size=inter, norm_topk_prob=norm_topk,
+                     sparse_layers=sparse, shared_expert_intermediate_size=shared)
+
+
+def _int_field(raw: dict, name: str, source: str) -> int:
+    value = raw.get(name)
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ModelLoadError(f"{source}: field {name} must be a non-negative integer, got {value!r}")
+    return value
+
+
 def _attention_bias(raw: dict, arch: str) -> bool:
-    # transformers hard-codes these two: Qwen2 always has q/k/v bias, Mistral never has any.
+    # transformers hard-codes these: Qwen2 always has q/k/v bias (Qwen2-MoE unless qkv_bias says otherwise),
+    # Mistral and Mixtral never have any.
     if arch == "Qwen2ForCausalLM":
         return True
-    if arch == "MistralForCausalLM":
+    if arch == "Qwen2MoeForCausalLM":
+        return bool(raw.get("qkv_bias", True))
+    if arch in ("MistralForCausalLM", "MixtralForCausalLM"):
         return False
     return bool(raw.get("attention_bias", False))
 

@@ -56,6 +56,10 @@ class Linear(nn.Linear):
             return self._forward(F.pad(x, (0, 0, 0, self.min_rows - rows)))[:rows]
         return self._forward(x)
 
+    def serves_every_row(self) -> bool:
+        """Whether a compiled kernel (`decode_gemv` without a row limit) takes every product of this Linear."""
+        return self.decode_gemv is not None and self.decode_gemv.max_rows is None
+
     def _forward_in_blocks(self, x: torch.Tensor) -> torch.Tensor:
         """Batch-invariant products on a GPU: every GEMM has exactly DEVICE_INVARIANT_BLOCK_ROWS rows (the
         input zero-padded), so the library runs one kernel, one reduction order, whatever the batch."""
@@ -137,12 +141,13 @@ def use_onednn_weights(model: nn.Module) -> None:
     decode step's products (bench model: 6.5 -> 4.5 ms); at one row it is ~7% slower per token than the
     compiled GEMV, which would need a second copy of every weight. The row-major copy is released, except where another module shares it
     (the embedding of a tied lm_head). Not for batch-invariant mode: oneDNN's AMX kernels are not row-invariant.
+    Linears that a compiled kernel already serves at every row count (moe.use_expert_linear) keep it.
     """
     shared = {id(p) for m in model.modules() if not isinstance(m, Linear) for p in m.parameters(recurse=False)}
     for module in model.modules():
         if isinstance(module, Linear):
             w = module.weight
-            if w.device.type != "cpu" or w.dtype != torch.bfloat16:
+            if w.device.type != "cpu" or w.dtype != torch.bfloat16 or module.serves_every_row():
                 continue
             with torch.no_grad():
                 module.onednn_weight = torch.ops.mkldnn._reorder_linear_weight(w.detach().contiguous(), ONEDNN_PACK_ROWS)
@@ -198,6 +203,23 @@ class RMSNorm(nn.Module):
         return self(residual), residual
 
 
+class SiluAndMul(nn.Module):
+    """silu(gate) * up of a fused `[T, 2 * inter]` gate|up product -> `[T, inter]`."""
+
+    def __init__(self, intermediate_size: int):
+        super().__init__()
+        self.intermediate_size = intermediate_size
+        # The compiled one-pass op for bf16 on CPU (see use_fused_activation), or None: torch ops.
+        self.op: Optional[Callable] = None
+
+    def forward(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """Apply the activation to `gate_up`."""
+        if self.op is not None and gate_up.dtype == torch.bfloat16 and gate_up.device.type == "cpu":
+            return self.op(gate_up)   # same bits as the two torch ops below
+        gate, up = gate_up.split(self.intermediate_size, dim=-1)
+        return F.silu(gate) * up
+
+
 class GatedMLP(nn.Module):
     """down(silu(gate(x)) * up(x)), with gate and up fused in one `[2 * inter, hidden]` matmul."""
 
@@ -206,20 +228,15 @@ class GatedMLP(nn.Module):
         self.intermediate_size = intermediate_size
         self.gate_up_proj = Linear(hidden_size, 2 * intermediate_size, bias=False)
         self.down_proj = Linear(intermediate_size, hidden_size, bias=False)
-        # The compiled one-pass silu(gate) * up for bf16 on CPU (see use_fused_activation), or None: torch ops.
-        self.silu_and_mul: Optional[Callable] = None
+        self.act = SiluAndMul(intermediate_size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Apply the MLP to `x` `[T, hidden]`."""
-        gate_up = self.gate_up_proj(x)
-        if self.silu_and_mul is not None and gate_up.dtype == torch.bfloat16 and gate_up.device.type == "cpu":
-            return self.down_proj(self.silu_and_mul(gate_up))   # same bits as the two torch ops below
-        gate, up = gate_up.split(self.intermediate_size, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(self.act(self.gate_up_proj(x)))
 
 
 def use_fused_activation(model: nn.Module, silu_and_mul: Optional[Callable]) -> None:
-    """Route every GatedMLP of `model` through the compiled activation op (None: back to torch ops)."""
+    """Route every SiluAndMul of `model` (dense MLPs and experts) through the compiled op (None: torch ops)."""
     for module in model.modules():
-        if isinstance(module, GatedMLP):
-            module.silu_and_mul = silu_and_mul
+        if isinstance(module, SiluAndMul):
+            module.op = silu_and_mul

@@ -1,7 +1,8 @@
-"""Llama-family decoder (Llama, Mistral, Qwen2, Qwen3) over the paged KV pool.
+"""Llama-family decoder (Llama, Mistral, Qwen2, Qwen3 and the MoE Qwen3-MoE, Qwen2-MoE, Mixtral) over the paged KV pool.
 
 One class covers the family; the differences are config switches: q/k/v bias (Qwen2, or `attention_bias`),
-q/k RMSNorm over head_dim before RoPE (Qwen3), tied embeddings. Projections are fused (q|k|v in
+q/k RMSNorm over head_dim before RoPE (Qwen3), tied embeddings, and a mixture-of-experts block (moe.py) in
+place of the MLP on the config's sparse layers. Projections are fused (q|k|v in
 `qkv_proj`, gate|up in `gate_up_proj`) so a layer runs two matmuls fewer; `checkpoint_targets()` tells the
 loader where each Hugging Face tensor goes.
 """
@@ -15,6 +16,7 @@ from kvstrata.model.attention import paged_attention, sdpa_backends
 from kvstrata.model.config import ModelConfig
 from kvstrata.model.forward_meta import ForwardMetadata
 from kvstrata.model.layers import GatedMLP, Linear, RMSNorm, upcasts_on_cpu
+from kvstrata.model.moe import SparseMoeBlock
 from kvstrata.model.rope import RotaryEmbedding, Rotation, apply_rotary
 
 
@@ -62,7 +64,10 @@ class LlamaDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.self_attn = LlamaAttention(config, layer_id)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = GatedMLP(config.hidden_size, config.intermediate_size)
+        if config.is_sparse_layer(layer_id):
+            self.mlp = SparseMoeBlock(config.hidden_size, config.moe)
+        else:
+            self.mlp = GatedMLP(config.hidden_size, config.intermediate_size)
 
     def forward(self, hidden: torch.Tensor, residual: torch.Tensor | None, rotation: Rotation,
                 meta: ForwardMetadata, kv_pool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -137,11 +142,11 @@ class LlamaForCausalLM(nn.Module):
         hidden, _ = self.model.norm.add_norm(hidden[rows], residual[rows])
         return self.lm_head(hidden).float()
 
-    def checkpoint_targets(self) -> dict[str, tuple[str, int, int]]:
-        """Hugging Face tensor name -> (parameter name, first row, end row) it fills.
+    def checkpoint_targets(self) -> dict[str, tuple]:
+        """Hugging Face tensor name -> (parameter name, first row, end row[, expert]) it fills.
 
-        Fused parameters are filled by several checkpoint tensors, each a row range. lm_head is listed
-        even when tied; the loader decides whether to tie.
+        Fused parameters are filled by several checkpoint tensors, each a row range (of one expert's slice
+        for the stacked expert weights). lm_head is listed even when tied; the loader decides whether to tie.
         """
         c = self.config
         q, kv, inter = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim, c.intermediate_size
@@ -156,6 +161,13 @@ class LlamaForCausalLM(nn.Module):
                 targets[f"{attn}.q_proj.{kind}"] = (fused, 0, q)
                 targets[f"{attn}.k_proj.{kind}"] = (fused, q, q + kv)
                 targets[f"{attn}.v_proj.{kind}"] = (fused, q + kv, q + 2 * kv)
+            block = self.model.layers[i].mlp
+            if isinstance(block, SparseMoeBlock):
+                targets = {k: v for k, v in targets.items() if not k.startswith(f"{mlp}.")}
+                mixtral = c.architecture == "MixtralForCausalLM"
+                theirs = f"model.layers.{i}.block_sparse_moe" if mixtral else mlp
+                targets.update(block.checkpoint_targets(mlp, theirs, mixtral))
+                continue
             fused = targets.pop(f"{mlp}.gate_up_proj.weight")[0]
             targets[f"{mlp}.gate_proj.weight"] = (fused, 0, inter)
             targets[f"{mlp}.up_proj.weight"] = (fused, inter, 2 * inter)

@@ -1,8 +1,9 @@
 """Load a Hugging Face safetensors checkpoint into a LlamaForCausalLM.
 
 The model is built on the meta device, then given uninitialised storage in the target dtype/device, and
-every checkpoint tensor is copied straight into its parameter (or its row range of a fused parameter):
-at most one checkpoint tensor is in flight, never a second copy of the model.
+every checkpoint tensor is copied straight into its parameter (or its row range of a fused parameter, or
+its expert's slice of a stacked expert parameter): at most one checkpoint tensor is in flight, never a
+second copy of the model.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from safetensors import safe_open
 
 from kvstrata.model.config import ModelConfig, ModelLoadError
 from kvstrata.model.llama import LlamaForCausalLM
+from kvstrata.model.moe import bind_experts
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -56,6 +58,7 @@ def load_model(path: str, config: ModelConfig, dtype: torch.dtype, device: torch
     if missing:
         shown = ", ".join(missing[:5]) + (f" (+{len(missing) - 5} more)" if len(missing) > 5 else "")
         raise ModelLoadError(f"{path}: checkpoint is missing tensor(s) {shown}")
+    bind_experts(model)
     if relayout:
         model.optimize_layout()
     return model.eval()
@@ -87,6 +90,7 @@ def load_dummy_model(config: ModelConfig, dtype: torch.dtype, device: torch.devi
             else:
                 values = torch.rand(param.shape, generator=generator, dtype=torch.float32) * 2 - 1
                 param.copy_(values.mul_(half_width))
+    bind_experts(model)
     if relayout:
         model.optimize_layout()
     return model.eval()
@@ -137,10 +141,12 @@ def _reader(handle, file: str, name: str) -> Callable[[], torch.Tensor]:
     return read
 
 
-def _copy_into(params: dict[str, torch.nn.Parameter], name: str, target: tuple[str, int, int],
+def _copy_into(params: dict[str, torch.nn.Parameter], name: str, target: tuple,
                tensor: torch.Tensor, file: str) -> None:
-    param_name, start, end = target
-    dest = params[param_name].data[start:end]
+    """Copy `tensor` into rows [start, end) of its parameter (of expert `target[3]`'s slice, if given)."""
+    param_name, start, end, *expert = target
+    dest = params[param_name].data
+    dest = (dest[expert[0]] if expert else dest)[start:end]
     if tuple(tensor.shape) != tuple(dest.shape):
         raise ModelLoadError(f"{file}: tensor {name!r} has shape {tuple(tensor.shape)}, "
                              f"expected {tuple(dest.shape)}")

@@ -156,15 +156,30 @@ def decode_linear_op(every_row: bool = False) -> Optional[DecodeLinear]:
     """The bf16 GEMV of this CPU's build (AVX-512 BF16: decode rows, or every product with `every_row`, as
     batch-invariant mode needs, on AMX tiles where the CPU has them (linear_amx.cpp); AVX2: every product),
     or None."""
-    amx_ready = _bf16_op("amx_ready")
-    if every_row and amx_ready is not None and amx_ready():
-        return DecodeLinear(torch.ops.kvstrata.amx_linear_pack, torch.ops.kvstrata.amx_linear, None)
+    amx = amx_linear_op() if every_row else None
+    if amx is not None:
+        return amx
     row_major = _bf16_op("decode_linear")
     if row_major is not None:
         return DecodeLinear(_row_major, lambda x, weight, bias, n: row_major(x, weight, bias),
                             None if every_row else DECODE_LINEAR_MAX_ROWS)
     pack, packed = _bf16_op("decode_linear_pack"), _bf16_op("decode_linear_packed")
     return DecodeLinear(pack, packed, None) if pack is not None and packed is not None else None
+
+
+def amx_linear_op() -> Optional[DecodeLinear]:
+    """The AMX-tile bf16 linear (linear_amx.cpp) as a DecodeLinear serving every row count, row-invariant, on a
+    packed copy of the weight; None where the CPU, its build or Linux's tile permission lacks it."""
+    amx_ready = _bf16_op("amx_ready")
+    if amx_ready is None or not amx_ready():
+        return None
+    return DecodeLinear(torch.ops.kvstrata.amx_linear_pack, torch.ops.kvstrata.amx_linear, None)
+
+
+def moe_combine_op() -> Optional[Callable]:
+    """`op(rows [N, H], slots [T, k] int64, weights [T, k] float32) -> [T, H]`: each token's k expert rows
+    weighted and summed in rank order (moe.py's torch path, the same bits), bf16 / float32; or None."""
+    return torch.ops.kvstrata.moe_combine if _loaded() else None
 
 
 def argmax_op() -> Optional[Callable]:

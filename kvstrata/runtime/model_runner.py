@@ -26,12 +26,15 @@ from kvstrata.model.layers import (
     use_onednn_weights,
 )
 from kvstrata.model.loader import load_dummy_model, load_model
+from kvstrata.model.moe import use_expert_linear, use_moe_combine
 from kvstrata.model.paged_kernels import (
     BF16_HEAD_DIMS,
+    amx_linear_op,
     argmax_op,
     decode_attention_op,
     decode_linear_op,
     extend_attention_op,
+    moe_combine_op,
     norm_ops,
     paged_attention_op,
     rope_op,
@@ -110,20 +113,25 @@ class ModelRunner:
         return argmax_op()
 
     def _use_layer_kernels(self) -> None:
-        """Compiled norms, rotary embedding and silu·mul (row-invariant: both modes) and the bf16 products:
+        """Compiled norms, rotary embedding, silu·mul and the MoE weighted sum (row-invariant: both modes) and
+        the bf16 products:
         on AMX CPUs oneDNN on prepacked weights, elsewhere the compiled GEMV (decode rows; AVX2: every
-        product); deterministic mode takes the GEMV for every row count on every CPU, since oneDNN's AMX
-        kernels sum a row differently at different row counts. On CPU unless --disable-cpu-kernels; plain
+        product; MoE experts there take the AMX linear); deterministic mode takes the GEMV for every row count
+        on every CPU, since oneDNN's AMX kernels sum a row differently at different row counts. On CPU unless --disable-cpu-kernels; plain
         torch otherwise."""
         if self.device.type != "cpu" or self.args.disable_cpu_kernels:
             return
         use_fused_norms(self.model, norm_ops())
         use_rope_kernel(self.model, rope_op())
+        use_moe_combine(self.model, moe_combine_op())
         if self.dtype == torch.bfloat16:
             use_fused_activation(self.model, silu_and_mul_op())
         deterministic = self.args.enable_deterministic_inference
         gemv = decode_linear_op(every_row=deterministic)
         if onednn_weights_apply(self.dtype, deterministic):
+            amx = amx_linear_op()
+            if amx is not None:
+                use_expert_linear(self.model, amx)   # small products: the AMX linear beats oneDNN there
             use_onednn_weights(self.model)
         elif gemv is not None:
             use_decode_linear(self.model, gemv)

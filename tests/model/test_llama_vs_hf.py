@@ -14,7 +14,7 @@ from kvstrata.model.config import ModelConfig
 from kvstrata.model.loader import load_model
 from tests.device import TEST_DEVICE
 from tests.model.forward_batch import PagedSequences, make_pool
-from tests.model.hf_ckpt import CASES
+from tests.model.hf_ckpt import CASES, MOE_CASES
 
 TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 2e-2}
 PROMPT_LENS = [5, 19, 1, 12]  # a one-token prompt takes the decode path at prefix 0; 37 rows > UPCAST_MIN_ROWS
@@ -108,7 +108,7 @@ def test_batched_prefill_and_decode_logits_match_hf(checkpoint_dir, case, dtype)
 
 # page_size 4: keys gathered page by page; 1, or 4 with scattered slots: slot by slot.
 @pytest.mark.parametrize("page_size, scatter", [(4, False), (1, False), (4, True)], ids=["pages", "slots", "scattered"])
-@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("case", [*CASES, *MOE_CASES])
 def test_extend_after_cached_prefix_equals_full_prefill(checkpoint_dir, case, page_size, scatter):
     pair = Pair.get(checkpoint_dir, case, torch.float32)
     first, second = random_prompts([13, 9], pair.config.vocab_size, seed=3)
@@ -149,7 +149,7 @@ def test_lone_sequence_in_one_slot_range_is_read_in_place(checkpoint_dir, case):
     assert relative_error(torch.cat(rows), pair.hf_logits(prompt + [11, 12])) < 1e-4
 
 
-@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("case", [*CASES, *MOE_CASES])
 def test_greedy_generation_matches_hf_generate(checkpoint_dir, case):
     pair = Pair.get(checkpoint_dir, case, torch.float32)
     prompts = random_prompts([7, 3, 12], pair.config.vocab_size, seed=5)

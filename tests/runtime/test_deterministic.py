@@ -45,31 +45,36 @@ def _signature(out: dict) -> tuple:
             tuple(tuple(map(tuple, t)) for t in meta["output_top_logprobs"]))
 
 
+def check_alone_equals_in_batches(engine, rng: random.Random, dtype: str, trials: int = TRIALS, vocab: int = 250) -> None:
+    """For `trials` target prompts: the target alone, then inside batches of 1, 7 and 31 other requests (some
+    sharing its prefix, at a random place, the cache sometimes flushed), bit-identical every time. `vocab`:
+    the ids drawn (the tiny tokenizer's byte-level ids by default)."""
+    greedy = {"temperature": 0, "max_new_tokens": 16}
+    for trial in range(trials):
+        target = _target(rng, vocab)
+        engine.flush_cache()
+        alone = _signature(_run(engine, [target], [greedy])[0])
+        # Greedy: the chosen token is always the first of the top logprobs.
+        assert [top[0][1] for top in alone[2]] == list(alone[0])
+        for count in (1, 7, 31):
+            others = _others(rng, target, count, vocab)
+            params = [{"temperature": 0, "max_new_tokens": rng.randrange(1, 24)} for _ in others]
+            at = rng.randrange(count + 1)
+            prompts = others[:at] + [target] + others[at:]
+            params = params[:at] + [greedy] + params[at:]
+            if rng.random() < 0.5:
+                engine.flush_cache()
+            got = _signature(_run(engine, prompts, params)[at])
+            assert got == alone, f"trial {trial}, batch of {count + 1}, {dtype}: output differs"
+    assert_idle_integrity(engine)
+
+
 @pytest.mark.parametrize("page_size", [1, 16])
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
 def test_greedy_request_alone_equals_it_in_any_batch(dtype, page_size):
     engine = make_engine(dtype=dtype, enable_deterministic_inference=True, chunked_prefill_size=64,
                          max_total_tokens=16384, page_size=page_size)
     try:
-        vocab = 250   # the tiny model's byte-level ids
-        rng = random.Random(1234 + page_size)
-        greedy = {"temperature": 0, "max_new_tokens": 16}
-        for trial in range(TRIALS):
-            target = _target(rng, vocab)
-            engine.flush_cache()
-            alone = _signature(_run(engine, [target], [greedy])[0])
-            # Greedy: the chosen token is always the first of the top logprobs.
-            assert [top[0][1] for top in alone[2]] == list(alone[0])
-            for count in (1, 7, 31):
-                others = _others(rng, target, count, vocab)
-                params = [{"temperature": 0, "max_new_tokens": rng.randrange(1, 24)} for _ in others]
-                at = rng.randrange(count + 1)
-                prompts = others[:at] + [target] + others[at:]
-                params = params[:at] + [greedy] + params[at:]
-                if rng.random() < 0.5:
-                    engine.flush_cache()
-                got = _signature(_run(engine, prompts, params)[at])
-                assert got == alone, f"trial {trial}, batch of {count + 1}, {dtype}: output differs"
-        assert_idle_integrity(engine)
+        check_alone_equals_in_batches(engine, random.Random(1234 + page_size), dtype)
     finally:
         engine.shutdown()
