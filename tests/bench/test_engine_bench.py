@@ -68,11 +68,13 @@ def test_load_back_is_a_measurement_of_its_own(capsys):
     assert "--load-back is a measurement of its own" in capsys.readouterr().err
 
 
-def test_engine_bench_runs_on_dummy_weights_from_a_config_only_folder(tmp_path, capsys):
-    """`--load-format dummy`: the bench model's shape from its config.json alone (no weights, no tokenizer)."""
+@pytest.mark.parametrize("shape", ["bench", "bench-moe"])
+def test_engine_bench_runs_on_dummy_weights_from_a_config_only_folder(shape, tmp_path, capsys):
+    """`--load-format dummy`: a built-in's shape (dense, and the peers' Qwen3-MoE) from its config.json alone
+    (no weights, no tokenizer)."""
     from kvstrata.model.builtin import resolve_model_path
 
-    (tmp_path / "config.json").write_text((Path(resolve_model_path("bench")) / "config.json").read_text())
+    (tmp_path / "config.json").write_text((Path(resolve_model_path(shape)) / "config.json").read_text())
     assert main(["--model-path", str(tmp_path), "--load-format", "dummy", "--dtype", "float32", "--context", "32",
                  "--decode-tokens", "4", "--streams", "2", "--repeat", "1", "--threads", "1"]) == 0
     out = capsys.readouterr().out
