@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
 import transformers
 
@@ -99,3 +101,15 @@ def write_servable_moe_checkpoint(folder: str) -> str:
     for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json"):
         shutil.copy(os.path.join(tiny, name), os.path.join(folder, name))
     return folder
+
+
+def edit_checkpoint(folder, put: dict | None = None, drop: tuple[str, ...] = ()) -> None:
+    """Rewrite `folder`'s model.safetensors with tensors replaced or added (`put`) and removed (`drop`)."""
+    from safetensors.torch import load_file, save_file
+
+    file = Path(folder) / "model.safetensors"
+    tensors = load_file(file)
+    for name in drop:
+        del tensors[name]
+    tensors.update(put or {})
+    save_file(tensors, file)

@@ -13,6 +13,7 @@ from safetensors.torch import load_file, save_file
 from kvstrata.model.config import ModelConfig, ModelLoadError
 from kvstrata.model.layers import upcasts_on_cpu
 from kvstrata.model.loader import load_model
+from tests.model.hf_ckpt import edit_checkpoint
 
 CPU = torch.device("cpu")
 
@@ -137,28 +138,19 @@ def test_corrupt_safetensors(llama_copy, damage):
 
 
 def test_missing_tensor_is_named(llama_copy):
-    file = llama_copy / "model.safetensors"
-    tensors = load_file(file)
-    del tensors["model.layers.1.self_attn.k_proj.weight"]
-    save_file(tensors, file)
+    edit_checkpoint(llama_copy, drop=("model.layers.1.self_attn.k_proj.weight",))
     with pytest.raises(ModelLoadError, match="model.layers.1.self_attn.k_proj.weight"):
         load(llama_copy)
 
 
 def test_wrong_shape_is_named_with_shapes(llama_copy):
-    file = llama_copy / "model.safetensors"
-    tensors = load_file(file)
-    tensors["model.layers.0.mlp.up_proj.weight"] = torch.zeros(100, 64)
-    save_file(tensors, file)
+    edit_checkpoint(llama_copy, put={"model.layers.0.mlp.up_proj.weight": torch.zeros(100, 64)})
     with pytest.raises(ModelLoadError, match=r"up_proj.weight.*\(100, 64\).*\(128, 64\)"):
         load(llama_copy)
 
 
 def test_unexpected_tensor_is_named(llama_copy):
-    file = llama_copy / "model.safetensors"
-    tensors = load_file(file)
-    tensors["model.layers.0.mlp.gate_proj.bias"] = torch.zeros(128)
-    save_file(tensors, file)
+    edit_checkpoint(llama_copy, put={"model.layers.0.mlp.gate_proj.bias": torch.zeros(128)})
     with pytest.raises(ModelLoadError, match="gate_proj.bias"):
         load(llama_copy)
 

@@ -8,7 +8,6 @@ import shutil
 import pytest
 import torch
 import torch.nn.functional as F
-from safetensors.torch import load_file, save_file
 
 from kvstrata.model.config import ModelConfig, ModelLoadError
 from kvstrata.model.layers import Linear, make_batch_invariant, use_decode_linear, use_onednn_weights
@@ -17,7 +16,7 @@ from kvstrata.model.moe import SparseMoeBlock, combine_ranks, route, use_expert_
 from kvstrata.model.paged_kernels import amx_linear_op, decode_linear_op, moe_combine_op
 from tests.capabilities import requires_amx, requires_cpu_kernels, requires_onednn_bf16_reorder
 from tests.device import TEST_DEVICE
-from tests.model.hf_ckpt import MOE_CASES
+from tests.model.hf_ckpt import MOE_CASES, edit_checkpoint
 from tests.model.test_llama_vs_hf import PROMPT_LENS, TOLERANCE, Pair, random_prompts, relative_error
 
 DTYPES = [torch.float32, torch.bfloat16]
@@ -199,10 +198,7 @@ def _load(path) -> torch.nn.Module:
 
 
 def test_missing_expert_tensor_is_named(moe_copy):
-    file = moe_copy / "model.safetensors"
-    tensors = load_file(file)
-    del tensors["model.layers.2.mlp.experts.5.up_proj.weight"]
-    save_file(tensors, file)
+    edit_checkpoint(moe_copy, drop=("model.layers.2.mlp.experts.5.up_proj.weight",))
     with pytest.raises(ModelLoadError, match=r"missing tensor\(s\) model\.layers\.2\.mlp\.experts\.5\.up_proj\.weight"):
         _load(moe_copy)
 
@@ -210,19 +206,13 @@ def test_missing_expert_tensor_is_named(moe_copy):
 @pytest.mark.parametrize("name, shape", [("model.layers.0.mlp.experts.7.down_proj.weight", (64, 31)),
                                          ("model.layers.0.mlp.gate.weight", (9, 64))])
 def test_wrong_expert_shape_is_named(moe_copy, name, shape):
-    file = moe_copy / "model.safetensors"
-    tensors = load_file(file)
-    tensors[name] = torch.zeros(shape)
-    save_file(tensors, file)
+    edit_checkpoint(moe_copy, put={name: torch.zeros(shape)})
     with pytest.raises(ModelLoadError, match=f"tensor '{name}' has shape"):
         _load(moe_copy)
 
 
 def test_expert_beyond_the_configured_count_is_refused(moe_copy):
-    file = moe_copy / "model.safetensors"
-    tensors = load_file(file)
-    tensors["model.layers.0.mlp.experts.8.up_proj.weight"] = torch.zeros(32, 64)
-    save_file(tensors, file)
+    edit_checkpoint(moe_copy, put={"model.layers.0.mlp.experts.8.up_proj.weight": torch.zeros(32, 64)})
     with pytest.raises(ModelLoadError, match="unexpected tensor 'model.layers.0.mlp.experts.8.up_proj.weight'"):
         _load(moe_copy)
 
