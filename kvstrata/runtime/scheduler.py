@@ -77,8 +77,8 @@ class Scheduler:
                   stream=msg.stream, namespace=msg.cache_namespace, priority=self._priority(msg.priority))
         if msg.priority is not None and self.args.abort_on_priority_when_disabled \
                 and not self.args.enable_priority_scheduling:
-            return error_output(msg.rid, len(msg.input_ids), "this server does not schedule by 'priority' "
-                                "(start it with --enable-priority-scheduling)")
+            return self.error_for(req, "this server does not schedule by 'priority' "
+                                  "(start it with --enable-priority-scheduling)")
         if s.sampling_seed is not None:
             req.generator = torch.Generator().manual_seed(s.sampling_seed)
         elif self.args.enable_deterministic_inference and not s.is_greedy:
@@ -90,15 +90,13 @@ class Scheduler:
                                       "--disaggregation-mode null")
             return self.handoff.add(req, msg.bootstrap)
         if self.args.max_queued_requests is not None and len(self.waiting) >= self.args.max_queued_requests:
-            return error_output(msg.rid, len(msg.input_ids), QUEUE_FULL_MESSAGE, status=503)
+            return self.error_for(req, QUEUE_FULL_MESSAGE, status=503)
         if s.constraint is not None:
             backend = self.grammar_backend()
             if backend is None:
-                return error_output(msg.rid, len(msg.input_ids), "structured output is disabled "
-                                     "(--grammar-backend none)")
+                return self.error_for(req, "structured output is disabled (--grammar-backend none)")
             req.grammar_future = backend.compile_async(*s.constraint)
-        self.waiting.append(req)
-        self.cache.start_prefetch(req)
+        self.queue(req)
         return None
 
     def _priority(self, given: Optional[int]) -> int:
@@ -456,7 +454,7 @@ class Scheduler:
 
     # ------------------------------------------------------------------ HandoffHost (runtime/handoff.py)
     def queue(self, req: Req) -> None:
-        """Queue req for prefill (a bootstrapped prefill request), its L3 prefetch started."""
+        """Queue req for prefill, its L3 prefetch started (every arrival; a handoff's prefill requests too)."""
         self.waiting.append(req)
         self.cache.start_prefetch(req)
 
