@@ -13,6 +13,7 @@ from kvstrata.platform import cpu_has_amx, cpu_has_fast_bf16, cpu_has_onednn_bf1
 
 if TYPE_CHECKING:
     from kvstrata.model.paged_kernels import DecodeLinear
+    from kvstrata.model.quant.base import QuantizedWeight
 
 # On a CPU without native bf16/fp16 matmul (no AVX-512 BF16 / AMX), oneDNN emulates low-precision GEMMs
 # several times slower than float32 ones once more than a row or two is multiplied; converting the
@@ -41,9 +42,22 @@ class Linear(nn.Linear):
         self.decode_gemv: Optional[DecodeLinear] = None   # compiled bf16 GEMV (decode rows; AVX2: all rows)
         self.decode_weight: Optional[torch.Tensor] = None   # the weight as decode_gemv reads it (packed)
         self.onednn_weight: Optional[torch.Tensor] = None   # the weight prepacked for oneDNN (use_onednn_weights)
+        self.quantized: Optional[QuantizedWeight] = None   # the weight held quantized (set_quantized)
+
+    def set_quantized(self, weight: QuantizedWeight) -> None:
+        """Hold the weight in a quantized format from now on: its one copy; the float weight is released."""
+        if (weight.out_features, weight.in_features) != (self.out_features, self.in_features):
+            raise ValueError(f"quantized weight is [{weight.out_features}, {weight.in_features}], "
+                             f"this Linear is [{self.out_features}, {self.in_features}]")
+        self.quantized = weight
+        self.weight.data = torch.empty(0, dtype=self.weight.dtype, device=self.weight.device)
+        self.decode_gemv, self.decode_weight, self.onednn_weight = None, None, None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x `[T, in]` -> `[T, out]` (in the weight's dtype when a float32 weight serves a bf16 model)."""
+        if self.quantized is not None:
+            out = self.quantized(x)
+            return out if self.bias is None else out + self.bias.to(out.dtype)
         if self.onednn_weight is not None:
             return torch.ops.mkldnn._linear_pointwise(x, self.onednn_weight, self.bias, "none", [], "")
         rows = x.shape[0]
@@ -116,7 +130,8 @@ def use_decode_linear(model: nn.Module, gemv: Optional[DecodeLinear]) -> None:
     for module in model.modules():
         if isinstance(module, Linear):
             w = module.weight
-            readable = w.device.type == "cpu" and w.dtype == torch.bfloat16 and w.is_contiguous()
+            readable = (module.quantized is None and w.device.type == "cpu" and w.dtype == torch.bfloat16
+                        and w.is_contiguous())
             module.decode_gemv = gemv if readable else None
             with torch.no_grad():
                 module.decode_weight = gemv.pack(w.detach()) if module.decode_gemv is not None else None
@@ -147,7 +162,8 @@ def use_onednn_weights(model: nn.Module) -> None:
     for module in model.modules():
         if isinstance(module, Linear):
             w = module.weight
-            if w.device.type != "cpu" or w.dtype != torch.bfloat16 or module.serves_every_row():
+            if (module.quantized is not None or w.device.type != "cpu" or w.dtype != torch.bfloat16
+                    or module.serves_every_row()):
                 continue
             with torch.no_grad():
                 module.onednn_weight = torch.ops.mkldnn._reorder_linear_weight(w.detach().contiguous(), ONEDNN_PACK_ROWS)

@@ -117,7 +117,8 @@ class LlamaForCausalLM(nn.Module):
         (`use_decode_linear`) stays bf16 too: the GEMV reads it faster than MKL the float32 matrix.
         """
         weight = self.lm_head.weight
-        if weight.device.type != "cpu" or not weight.is_contiguous() or self.lm_head.decode_gemv is not None:
+        if (weight.device.type != "cpu" or not weight.is_contiguous() or self.lm_head.decode_gemv is not None
+                or self.lm_head.quantized is not None):
             return
         tied = weight is self.model.embed_tokens.weight
         if weight.dtype != torch.float32 and (tied or not upcasts_on_cpu(weight.dtype)):
