@@ -4,21 +4,23 @@
     out = engine.generate("Hello", {"temperature": 0, "max_new_tokens": 8})
     engine.shutdown()
 
-An entrypoint like launch_server.py, so it sits above server/ and runtime/. The Engine is the in-process
-transport of the request frontend the HTTP server uses (server/frontend.py): its arguments are parsed as a
-`/generate` body, then validated, n-expanded, stop-trimmed and shaped by the same code, so a request gets
-the same result here as from POST /generate, and the same error text (an `InvalidRequest` where HTTP
-answers 4xx). What is the Engine's own: a scheduler thread, a queue into it, and the hand-over of its
-outputs to the caller's thread (`generate`) or event loop (`async_generate`).
+An entrypoint like launch_server.py, so it sits above serving/ and runtime/ (never server/, the HTTP app:
+a test checks). The Engine is the in-process transport of the request frontend the HTTP server uses
+(serving/): its arguments are parsed as a `/generate` body, then validated, n-expanded, stop-trimmed and
+shaped by the same code, and its sequences are tracked by the same SequenceRegistry, so a request gets the
+same result here as from POST /generate, and the same error text (an `InvalidRequest` where HTTP answers
+4xx). What is the Engine's own: a scheduler thread, a queue into it, and the hand-over of its outputs to
+the caller's thread (`generate`) or event loop (`async_generate`).
 """
 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import queue
 import threading
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Iterator
 from typing import Any, Optional, Union
 
 from kvstrata.args import ServerArgs
@@ -28,6 +30,7 @@ from kvstrata.runtime.messages import (
     AbortReq,
     BatchOutput,
     ControlOut,
+    ControlReq,
     FlushCacheReq,
     GetStateReq,
     ReqOutput,
@@ -35,16 +38,17 @@ from kvstrata.runtime.messages import (
 from kvstrata.runtime.sampling_params import InvalidRequest
 from kvstrata.runtime.scheduler import Scheduler
 from kvstrata.runtime.scheduler_process import ready_message
-from kvstrata.server import frontend
-from kvstrata.server.frontend import RequestLimits, TokenTexts
-from kvstrata.server.protocol import ApiError, GenerateRequest, check_no_surrogates, parse_generate
-from kvstrata.server.seq_state import SeqState
+from kvstrata.serving import frontend
+from kvstrata.serving.control import ControlCalls
+from kvstrata.serving.errors import ApiError
+from kvstrata.serving.frontend import RequestLimits, TokenTexts
+from kvstrata.serving.protocol import GenerateRequest, check_no_surrogates, parse_generate
+from kvstrata.serving.registry import Deliver, SequenceRegistry
+from kvstrata.serving.seq_state import SeqState
 
 Prompt = Union[str, list[str], None]
 TokenIds = Union[list[int], list[list[int]], None]
 SamplingArg = Union[dict, list[dict], None]
-# Hands one scheduler output to its sequence on the caller's side (called on the scheduler thread).
-Deliver = Callable[[SeqState, ReqOutput], None]
 POLL_S = 0.5          # how often a waiting caller checks that the scheduler thread is still alive
 
 
@@ -54,9 +58,8 @@ class Engine:
     def __init__(self, model_path: str = "tiny", **kwargs: Any):
         self.server_args = ServerArgs.from_kwargs(model_path=model_path, **kwargs).resolve()
         self._inbox: queue.Queue = queue.Queue()
-        self._control: queue.Queue = queue.Queue()
-        self._sequences: dict[str, tuple[SeqState, Deliver]] = {}   # rid → its state and how to reach it
-        self._control_lock = threading.Lock()
+        self._control = ControlCalls()
+        self._sequences = SequenceRegistry(lambda rid: self._inbox.put(AbortReq(rid)))
         self._error: Optional[BaseException] = None
         self._built = threading.Event()
         self._thread = threading.Thread(target=self._run, name="kvstrata-scheduler", daemon=True)
@@ -125,7 +128,7 @@ class Engine:
 
     def abort_request(self, rid: str) -> None:
         """Abort a running request by id (meta_info's `id`)."""
-        self._inbox.put(AbortReq(rid))
+        self._sequences.abort(rid)
 
     def flush_cache(self) -> ControlOut:
         """Empty the prefix cache (fails while requests run)."""
@@ -136,11 +139,14 @@ class Engine:
         state = self._control_call(GetStateReq()).state
         return {**self.server_args.to_dict(), "internal_states": [state]}
 
-    def _control_call(self, msg: object) -> ControlOut:
-        with self._control_lock:          # one control question at a time: answers carry no id
-            self._check_alive()
-            self._inbox.put(msg)
-            return self._control.get(timeout=60)
+    def _control_call(self, msg: ControlReq) -> ControlOut:
+        self._check_alive()
+        reply: concurrent.futures.Future = concurrent.futures.Future()
+        self._inbox.put(self._control.open(msg, reply))
+        try:
+            return reply.result(timeout=60)
+        finally:
+            self._control.close(msg)
 
     def detach_scheduler(self):
         """Stop the scheduler thread but keep its scheduler, returned for the caller's thread to drive (the
@@ -165,8 +171,7 @@ class Engine:
         self._check_alive()
         frontend.encode_prompts(frontend.text_prompts(req, self.limits), self.tokenizer)
         states = frontend.expand_sequences(req, self.limits, self.tokenizer, wake)
-        for s in states:
-            self._sequences[s.rid] = (s, deliver)
+        self._sequences.register(states, deliver)
         for s in states:
             self._inbox.put(frontend.scheduler_request(req, s))
         return states
@@ -204,9 +209,7 @@ class Engine:
 
     def _release(self, states: list[SeqState]) -> None:
         """Forget `states`; abort the scheduler side of those not finished (the caller went away)."""
-        for s in states:
-            if self._sequences.pop(s.rid, None) is not None and not s.finished:
-                self._inbox.put(AbortReq(s.rid))
+        self._sequences.release(states)
 
     def _check_alive(self) -> None:
         if self._error is not None:
@@ -247,14 +250,10 @@ class Engine:
 
     def _dispatch(self, obj: object) -> None:
         if isinstance(obj, ControlOut):
-            self._control.put(obj)
+            self._control.answer(obj)
             return
         assert isinstance(obj, BatchOutput)
-        for out in obj.outputs:
-            entry = self._sequences.get(out.rid)
-            if entry is not None:
-                state, deliver = entry
-                deliver(state, out)
+        self._sequences.dispatch(obj)
 
 
 def _parse(prompt: Prompt, input_ids: TokenIds, sampling_params: SamplingArg, return_logprob: Any,

@@ -18,8 +18,8 @@ from typing import Optional
 
 from starlette.requests import Request
 
-from kvstrata.server.auth import require_admin
-from kvstrata.server.protocol import ApiError
+from kvstrata.serving.errors import ApiError
+from kvstrata.web.auth import require_admin
 
 CONTROL_PATHS = frozenset({"/add_worker", "/remove_worker", "/list_workers", "/abort_request", "/flush_cache"})
 

@@ -26,8 +26,8 @@ from kvstrata.router.pd import PDRouter, pd_worker_urls
 from kvstrata.router.policies import make_policy
 from kvstrata.router.proxy import Proxy, error_response
 from kvstrata.router.workers import WorkerRegistry
-from kvstrata.server.auth import ApiKeyMiddleware
-from kvstrata.server.protocol import ApiError
+from kvstrata.serving.errors import ApiError
+from kvstrata.web.auth import ApiKeyMiddleware
 
 logger = logging.getLogger(__name__)
 

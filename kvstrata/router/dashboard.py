@@ -1,6 +1,6 @@
 """The router's dashboard: the same page as a worker's `/dashboard`, one row per worker plus routing decisions.
 
-    GET /dashboard        the page (kvstrata/server/static/dashboard.html; it draws router data as rows)
+    GET /dashboard        the page (kvstrata/web/static/dashboard.html; it draws router data as rows)
     GET /dashboard/data   {"workers": [{id, url?, healthy, draining, in_flight, data | error}], "decisions": [...]}
 
 Each worker's part is its own /dashboard/data?since=T (asked concurrently, with that worker's key), so
@@ -29,7 +29,7 @@ WORKER_TIMEOUT_S = 2.0
 
 def dashboard_routes(router: Any) -> list[Route]:
     """GET /dashboard and GET /dashboard/data of `router` (a kvstrata.router.app.Router)."""
-    page = resources.files("kvstrata.server").joinpath("static/dashboard.html").read_text(encoding="utf-8")
+    page = resources.files("kvstrata.web").joinpath("static/dashboard.html").read_text(encoding="utf-8")
 
     async def dashboard(request: Request) -> Response:
         return HTMLResponse(page)

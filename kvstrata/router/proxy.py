@@ -32,8 +32,8 @@ from kvstrata.router.metrics import RouterMetrics
 from kvstrata.router.policies import Decision, Policy
 from kvstrata.router.request_key import route_key
 from kvstrata.router.workers import Worker, WorkerRegistry
-from kvstrata.server.protocol import ApiError
-from kvstrata.server.streaming import SSE_DONE, SSEResponse, sse_event
+from kvstrata.serving.errors import ApiError
+from kvstrata.web.sse import SSE_DONE, SSEResponse, sse_event
 
 logger = logging.getLogger(__name__)
 

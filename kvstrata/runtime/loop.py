@@ -13,6 +13,7 @@ from kvstrata.runtime.messages import (
     AbortReq,
     BatchOutput,
     ControlOut,
+    ControlReq,
     FlushCacheReq,
     GetLoadReq,
     GetStateReq,
@@ -60,12 +61,10 @@ class SchedulerLoop:
                     outputs.append(err)
             elif isinstance(msg, AbortReq):
                 outputs.extend(s.abort(msg.rid))
-            elif isinstance(msg, FlushCacheReq):
-                self.send(s.flush_cache())
-            elif isinstance(msg, GetStateReq):
-                self.send(ControlOut("state", True, "", s.get_state(msg.full)))
-            elif isinstance(msg, GetLoadReq):
-                self.send(ControlOut("load", True, "", s.get_load()))
+            elif isinstance(msg, ControlReq):
+                reply = self._control(msg)
+                reply.control_id = msg.control_id       # the asker matches its answer by this id
+                self.send(reply)
             elif msg is None:
                 self.running = False
                 return
@@ -77,3 +76,13 @@ class SchedulerLoop:
             s.cache.begin_step()     # idle: still apply finished copies (frees locks, queues L3 backups)
         if outputs:
             self.send(BatchOutput(outputs))
+
+    def _control(self, msg: ControlReq) -> ControlOut:
+        s = self.scheduler
+        if isinstance(msg, FlushCacheReq):
+            return s.flush_cache()
+        if isinstance(msg, GetStateReq):
+            return ControlOut("state", True, "", s.get_state(msg.full))
+        if isinstance(msg, GetLoadReq):
+            return ControlOut("load", True, "", s.get_load())
+        return ControlOut(type(msg).__name__, False, f"unknown control request {type(msg).__name__}")

@@ -36,30 +36,39 @@ class AbortReq:
 
 
 @dataclass
-class FlushCacheReq:
+class ControlReq:
+    """frontend → scheduler: a control question; its ControlOut answer echoes `control_id`, which is what
+    the asking side matches the answer by (two questions of one kind may be in flight at once)."""
+
+    control_id: int = field(default=0, kw_only=True)    # set by the asking side (serving/control.py)
+
+
+@dataclass
+class FlushCacheReq(ControlReq):
     """frontend → scheduler: empty the prefix cache (refused while requests run)."""
 
 
 @dataclass
-class GetStateReq:
+class GetStateReq(ControlReq):
     """frontend → scheduler: ask for internal state and metrics (for /server_info)."""
 
     full: bool = True        # False: without the idle accounting check and the L1 tree's metrics
 
 
 @dataclass
-class GetLoadReq:
+class GetLoadReq(ControlReq):
     """frontend → scheduler: ask for the O(1) load report (for the router's GET /load)."""
 
 
 @dataclass
 class ControlOut:
-    """scheduler → frontend: answer to FlushCacheReq / GetStateReq."""
+    """scheduler → frontend: the answer to one ControlReq (FlushCacheReq / GetStateReq / GetLoadReq)."""
 
     kind: str                          # "flush_cache" | "state" | "load"
     success: bool = True
     message: str = ""
     state: dict[str, Any] = field(default_factory=dict)
+    control_id: int = 0                # the ControlReq's, echoed
 
 
 @dataclass

@@ -19,34 +19,35 @@ import kvstrata
 from kvstrata.model.builtin import resolve_model_path
 from kvstrata.runtime.sampling_params import SamplingParams
 from kvstrata.server import native_api, openai_api
-from kvstrata.server.auth import ApiKeyMiddleware, require_admin
 from kvstrata.server.connections import ConnectionGuard
 from kvstrata.server.drain import DrainMiddleware
 from kvstrata.server.limits import BodySizeLimitMiddleware
 from kvstrata.server.load_api import register_load_api
 from kvstrata.server.metrics import CONTENT_TYPE
 from kvstrata.server.openapi_schema import install_openapi
-from kvstrata.server.protocol import ApiError, GenerateRequest, PromptSpec, get_bool, new_rid, parse_json_body
+from kvstrata.server.scheduler_client import SchedulerClient
 from kvstrata.server.scheduler_watch import SchedulerWatch
-from kvstrata.server.tokenizer_manager import TokenizerManager
+from kvstrata.serving.errors import ApiError
+from kvstrata.serving.protocol import GenerateRequest, PromptSpec, get_bool, new_rid, parse_json_body
+from kvstrata.web.auth import ApiKeyMiddleware, require_admin
 
 logger = logging.getLogger(__name__)
 
 HEALTH_GENERATE_TIMEOUT_S = 30.0
 
 
-def create_app(tm: TokenizerManager, scheduler: SchedulerWatch, on_scheduler_death: Callable[[], None],
+def create_app(client: SchedulerClient, scheduler: SchedulerWatch, on_scheduler_death: Callable[[], None],
                connections: Optional[ConnectionGuard] = None) -> FastAPI:
-    """Build the app around a TokenizerManager; the scheduler watch calls `on_scheduler_death` once; the
+    """Build the app around a SchedulerClient; the scheduler watch calls `on_scheduler_death` once; the
     connection guard (if any) sweeps while the app runs."""
-    args = tm.args
+    args = client.args
     created = int(time.time())
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        tm.start()
+        client.start()
         loop = asyncio.get_running_loop()
-        watchdog = loop.create_task(scheduler.watch(tm, on_scheduler_death))
+        watchdog = loop.create_task(scheduler.watch(client, on_scheduler_death))
         sweeper = loop.create_task(connections.run()) if connections is not None else None
         print(f"kvstrata server ready at {args.url} (model {args.served_model_name}; OpenAI API at "
               f"{args.url}/v1)", flush=True)
@@ -56,29 +57,29 @@ def create_app(tm: TokenizerManager, scheduler: SchedulerWatch, on_scheduler_dea
             watchdog.cancel()
             if sweeper is not None:
                 sweeper.cancel()
-            await tm.close()
+            await client.close()
 
     app = FastAPI(title="kvstrata", version=kvstrata.__version__, lifespan=lifespan, docs_url=None,
                   redoc_url=None, openapi_url="/openapi.json")
     if args.api_key:
         app.add_middleware(ApiKeyMiddleware, api_key=args.api_key, admin_key_set=bool(args.admin_api_key))
     app.add_middleware(BodySizeLimitMiddleware, max_bytes=args.max_request_body_bytes)
-    app.add_middleware(DrainMiddleware, tm=tm)     # outermost: a draining server answers 503 to everything
+    app.add_middleware(DrainMiddleware, client=client)     # outermost: a draining server answers 503 to everything
     _add_error_handlers(app)
     install_openapi(app)
-    register_load_api(app, tm)
+    register_load_api(app, client)
 
     # ------------------------------------------------------------------ health and info
     @app.get("/health")
     async def health() -> Response:
-        problem = tm.dead_reason or scheduler.problem()
+        problem = client.dead_reason or scheduler.problem()
         if problem is not None:
             return _error(ApiError(problem, 503))
         return Response(status_code=200)
 
     @app.get("/health_generate")
     async def health_generate() -> Response:
-        await _one_token_generation(tm)
+        await _one_token_generation(client)
         return Response(status_code=200)
 
     @app.get("/get_model_info")
@@ -88,29 +89,29 @@ def create_app(tm: TokenizerManager, scheduler: SchedulerWatch, on_scheduler_dea
         # tokenizer from `model_path`.
         return {"model_path": resolve_model_path(args.model_path),
                 "tokenizer_path": resolve_model_path(args.tokenizer_path or args.model_path), "is_generation": True,
-                "served_model_name": args.served_model_name, "context_length": tm.context_length,
+                "served_model_name": args.served_model_name, "context_length": client.context_length,
                 "preferred_sampling_params": None}
 
     @app.get("/server_info")
     @app.get("/get_server_info")
     async def server_info() -> dict:
-        state = await tm.get_state()
-        info = tm.info
+        state = await client.get_state()
+        info = client.info
         return {**args.to_dict(), "version": kvstrata.__version__, "scheduler_pid": scheduler.pid,
                 "max_total_tokens": info.max_total_tokens, "context_length": info.context_length,
                 "vocab_size": info.vocab_size, "eos_token_ids": info.eos_token_ids,
-                "frontend_metrics": dict(tm.metrics), "internal_states": [state]}
+                "frontend_metrics": dict(client.metrics), "internal_states": [state]}
 
     @app.get("/metrics")
     async def metrics() -> Response:
         if not args.enable_metrics:
             return _error(ApiError("metrics are disabled (--no-enable-metrics)", 404))
-        state = await tm.get_state() if tm.dead_reason is None else {}
-        return Response(tm.prometheus.render(state), media_type=CONTENT_TYPE)
+        state = await client.get_state() if client.dead_reason is None else {}
+        return Response(client.prometheus.render(state), media_type=CONTENT_TYPE)
 
     @app.api_route("/flush_cache", methods=["GET", "POST"])
     async def flush_cache() -> Response:
-        out = await tm.flush_cache()
+        out = await client.flush_cache()
         if not out.success:
             return _error(ApiError(out.message or "the cache could not be flushed", 400))
         return PlainTextResponse(out.message or "Cache flushed.", status_code=200)
@@ -118,7 +119,7 @@ def create_app(tm: TokenizerManager, scheduler: SchedulerWatch, on_scheduler_dea
     # ------------------------------------------------------------------ native generation
     @app.post("/generate")
     async def generate(request: Request) -> Response:
-        return await native_api.handle_generate(request, tm)
+        return await native_api.handle_generate(request, client)
 
     @app.post("/abort_request")
     async def abort_request(request: Request) -> Response:
@@ -130,7 +131,7 @@ def create_app(tm: TokenizerManager, scheduler: SchedulerWatch, on_scheduler_dea
             raise ApiError("'rid' must be a string", param="rid")
         if rid is None and not abort_all:
             raise ApiError("give 'rid' or 'abort_all': true", param="rid")
-        return JSONResponse({"success": True, "aborted": tm.abort_request(rid, abort_all)})
+        return JSONResponse({"success": True, "aborted": client.abort_request(rid, abort_all)})
 
     @app.post("/concate_and_append_request")
     async def concate_and_append_request(request: Request) -> Response:
@@ -141,22 +142,22 @@ def create_app(tm: TokenizerManager, scheduler: SchedulerWatch, on_scheduler_dea
     # ------------------------------------------------------------------ OpenAI
     @app.get("/v1/models")
     async def models() -> dict:
-        return openai_api.list_models(tm, created)
+        return openai_api.list_models(client, created)
 
     @app.get("/v1/models/{model_id:path}")
     async def model(model_id: str) -> dict:
-        return openai_api.retrieve_model(tm, created, model_id)
+        return openai_api.retrieve_model(client, created, model_id)
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
-        return await openai_api.handle_completion(request, tm)
+        return await openai_api.handle_completion(request, client)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
-        return await openai_api.handle_chat(request, tm)
+        return await openai_api.handle_chat(request, client)
 
     from kvstrata.server.dashboard import register_dashboard
-    register_dashboard(app, tm)
+    register_dashboard(app, client)
     return app
 
 
@@ -183,14 +184,14 @@ def _error(err: ApiError) -> JSONResponse:
     return JSONResponse(err.to_dict(), status_code=err.status, headers=err.headers())
 
 
-async def _one_token_generation(tm: TokenizerManager) -> None:
+async def _one_token_generation(client: SchedulerClient) -> None:
     """Generate one token end to end; raises ApiError(503) if that fails or takes too long."""
     prompt = PromptSpec(text=None, input_ids=[0], sampling=SamplingParams(max_new_tokens=1, temperature=0.0),
                         rid="health-" + new_rid())
-    states = tm.submit(GenerateRequest(prompts=[prompt]))
+    states = client.submit(GenerateRequest(prompts=[prompt]))
 
     async def run() -> None:
-        async with contextlib.aclosing(tm.updates(states)) as updates:
+        async with contextlib.aclosing(client.updates(states)) as updates:
             async for _ in updates:
                 pass
 

@@ -25,9 +25,9 @@ from fastapi import FastAPI
 from starlette.requests import Request
 from starlette.responses import HTMLResponse, JSONResponse
 
-from kvstrata.server.protocol import ApiError
-from kvstrata.server.seq_state import SeqState
-from kvstrata.server.tokenizer_manager import TokenizerManager
+from kvstrata.server.scheduler_client import SchedulerClient
+from kvstrata.serving.errors import ApiError
+from kvstrata.serving.seq_state import SeqState
 
 SAMPLE_INTERVAL_S = 1.0
 HISTORY_SAMPLES = 600            # ten minutes at one sample per second
@@ -43,12 +43,12 @@ COLUMNS = ("t", "running", "queued", "hit_overall", "hit_device", "hit_host", "h
            "copy_failed_ops")
 
 
-def register_dashboard(app: FastAPI, tm: TokenizerManager) -> None:
-    """Add GET /dashboard and GET /dashboard/data to `app`, and hook the latency recorder into `tm`."""
-    page = resources.files("kvstrata.server").joinpath("static/dashboard.html").read_text(encoding="utf-8")
+def register_dashboard(app: FastAPI, client: SchedulerClient) -> None:
+    """Add GET /dashboard and GET /dashboard/data to `app`, and hook the latency recorder into `client`."""
+    page = resources.files("kvstrata.web").joinpath("static/dashboard.html").read_text(encoding="utf-8")
     latency = LatencyRecorder()
-    tm.release_hooks.append(latency.observe)
-    history = DashboardHistory(tm, latency)
+    client.sequences.release_hooks.append(latency.observe)
+    history = DashboardHistory(client, latency)
 
     @app.get("/dashboard")
     async def dashboard() -> HTMLResponse:
@@ -73,7 +73,7 @@ class LatencyRecorder:
         self.itl: deque[tuple[float, float]] = deque(maxlen=MAX_LATENCY_VALUES)
 
     def observe(self, s: SeqState) -> None:
-        """Record one released sequence (a release hook of the TokenizerManager)."""
+        """Record one released sequence (a release hook of the SchedulerClient's SequenceRegistry)."""
         if s.error is not None or s.finished_at is None:
             return
         now = time.monotonic()
@@ -150,8 +150,8 @@ _HITS = (("hit_device", "device_hit_tokens"), ("hit_host", "host_hit_tokens"),
 class DashboardHistory:
     """The ring of samples behind /dashboard/data, filled at most once per SAMPLE_INTERVAL_S."""
 
-    def __init__(self, tm: Optional[TokenizerManager], latency: LatencyRecorder):
-        self.tm = tm
+    def __init__(self, client: Optional[SchedulerClient], latency: LatencyRecorder):
+        self.client = client
         self.latency = latency
         self.samples: deque[tuple[float, dict, list]] = deque(maxlen=HISTORY_SAMPLES)   # (t, counters, row)
         self._lock = asyncio.Lock()
@@ -161,7 +161,7 @@ class DashboardHistory:
         async with self._lock:
             if self.samples and time.time() - self.samples[-1][0] < 0.95 * SAMPLE_INTERVAL_S:
                 return
-            self.add(await self.tm.get_state(full=False), time.time())
+            self.add(await self.client.get_state(full=False), time.time())
 
     def add(self, state: dict, now: float) -> None:
         """Append the sample of `state` taken at `now` (unix seconds)."""
@@ -178,7 +178,7 @@ class DashboardHistory:
         if not self.samples:
             return {"columns": list(COLUMNS), "rows": [], "interval_s": SAMPLE_INTERVAL_S}
         now, counters, _ = self.samples[-1]
-        model = self.tm.args.served_model_name if self.tm is not None else ""
+        model = self.client.args.served_model_name if self.client is not None else ""
         return {"columns": list(COLUMNS), "rows": [row for t, _, row in self.samples if t > since],
                 "interval_s": SAMPLE_INTERVAL_S, "model": model, "tiers": counters["tiers"],
                 "totals": {k: counters[k] for k in ("prompt_tokens", "cached_tokens", "device_hit_tokens",

@@ -10,7 +10,8 @@ from __future__ import annotations
 from typing import Optional
 
 from kvstrata.runtime.messages import BootstrapInfo
-from kvstrata.server.protocol import ApiError, GenerateRequest, check_int
+from kvstrata.serving.errors import ApiError
+from kvstrata.serving.protocol import GenerateRequest, check_int
 
 FIELDS = ("bootstrap_host", "bootstrap_port", "bootstrap_room")
 MAX_ROOM = 2 ** 63 - 1

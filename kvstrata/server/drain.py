@@ -21,8 +21,8 @@ import uvicorn
 from starlette.responses import JSONResponse
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from kvstrata.server.protocol import ApiError
-from kvstrata.server.tokenizer_manager import TokenizerManager
+from kvstrata.server.scheduler_client import SchedulerClient
+from kvstrata.serving.errors import ApiError
 
 logger = logging.getLogger(__name__)
 
@@ -34,12 +34,12 @@ POLL_S = 0.05
 class DrainMiddleware:
     """503 for every request that arrives once the server is draining (/metrics stays open)."""
 
-    def __init__(self, app: ASGIApp, tm: TokenizerManager):
+    def __init__(self, app: ASGIApp, client: SchedulerClient):
         self.app = app
-        self.tm = tm
+        self.client = client
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        reason = self.tm.draining_reason
+        reason = self.client.draining_reason
         if scope["type"] == "http" and reason is not None and scope["path"] != "/metrics":
             err = ApiError(reason, 503)
             await JSONResponse(err.to_dict(), status_code=503, headers={"Connection": "close"})(scope, receive, send)
@@ -47,20 +47,20 @@ class DrainMiddleware:
         await self.app(scope, receive, send)
 
 
-async def drain(tm: TokenizerManager, timeout_s: float) -> None:
+async def drain(client: SchedulerClient, timeout_s: float) -> None:
     """Refuse new requests, wait up to `timeout_s` for running ones, then end the rest (see module doc)."""
-    tm.draining_reason = SHUTDOWN_MESSAGE
-    running = len(tm.states)
+    client.draining_reason = SHUTDOWN_MESSAGE
+    running = len(client.sequences)
     logger.warning("shutting down: draining %d running sequences (up to %.1f s)", running, timeout_s)
-    if not await _until_idle(tm, timeout_s):
-        ended = tm.end_all(f"{SHUTDOWN_MESSAGE}; the request was aborted after the drain timeout")
+    if not await _until_idle(client, timeout_s):
+        ended = client.end_all(f"{SHUTDOWN_MESSAGE}; the request was aborted after the drain timeout")
         logger.warning("drain timeout: ended %d sequences with finish_reason 'abort'", ended)
-        await _until_idle(tm, FLUSH_S)
+        await _until_idle(client, FLUSH_S)
 
 
-async def _until_idle(tm: TokenizerManager, timeout_s: float) -> bool:
+async def _until_idle(client: SchedulerClient, timeout_s: float) -> bool:
     deadline = time.monotonic() + timeout_s
-    while tm.states:
+    while client.sequences:
         if time.monotonic() >= deadline:
             return False
         await asyncio.sleep(POLL_S)

@@ -82,8 +82,8 @@ def serve(args: ServerArgs) -> int:
         file_limit,
     )
     from kvstrata.server.drain import DrainingServer, drain
+    from kvstrata.server.scheduler_client import SchedulerClient
     from kvstrata.server.scheduler_watch import SchedulerWatch
-    from kvstrata.server.tokenizer_manager import TokenizerManager
 
     sock = _bind(args.host, args.port)
     remove_stale_ipc_dirs()
@@ -100,7 +100,7 @@ def serve(args: ServerArgs) -> int:
         info = wait_scheduler_ready(proc, ready_conn)
         args = info.server_args       # with device, dtype and chunk size resolved
         tokenizer = confirm_light_tokenizer(tokenizer, info.tokenizer_fingerprint, tokenizer_dir, args.chat_template)
-        tm = TokenizerManager(args, tokenizer, info, recv_addr, send_addr)
+        client = SchedulerClient(args, tokenizer, info, recv_addr, send_addr)
         exit_code = {"value": 0}
         server: Any = None
 
@@ -111,13 +111,13 @@ def serve(args: ServerArgs) -> int:
         watch = SchedulerWatch(proc, heartbeat, args.scheduler_heartbeat_timeout, args.watchdog_timeout or None)
         limit = file_limit()
         guard = ConnectionGuard(args.max_connections or default_max_connections(limit), args.header_read_timeout)
-        app = create_app(tm, watch, on_scheduler_death, guard)
+        app = create_app(client, watch, on_scheduler_death, guard)
         logger.info("HTTP connections: at most %d open, %g s to send request headers", guard.max_connections,
                     guard.header_read_timeout_s)
         config = uvicorn.Config(app, log_level=args.log_level, timeout_graceful_shutdown=5, access_log=False,
                                 timeout_keep_alive=30, http=functools.partial(GuardedH11Protocol, guard=guard),
                                 backlog=accept_backlog(limit))
-        server = DrainingServer(config, on_drain=lambda: drain(tm, args.graceful_shutdown_timeout))
+        server = DrainingServer(config, on_drain=lambda: drain(client, args.graceful_shutdown_timeout))
         server.run(sockets=[sock])
         return exit_code["value"]
     except (SchedulerStartError, TokenizerLoadError, ModelLoadError) as e:

@@ -14,7 +14,7 @@ import time
 from starlette.responses import JSONResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from kvstrata.server.protocol import ApiError
+from kvstrata.serving.errors import ApiError
 
 DRAIN_BYTES = 256 << 20     # more than this still unsent: close anyway (the client may see a reset)
 DRAIN_SECONDS = 5.0

@@ -13,16 +13,16 @@ from typing import Optional
 from fastapi import FastAPI
 
 from kvstrata.args import ServerArgs
-from kvstrata.server.tokenizer_manager import TokenizerManager
+from kvstrata.server.scheduler_client import SchedulerClient
 
 
-def register_load_api(app: FastAPI, tm: TokenizerManager) -> None:
+def register_load_api(app: FastAPI, client: SchedulerClient) -> None:
     """Add GET /load to the worker's app."""
-    storage_id = storage_identity(tm.args)
+    storage_id = storage_identity(client.args)
 
     @app.get("/load")
     async def load() -> dict:
-        report = await tm.get_load()
+        report = await client.get_load()
         capacity = report.get("capacity_pages") or 1
         report["pool_usage"] = 1.0 - report.get("free_pages", capacity) / capacity
         report["storage_id"] = storage_id

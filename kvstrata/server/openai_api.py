@@ -14,45 +14,46 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from kvstrata.server.disagg_fields import attach_bootstrap
-from kvstrata.server.frontend import finite_logprob
 from kvstrata.server.native_api import run_request
 from kvstrata.server.openai_protocol import ChatPrompt, OpenAIOptions, parse_chat, parse_completion
-from kvstrata.server.protocol import ApiError, GenerateRequest, get_bool, parse_json_body
 from kvstrata.server.reasoning import ReasoningStreamer, split_reasoning
-from kvstrata.server.seq_state import SeqState
-from kvstrata.server.streaming import SSE_DONE, sse_event
-from kvstrata.server.tokenizer_manager import TokenizerManager
+from kvstrata.server.scheduler_client import SchedulerClient
 from kvstrata.server.tool_calls import ToolCall, forced_call_schema, new_streamer, select_parser
+from kvstrata.serving.errors import ApiError
+from kvstrata.serving.frontend import finite_logprob
+from kvstrata.serving.protocol import GenerateRequest, get_bool, parse_json_body
+from kvstrata.serving.seq_state import SeqState
+from kvstrata.web.sse import SSE_DONE, sse_event
 
 
-async def handle_chat(request: Request, tm: TokenizerManager) -> Response:
+async def handle_chat(request: Request, client: SchedulerClient) -> Response:
     """POST /v1/chat/completions."""
     from kvstrata.model.tokenizer import apply_chat_template
 
     body = parse_json_body(await request.body())
-    chat, req, opts = parse_chat(body, tm.args.served_model_name or "")
+    chat, req, opts = parse_chat(body, client.args.served_model_name or "")
     attach_bootstrap(body, req)
     cont = chat.continue_final_message
-    tm.check_prompt_chars(sum(len(m["content"]) for m in chat.messages), "messages")
+    client.check_prompt_chars(sum(len(m["content"]) for m in chat.messages), "messages")
     try:
-        prompt = await tm.run_blocking(apply_chat_template, tm.tokenizer, chat.messages,
+        prompt = await client.run_blocking(apply_chat_template, client.tokenizer, chat.messages,
                                        add_generation_prompt=not cont, continue_final_message=cont,
                                        tools=chat.tools, template_kwargs=chat.template_kwargs)
     except Exception as e:  # a template that rejects these messages is the client's problem
         raise ApiError(f"cannot apply the chat template to these messages: {e}", param="messages") from e
     req.prompts[0].input_ids = prompt if isinstance(prompt, list) else \
-        await tm.run_blocking(tm.encode, prompt, add_special_tokens=False)
-    _set_up_tool_calls(tm, chat, req, opts)
+        await client.run_blocking(client.encode, prompt, add_special_tokens=False)
+    _set_up_tool_calls(client, chat, req, opts)
     if get_bool(body, "separate_reasoning", default=True):     # SGLang's per-request switch
-        opts.reasoning_parser = tm.args.reasoning_parser
-    return await _run(request, tm, req, opts)
+        opts.reasoning_parser = client.args.reasoning_parser
+    return await _run(request, client, req, opts)
 
 
-def _set_up_tool_calls(tm: TokenizerManager, chat: ChatPrompt, req: GenerateRequest, opts: OpenAIOptions) -> None:
+def _set_up_tool_calls(client: SchedulerClient, chat: ChatPrompt, req: GenerateRequest, opts: OpenAIOptions) -> None:
     """Pick the tool-call parser; a forced call (required / named) constrains the output to its schema."""
     if not chat.tools:
         return
-    opts.tool_parser = select_parser(tm.args.tool_call_parser, getattr(tm.tokenizer, "chat_template", None),
+    opts.tool_parser = select_parser(client.args.tool_call_parser, getattr(client.tokenizer, "chat_template", None),
                                      chat.tools)
     opts.parallel_tool_calls = chat.parallel_tool_calls
     if chat.tool_choice == "auto":
@@ -63,50 +64,50 @@ def _set_up_tool_calls(tm: TokenizerManager, chat: ChatPrompt, req: GenerateRequ
     prompt.sampling = dataclasses.replace(prompt.sampling, json_schema=json.dumps(schema))
 
 
-async def handle_completion(request: Request, tm: TokenizerManager) -> Response:
+async def handle_completion(request: Request, client: SchedulerClient) -> Response:
     """POST /v1/completions."""
     body = parse_json_body(await request.body())
-    req, opts = parse_completion(body, tm.args.served_model_name or "")
+    req, opts = parse_completion(body, client.args.served_model_name or "")
     attach_bootstrap(body, req)
-    return await _run(request, tm, req, opts)
+    return await _run(request, client, req, opts)
 
 
-async def _run(request: Request, tm: TokenizerManager, req: GenerateRequest, opts: OpenAIOptions) -> Response:
+async def _run(request: Request, client: SchedulerClient, req: GenerateRequest, opts: OpenAIOptions) -> Response:
     prefix = "chatcmpl-" if opts.kind == "chat" else "cmpl-"
     resp_id, created = prefix + uuid.uuid4().hex, int(time.time())
 
-    def respond(tm: TokenizerManager, req: GenerateRequest, states: list[SeqState]) -> dict:
-        return openai_response(tm, req, states, opts, resp_id, created)
+    def respond(client: SchedulerClient, req: GenerateRequest, states: list[SeqState]) -> dict:
+        return openai_response(client, req, states, opts, resp_id, created)
 
-    def stream(tm: TokenizerManager, req: GenerateRequest, states: list[SeqState]) -> AsyncIterator[str]:
-        return openai_stream(tm, req, states, opts, resp_id, created)
+    def stream(client: SchedulerClient, req: GenerateRequest, states: list[SeqState]) -> AsyncIterator[str]:
+        return openai_stream(client, req, states, opts, resp_id, created)
 
     if opts.echo:
-        opts.prompt_texts = [p.text if p.text is not None else tm.decode(p.input_ids or []) for p in req.prompts]
-    return await run_request(request, tm, req, respond, stream)
+        opts.prompt_texts = [p.text if p.text is not None else client.decode(p.input_ids or []) for p in req.prompts]
+    return await run_request(request, client, req, respond, stream)
 
 
 # ---------------------------------------------------------------------- models
-def model_card(tm: TokenizerManager, created: int) -> dict:
+def model_card(client: SchedulerClient, created: int) -> dict:
     """The /v1/models entry of the served model."""
-    return {"id": tm.args.served_model_name, "object": "model", "created": created, "owned_by": "kvstrata",
-            "root": tm.args.model_path, "max_model_len": tm.context_length}
+    return {"id": client.args.served_model_name, "object": "model", "created": created, "owned_by": "kvstrata",
+            "root": client.args.model_path, "max_model_len": client.context_length}
 
 
-def list_models(tm: TokenizerManager, created: int) -> dict:
+def list_models(client: SchedulerClient, created: int) -> dict:
     """GET /v1/models."""
-    return {"object": "list", "data": [model_card(tm, created)]}
+    return {"object": "list", "data": [model_card(client, created)]}
 
 
-def retrieve_model(tm: TokenizerManager, created: int, model_id: str) -> dict:
+def retrieve_model(client: SchedulerClient, created: int, model_id: str) -> dict:
     """GET /v1/models/{id}; 404 for any other id."""
-    if model_id != tm.args.served_model_name:
+    if model_id != client.args.served_model_name:
         raise ApiError(f"the model '{model_id}' does not exist", 404, param="model")
-    return model_card(tm, created)
+    return model_card(client, created)
 
 
 # ---------------------------------------------------------------------- responses
-def openai_response(tm: TokenizerManager, req: GenerateRequest, states: list[SeqState], opts: OpenAIOptions,
+def openai_response(client: SchedulerClient, req: GenerateRequest, states: list[SeqState], opts: OpenAIOptions,
                     resp_id: str, created: int) -> dict:
     """A complete (non-streaming) chat.completion or text_completion object."""
     choices = []
@@ -126,7 +127,7 @@ def openai_response(tm: TokenizerManager, req: GenerateRequest, states: list[Seq
             if calls:
                 choice["finish_reason"] = "tool_calls"
             if opts.logprobs:
-                choice["logprobs"] = chat_logprobs(tm, s.output_token_logprobs, s.output_top_logprobs)
+                choice["logprobs"] = chat_logprobs(client, s.output_token_logprobs, s.output_top_logprobs)
         else:
             prefix = opts.prompt_texts[s.prompt_index] if opts.echo else ""
             choice["text"] = prefix + text
@@ -135,7 +136,7 @@ def openai_response(tm: TokenizerManager, req: GenerateRequest, states: list[Seq
                 if opts.echo:
                     entries = list(s.input_token_logprobs or []) + entries
                     tops = list(s.input_top_logprobs or []) + tops
-                choice["logprobs"] = completion_logprobs(tm, entries, tops, 0)
+                choice["logprobs"] = completion_logprobs(client, entries, tops, 0)
         if opts.return_token_ids:
             choice["prompt_token_ids"], choice["token_ids"] = list(s.input_ids), list(s.output_ids)
         choices.append(choice)
@@ -143,7 +144,7 @@ def openai_response(tm: TokenizerManager, req: GenerateRequest, states: list[Seq
             "created": created, "model": opts.model, "choices": choices, "usage": usage(states)}
 
 
-async def openai_stream(tm: TokenizerManager, req: GenerateRequest, states: list[SeqState], opts: OpenAIOptions,
+async def openai_stream(client: SchedulerClient, req: GenerateRequest, states: list[SeqState], opts: OpenAIOptions,
                         resp_id: str, created: int) -> AsyncIterator[str]:
     """chat.completion.chunk / text_completion events; one finish_reason per choice; optional usage."""
     obj = "chat.completion.chunk" if opts.kind == "chat" else "text_completion"
@@ -167,7 +168,7 @@ async def openai_stream(tm: TokenizerManager, req: GenerateRequest, states: list
             text_offsets[s.index] = len(echo)
             yield chunk([{"index": s.index, "text": echo, "logprobs": None, "finish_reason": None}])
     finish_sent: set[int] = set()
-    async with contextlib.aclosing(tm.updates(states)) as updates:
+    async with contextlib.aclosing(client.updates(states)) as updates:
         async for changed in updates:
             for s in changed:
                 if s.error is not None:
@@ -176,7 +177,7 @@ async def openai_stream(tm: TokenizerManager, req: GenerateRequest, states: list
                     return
                 if s.index in finish_sent:
                     continue
-                choice, changed_ = _delta_choice(tm, s, opts, text_offsets)
+                choice, changed_ = _delta_choice(client, s, opts, text_offsets)
                 if s.index in reasoners:
                     _stream_reasoning(choice, reasoners[s.index], s.finished)
                 if s.index in streamers:
@@ -196,7 +197,7 @@ async def openai_stream(tm: TokenizerManager, req: GenerateRequest, states: list
     yield SSE_DONE
 
 
-def _delta_choice(tm: TokenizerManager, s: SeqState, opts: OpenAIOptions,
+def _delta_choice(client: SchedulerClient, s: SeqState, opts: OpenAIOptions,
                   text_offsets: dict[int, int]) -> tuple[dict, bool]:
     """The choice of one chunk with what `s` produced since the previous chunk; and whether it is new."""
     text = s.take_text_delta()
@@ -210,11 +211,11 @@ def _delta_choice(tm: TokenizerManager, s: SeqState, opts: OpenAIOptions,
     if opts.kind == "chat":
         choice["delta"] = {"content": text} if text else {}
         if entries:
-            choice["logprobs"] = chat_logprobs(tm, entries, tops)
+            choice["logprobs"] = chat_logprobs(client, entries, tops)
     else:
         choice["text"] = text
         if entries:
-            lp = completion_logprobs(tm, entries, tops, text_offsets[s.index])
+            lp = completion_logprobs(client, entries, tops, text_offsets[s.index])
             text_offsets[s.index] += sum(len(t) for t in lp["tokens"])
             choice["logprobs"] = lp
     return choice, bool(text or entries or new_ids)
@@ -303,27 +304,27 @@ def usage(states: list[SeqState]) -> dict:
             "prompt_tokens_details": {"cached_tokens": sum(cached.values())}}
 
 
-def chat_logprobs(tm: TokenizerManager, entries: list, tops: list) -> dict:
+def chat_logprobs(client: SchedulerClient, entries: list, tops: list) -> dict:
     """Chat `logprobs.content`: token, logprob, bytes and top_logprobs per generated token."""
     content = []
     for k, (lp, tid) in enumerate(entries):
-        token = tm.token_text(tid)
+        token = client.token_text(tid)
         top = tops[k] if k < len(tops) and tops[k] else []
         content.append({"token": token, "logprob": finite_logprob(lp), "bytes": list(token.encode("utf-8")),
-                        "top_logprobs": [{"token": tm.token_text(t), "logprob": finite_logprob(v),
-                                          "bytes": list(tm.token_text(t).encode("utf-8"))} for v, t in top]})
+                        "top_logprobs": [{"token": client.token_text(t), "logprob": finite_logprob(v),
+                                          "bytes": list(client.token_text(t).encode("utf-8"))} for v, t in top]})
     return {"content": content}
 
 
-def completion_logprobs(tm: TokenizerManager, entries: list, tops: list, offset: int) -> dict:
+def completion_logprobs(client: SchedulerClient, entries: list, tops: list, offset: int) -> dict:
     """Completions `logprobs`: tokens, token_logprobs, top_logprobs and text_offset lists."""
     tokens, token_lps, top_lps, offsets = [], [], [], []
     for k, (lp, tid) in enumerate(entries):
-        token = tm.token_text(tid)
+        token = client.token_text(tid)
         tokens.append(token)
         token_lps.append(finite_logprob(lp))
         top = tops[k] if k < len(tops) else None
-        top_lps.append({tm.token_text(t): finite_logprob(v) for v, t in top} if top else None)
+        top_lps.append({client.token_text(t): finite_logprob(v) for v, t in top} if top else None)
         offsets.append(offset)
         offset += len(token)
     return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": top_lps, "text_offset": offsets}

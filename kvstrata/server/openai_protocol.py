@@ -10,7 +10,7 @@ import json
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-from kvstrata.server.protocol import (
+from kvstrata.serving.protocol import (
     ApiError,
     GenerateRequest,
     PromptSpec,

@@ -15,7 +15,7 @@ from collections.abc import Callable
 from typing import Any, Optional
 
 from kvstrata.runtime.heartbeat import Heartbeat
-from kvstrata.server.tokenizer_manager import TokenizerManager
+from kvstrata.server.scheduler_client import SchedulerClient
 
 logger = logging.getLogger(__name__)
 
@@ -63,12 +63,12 @@ class SchedulerWatch:
         self.proc.kill()
         return True
 
-    async def watch(self, tm: TokenizerManager, on_death: Callable[[], None]) -> None:
+    async def watch(self, client: SchedulerClient, on_death: Callable[[], None]) -> None:
         """Until the scheduler is gone: kill it when stuck; then fail pending requests and call `on_death`."""
         while self.is_alive():
             self.kill_if_stuck()
             await asyncio.sleep(WATCH_INTERVAL_S)
         reason = self.killed_reason or "the scheduler process is not running"
         logger.error("%s; failing pending requests", reason)
-        tm.mark_dead(reason)
+        client.mark_dead(reason)
         on_death()

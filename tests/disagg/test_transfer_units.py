@@ -12,7 +12,7 @@ from kvstrata.disagg.transfer import LoopbackTransfer, TransferError, plan_write
 from kvstrata.memory.device_pool import DeviceKVPool
 from kvstrata.router.args import RouterArgs
 from kvstrata.server.disagg_fields import parse_bootstrap
-from kvstrata.server.protocol import ApiError
+from kvstrata.serving.errors import ApiError
 
 
 def test_slot_runs_coalesce_only_where_both_sides_are_consecutive():

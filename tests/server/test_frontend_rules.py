@@ -5,8 +5,9 @@ from __future__ import annotations
 import pytest
 
 from kvstrata.runtime.sampling_params import SamplingParams
-from kvstrata.server.frontend import RequestLimits, prepare_prompt
-from kvstrata.server.protocol import ApiError, PromptSpec
+from kvstrata.serving.errors import ApiError
+from kvstrata.serving.frontend import RequestLimits, prepare_prompt
+from kvstrata.serving.protocol import PromptSpec
 
 LIMITS = RequestLimits(context_length=64, max_total_tokens=50, vocab_size=100, max_prompt_chars=640)
 

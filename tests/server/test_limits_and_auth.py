@@ -136,8 +136,8 @@ def test_admin_abort_of_a_running_stream_counts_it_and_ends_it(admin_server):
 def test_without_an_admin_key_only_loopback_may_abort():
     from starlette.requests import Request
 
-    from kvstrata.server.auth import require_admin
-    from kvstrata.server.protocol import ApiError
+    from kvstrata.serving.errors import ApiError
+    from kvstrata.web.auth import require_admin
 
     def request_from(host: str) -> Request:
         return Request({"type": "http", "method": "POST", "path": "/abort_request", "headers": [],
@@ -166,8 +166,8 @@ def test_without_an_admin_key_only_loopback_may_abort():
 def test_without_an_admin_key_no_other_site_may_abort_through_a_local_browser(headers, allowed):
     from starlette.requests import Request
 
-    from kvstrata.server.auth import require_admin
-    from kvstrata.server.protocol import ApiError
+    from kvstrata.serving.errors import ApiError
+    from kvstrata.web.auth import require_admin
 
     raw = [(b"host", b"127.0.0.1:30000")] + [(k.encode(), v.encode()) for k, v in headers.items()]
     request = Request({"type": "http", "method": "POST", "path": "/abort_request", "headers": raw,

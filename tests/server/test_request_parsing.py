@@ -7,8 +7,9 @@ import json
 import pytest
 
 from kvstrata.server.openai_protocol import parse_chat, parse_completion
-from kvstrata.server.protocol import ApiError, parse_generate, parse_json_body
-from kvstrata.server.seq_state import stop_safe_prefix_len, trim_at_stop
+from kvstrata.serving.errors import ApiError
+from kvstrata.serving.protocol import parse_generate, parse_json_body
+from kvstrata.serving.seq_state import stop_safe_prefix_len, trim_at_stop
 
 
 def test_stop_safe_prefix_holds_back_possible_stop_starts():

@@ -1,4 +1,5 @@
-"""Who may call what: the API key for every route but the open ones, the admin key for admin routes.
+"""Who may call what, for both HTTP apps (the server's rules below; the router passes its own admin paths,
+router/access.py): the API key for every route but the open ones, the admin key for admin routes.
 
     /health, /metrics            open (load balancers and scrapers carry no key)
     admin routes (ADMIN_PATHS)   --admin-api-key when set (the plain --api-key is not enough);
@@ -20,7 +21,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from kvstrata.server.protocol import ApiError
+from kvstrata.serving.errors import ApiError
 
 # The static dashboard page is open; its data (/dashboard/data) needs the key like every endpoint.
 OPEN_PATHS = frozenset({"/health", "/metrics", "/dashboard"})

@@ -1,8 +1,10 @@
-"""TokenizerManager: the HTTP process's side of the scheduler link.
+"""SchedulerClient: the HTTP process's link to the scheduler process (over ZMQ), and its request accounting.
 
-It is the HTTP transport of the shared request frontend (frontend.py: tokenizing, validation,
-n-expansion): it sends each output sequence to the scheduler over ZMQ, routes the scheduler's deltas back
-to the waiting coroutines, and aborts the scheduler side of any request whose client went away.
+The transport of the shared request frontend (serving/: tokenizing, validation, n-expansion): it sends each
+output sequence to the scheduler, hands the scheduler's deltas to the waiting coroutines through the
+SequenceRegistry (serving/registry.py: which also aborts the scheduler side of any request whose client
+went away), and asks control questions matched by id (serving/control.py). It tokenizes only in the sense
+that it runs the frontend's tokenizing off the event loop (SGLang calls this part the SchedulerClient).
 
 Sockets: a plain (blocking-API) PUSH socket for sending — sends are non-blocking and can be made from
 `finally` blocks of cancelled coroutines — and an asyncio PULL socket read by one receive task.
@@ -13,7 +15,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections import defaultdict, deque
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Optional
@@ -26,17 +27,21 @@ from kvstrata.runtime.messages import (
     AbortReq,
     BatchOutput,
     ControlOut,
+    ControlReq,
     FlushCacheReq,
     GetLoadReq,
     GetStateReq,
     SchedulerReady,
 )
-from kvstrata.server import frontend
-from kvstrata.server.frontend import RequestLimits, TokenTexts
 from kvstrata.server.metrics import ServerMetrics
-from kvstrata.server.protocol import ApiError, GenerateRequest
 from kvstrata.server.request_log import RequestLog
-from kvstrata.server.seq_state import SeqState
+from kvstrata.serving import frontend
+from kvstrata.serving.control import ControlCalls
+from kvstrata.serving.errors import ApiError
+from kvstrata.serving.frontend import RequestLimits, TokenTexts
+from kvstrata.serving.protocol import GenerateRequest
+from kvstrata.serving.registry import SequenceRegistry
+from kvstrata.serving.seq_state import SeqState
 
 logger = logging.getLogger(__name__)
 
@@ -45,7 +50,7 @@ class ClientDisconnected(Exception):
     """The HTTP client closed its connection before its request finished."""
 
 
-class TokenizerManager:
+class SchedulerClient:
     """Tokenize → send to the scheduler → collect outputs; one per server process."""
 
     def __init__(self, args: ServerArgs, tokenizer: Any, info: SchedulerReady, recv_addr: str,
@@ -63,11 +68,9 @@ class TokenizerManager:
         self._pull.setsockopt(zmq.LINGER, 0)
         self._pull.setsockopt(zmq.RCVHWM, 0)    # never make the scheduler's send block on us
         self._pull.connect(send_addr)
-        self.states: dict[str, SeqState] = {}
-        self.groups: dict[str, list[str]] = {}     # user rid → the rids of its output sequences
-        self._control: dict[str, deque[asyncio.Future]] = defaultdict(deque)
+        self.sequences = SequenceRegistry(lambda rid: self._try_send(AbortReq(rid=rid)))
+        self._control = ControlCalls()
         self._recv_task: Optional[asyncio.Task] = None
-        self.release_hooks: list[Callable[[SeqState], None]] = []   # each sees every sequence once, at its end
         self.token_text = TokenTexts(tokenizer)     # the text of one token, as shown next to logprobs
         self.dead_reason: Optional[str] = None
         self.draining_reason: Optional[str] = None   # set on SIGTERM: new requests get 503
@@ -79,6 +82,7 @@ class TokenizerManager:
                         "cached_tokens_total": 0, "aborted_requests_total": 0, "failed_requests_total": 0}
         self.prometheus = ServerMetrics(args.served_model_name or args.model_path)
         self.request_log = RequestLog(args)
+        self.sequences.release_hooks += [self.prometheus.observe, self.request_log.released, self._count]
 
     # ------------------------------------------------------------------ life cycle
     def start(self) -> None:
@@ -102,13 +106,8 @@ class TokenizerManager:
     def mark_dead(self, reason: str) -> None:
         """The scheduler is gone: fail every pending request and refuse new ones with 503."""
         self.dead_reason = reason
-        for state in list(self.states.values()):
-            state.fail(reason, 503)
-        for waiters in self._control.values():
-            while waiters:
-                fut = waiters.popleft()
-                if not fut.done():
-                    fut.set_exception(ApiError(reason, 503))
+        self.sequences.fail_all(reason, 503)
+        self._control.fail_all(ApiError(reason, 503))
 
     @property
     def context_length(self) -> int:
@@ -142,13 +141,8 @@ class TokenizerManager:
     def submit(self, req: GenerateRequest) -> list[SeqState]:
         """Validate, expand and send every sequence of tokenized `req`; returns them in response order (i*n+j)."""
         self._check_alive()
-        for p in req.prompts:
-            if p.rid in self.groups or p.rid in self.states:
-                raise ApiError(f"a request with rid '{p.rid}' is already running", param="rid")
         states = frontend.expand_sequences(req, self.limits, self.tokenizer, asyncio.Event())
-        for state in states:
-            self.states[state.rid] = state
-            self.groups.setdefault(state.group_rid, []).append(state.rid)
+        self.sequences.register(states)
         try:
             for state in states:
                 self._send(frontend.scheduler_request(req, state))
@@ -196,45 +190,25 @@ class TokenizerManager:
 
     def release(self, states: list[SeqState]) -> None:
         """Forget `states`; abort the scheduler side of those not finished (idempotent)."""
-        for s in states:
-            if self.states.pop(s.rid, None) is None:
-                continue
-            self.prometheus.observe(s)
-            self.request_log.released(s)
-            if not s.finished:
-                self.metrics["aborted_requests_total"] += 1
-                self._try_send(AbortReq(rid=s.rid))
-                s.fail("aborted: the client went away", 499)
-            elif s.error is not None:
-                self.metrics["failed_requests_total"] += 1
-            self.metrics["prompt_tokens_total"] += s.prompt_tokens
-            self.metrics["generation_tokens_total"] += s.completion_tokens
-            self.metrics["cached_tokens_total"] += s.cached_tokens
-            for hook in self.release_hooks:
-                hook(s)
-            members = self.groups.get(s.group_rid)
-            if members is not None and not any(m in self.states for m in members):
-                del self.groups[s.group_rid]
+        self.sequences.release(states)
+
+    def _count(self, s: SeqState) -> None:
+        """The /server_info counters of one released sequence (a release hook: it sees it before a failure)."""
+        if not s.finished:
+            self.metrics["aborted_requests_total"] += 1
+        elif s.error is not None:
+            self.metrics["failed_requests_total"] += 1
+        self.metrics["prompt_tokens_total"] += s.prompt_tokens
+        self.metrics["generation_tokens_total"] += s.completion_tokens
+        self.metrics["cached_tokens_total"] += s.cached_tokens
 
     def abort_request(self, rid: Optional[str] = None, abort_all: bool = False) -> int:
         """Abort a request by its user rid (all its sequences) or a sequence rid; returns how many were running."""
-        if abort_all:
-            rids = list(self.states)
-        elif rid in self.groups:
-            rids = [r for r in self.groups[rid] if r in self.states]
-        else:
-            rids = [rid] if rid in self.states else []
-        for r in rids:
-            self._try_send(AbortReq(rid=r))
-        return len(rids)
+        return self.sequences.abort(rid, abort_all)
 
     def end_all(self, message: str) -> int:
         """End every running sequence now (shutdown): the scheduler frees them, their clients get a clean end."""
-        states = [s for s in self.states.values() if not s.finished]
-        for state in states:
-            self._try_send(AbortReq(rid=state.rid))
-            state.end_now(message, 503)
-        return len(states)
+        return self.sequences.end_all(message, 503)
 
     # ------------------------------------------------------------------ control requests
     async def flush_cache(self) -> ControlOut:
@@ -249,18 +223,16 @@ class TokenizerManager:
         """The scheduler's O(1) load report (queues, pool, hits per tier)."""
         return (await self._control_call(GetLoadReq(), "load")).state
 
-    async def _control_call(self, msg: Any, kind: str, timeout: float = 20.0) -> ControlOut:
+    async def _control_call(self, msg: ControlReq, kind: str, timeout: float = 20.0) -> ControlOut:
         self._check_alive()
         fut: asyncio.Future = asyncio.get_running_loop().create_future()
-        self._control[kind].append(fut)
         try:
-            self._send(msg)
+            self._send(self._control.open(msg, fut))
             return await asyncio.wait_for(asyncio.shield(fut), timeout)
         except asyncio.TimeoutError:
             raise ApiError(f"the scheduler did not answer a {kind} request within {timeout:.0f} s", 503) from None
         finally:
-            if fut in self._control[kind]:
-                self._control[kind].remove(fut)
+            self._control.close(msg)
 
     # ------------------------------------------------------------------ transport
     def _check_alive(self) -> None:
@@ -296,17 +268,10 @@ class TokenizerManager:
 
     def _dispatch(self, msg: Any) -> None:
         if isinstance(msg, BatchOutput):
-            for out in msg.outputs:
-                state = self.states.get(out.rid)
-                if state is not None:
-                    state.push(out)
+            self.sequences.dispatch(msg)
         elif isinstance(msg, ControlOut):
-            waiters = self._control[msg.kind]
-            while waiters:
-                fut = waiters.popleft()
-                if not fut.done():
-                    fut.set_result(msg)
-                    break
+            if not self._control.answer(msg):
+                logger.warning("dropped a late %s answer from the scheduler (its caller gave up)", msg.kind)
         else:
             logger.error("unexpected message from the scheduler: %r", type(msg).__name__)
 

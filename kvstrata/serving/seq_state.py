@@ -1,7 +1,7 @@
-"""SeqState: one output sequence as the HTTP process sees it — scheduler deltas in, text and logprobs out.
+"""SeqState: one output sequence as its caller sees it — scheduler deltas in, text and logprobs out.
 
-The receive loop only appends raw `ReqOutput`s (`push`); the request's own coroutine applies them
-(`drain`), so detokenization runs at the pace of the client that reads it.
+The transport's receive side only appends raw `ReqOutput`s (`push`); the request's own coroutine (or
+thread, in Engine) applies them (`drain`), so detokenization runs at the pace of the caller that reads it.
 
 Stop strings: the scheduler ends a request when a stop string appears but only knows tokens, so the
 text is trimmed here. While a request streams, any suffix that could be the start of a stop string is
@@ -82,7 +82,7 @@ class SeqState:
         self.sent_token_ids = 0             # output ids already streamed (return_token_ids)
         self.sent_input_logprobs = False
         self._failed_unseen = False         # fail() happened and no drain() has reported it yet
-        self.stream = False                 # the client reads a stream (set by the TokenizerManager)
+        self.stream = False                 # the client reads a stream (set by expand_sequences)
         # Arrival times of token deltas (receive loop), for the latency histograms.
         self.first_token_at: Optional[float] = None
         self.last_token_at: Optional[float] = None

@@ -9,9 +9,10 @@ Both entrypoints parse into a `GenerateRequest` (protocol.parse_generate, or the
     scheduler_request               the TokenizedGenerateReq one sequence sends to the scheduler
     native_output / native_response SGLang's result shape: text, output_ids, meta_info and logprob triples
 
-Stop trimming and incremental detokenization are SeqState's (seq_state.py). A transport — the
-TokenizerManager's ZMQ sockets or the Engine's queues — only carries TokenizedGenerateReq in and ReqOutput out.
-The scheduler trusts what arrives that way and checks none of these rules again.
+Stop trimming and incremental detokenization are SeqState's (seq_state.py), the running sequences the
+SequenceRegistry's (registry.py). A transport — the SchedulerClient's ZMQ sockets (server/) or the Engine's
+queues — only carries TokenizedGenerateReq in and ReqOutput out. The scheduler trusts what arrives that
+way and checks none of these rules again.
 """
 
 from __future__ import annotations
@@ -25,8 +26,9 @@ from typing import Any, Optional
 from kvstrata.model.tokenizer import IncrementalDetokenizer
 from kvstrata.runtime.messages import SchedulerReady, TokenizedGenerateReq
 from kvstrata.runtime.sampling_params import InvalidRequest, SamplingParams
-from kvstrata.server.protocol import ApiError, GenerateRequest, PromptSpec
-from kvstrata.server.seq_state import SeqState
+from kvstrata.serving.errors import ApiError
+from kvstrata.serving.protocol import GenerateRequest, PromptSpec
+from kvstrata.serving.seq_state import SeqState
 
 MIN_LOGPROB = -9999.0          # stands for -inf (a token masked out by top-k/top-p): JSON has no infinity
 

@@ -1,4 +1,5 @@
-"""HTTP plumbing shared by the APIs: server-sent events and client-disconnect detection."""
+"""HTTP plumbing both HTTP apps (server/, router/) use for streams: server-sent events and client-disconnect
+detection."""
 
 from __future__ import annotations
 
