@@ -39,3 +39,31 @@ def _is_module(name: str) -> bool:
     rel = Path(*name.split(".")[1:])
     root = PACKAGE_DIR
     return (root / rel).with_suffix(".py").exists() or (root / rel / "__init__.py").exists()
+
+
+TESTS_DIR = Path(__file__).parent
+
+
+def imported_test_modules(path: Path) -> list[str]:
+    """The test modules (files named test_*.py under tests/) that the file at `path` imports, relative
+    imports resolved; `from tests.x import test_y` counts as importing tests.x.test_y."""
+    package = ".".join(path.relative_to(TESTS_DIR.parent).with_suffix("").parts[:-1])
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            names = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                parent = package.split(".")[:len(package.split(".")) - node.level + 1]
+                base = ".".join(parent + ([base] if base else []))
+            names = [base] + [f"{base}.{alias.name}" for alias in node.names]
+        else:
+            continue
+        found += [n for n in names if n.startswith("tests.") and n.rsplit(".", 1)[-1].startswith("test_")
+                  and _is_test_file(n)]
+    return found
+
+
+def _is_test_file(name: str) -> bool:
+    return (TESTS_DIR.parent / Path(*name.split("."))).with_suffix(".py").exists()

@@ -224,6 +224,8 @@ def test_insert_rejects_bad_slots():
 
 
 def test_check_integrity_catches_corruption():
+    # The one test that writes node fields directly: it makes states no public verb can reach (a lock the
+    # size counters missed, a page held by two nodes), which is what check_integrity() is there to catch.
     allocator, cache = make_cache()
     cache_seq(allocator, cache, [1, 2, 3])
     cache_seq(allocator, cache, [5, 6])

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import sys
+
 import pytest
 
 from tests.model.hf_ckpt import write_checkpoint
@@ -18,3 +20,12 @@ def checkpoint_dir(tmp_path_factory):
         return written[case]
 
     return get
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _drop_loaded_pairs():
+    """Loaded model pairs live for one test module (they hold two models each)."""
+    yield
+    pairs = sys.modules.get("tests.model.pairs")    # only a module that used pairs has any to drop
+    if pairs is not None:
+        pairs.Pair.drop_all()

@@ -20,8 +20,8 @@ from kvstrata.model.layers import use_fused_activation
 from kvstrata.model.paged_kernels import silu_and_mul_op
 from kvstrata.platform import cpu_has_amx
 from tests.capabilities import requires_avx512_bf16, requires_cpu_kernels
+from tests.model.pairs import PROMPT_LENS, Pair, random_prompts
 from tests.model.silu_cases import every_gate_value, same_bits
-from tests.model.test_llama_vs_hf import PROMPT_LENS, Pair, random_prompts
 
 OP = silu_and_mul_op()
 pytestmark = requires_cpu_kernels

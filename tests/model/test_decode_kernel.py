@@ -15,8 +15,8 @@ import torch
 from kvstrata.model.paged_kernels import BF16_HEAD_DIMS, decode_attention_op, paged_attention_op
 from tests.capabilities import requires_avx512_bf16, requires_cpu_kernels
 from tests.model.hf_ckpt import CASES
-from tests.model.test_llama_vs_hf import PROMPT_LENS, TOLERANCE, Pair, random_prompts, relative_error
-from tests.model.test_paged_kernel import _reference  # float32 causal SDPA over the same keys
+from tests.model.pairs import PROMPT_LENS, TOLERANCE, Pair, random_prompts, relative_error
+from tests.model.sdpa_reference import causal_sdpa_reference
 
 OP = decode_attention_op()
 pytestmark = [requires_cpu_kernels, requires_avx512_bf16]   # elsewhere the op is not built: the float32 kernel serves
@@ -50,7 +50,7 @@ def test_decodes_over_scattered_slots_match_sdpa(heads, kv_heads, dim):
     q = (2 * torch.randn(len(LENS), heads, dim)).to(BF16)   # sharper softmax than unit queries
     out = _run(OP, q, k_buf, v_buf, seq_slots, list(range(len(LENS))), LENS)
     for i, n in enumerate(LENS):
-        ref = _reference(q[i:i + 1], k_buf[seq_slots[i]], v_buf[seq_slots[i]], n - 1)[0]
+        ref = causal_sdpa_reference(q[i:i + 1], k_buf[seq_slots[i]], v_buf[seq_slots[i]], n - 1)[0]
         err = (out[i].float() - ref).abs().max()
         assert err < 2e-2, f"{n} keys: max error {err}"
 

@@ -32,7 +32,7 @@ from kvstrata.model.paged_kernels import (
 from kvstrata.runtime.model_runner import ModelRunner
 from tests.capabilities import requires_avx2, requires_cpu_kernels, requires_onednn_bf16_reorder
 from tests.model.hf_ckpt import CASES
-from tests.model.test_llama_vs_hf import PROMPT_LENS, TOLERANCE, Pair, random_prompts, relative_error
+from tests.model.pairs import PROMPT_LENS, TOLERANCE, Pair, random_prompts, relative_error
 
 LINEAR = decode_linear_op(every_row=True)   # as deterministic mode runs it: products of any row count
 NORMS = norm_ops()

@@ -18,8 +18,8 @@ import torch
 from kvstrata.model.paged_kernels import BF16_HEAD_DIMS, extend_amx, extend_attention_op
 from tests.capabilities import requires_avx2, requires_cpu_kernels
 from tests.model.hf_ckpt import CASES
-from tests.model.test_llama_vs_hf import PROMPT_LENS, TOLERANCE, Pair, random_prompts, relative_error
-from tests.model.test_paged_kernel import _reference  # float32 causal SDPA over the same keys
+from tests.model.pairs import PROMPT_LENS, TOLERANCE, Pair, random_prompts, relative_error
+from tests.model.sdpa_reference import causal_sdpa_reference
 
 OP = extend_attention_op()
 pytestmark = [requires_cpu_kernels, requires_avx2]   # the AVX2 tile, or the AVX-512 BF16 / AMX ones
@@ -72,7 +72,7 @@ def test_extends_over_scattered_slots_match_sdpa(heads, kv_heads, dim, dtype, ti
     assert out.dtype == dtype
     row = 0
     for slots, prefix, extend in seqs:
-        ref = _reference(q[row:row + extend], k_buf[slots], v_buf[slots], prefix)
+        ref = causal_sdpa_reference(q[row:row + extend], k_buf[slots], v_buf[slots], prefix)
         err = (out[row:row + extend].float() - ref).abs().max()
         assert err < MAX_ERROR[dtype], f"prefix {prefix} extend {extend}: max error {err}"
         row += extend
@@ -90,7 +90,7 @@ def test_scores_that_grow_along_the_keys_stay_finite(dtype, tile):
     q = (8 * direction).expand(n, 8, dim).to(dtype)
     slots = torch.arange(n)
     out = _run(q, k_buf, v_buf, [(slots, 0, n)])
-    ref = _reference(q, k_buf[slots], v_buf[slots], 0)
+    ref = causal_sdpa_reference(q, k_buf[slots], v_buf[slots], 0)
     assert torch.isfinite(out.float()).all()
     assert (out.float() - ref).abs().max() < MAX_ERROR[dtype] * 4
 
@@ -176,5 +176,5 @@ def test_contexts_beyond_the_pack_budget_run_in_waves():
     q = torch.randn(30, 2, 256).to(BF16)
     out = _run(q, k_buf, v_buf, seqs)
     for i, (slots, prefix, _) in enumerate(seqs):
-        ref = _reference(q[3 * i:3 * i + 3], k_buf[slots], v_buf[slots], prefix)
+        ref = causal_sdpa_reference(q[3 * i:3 * i + 3], k_buf[slots], v_buf[slots], prefix)
         assert (out[3 * i:3 * i + 3].float() - ref).abs().max() < 2e-2, f"sequence {i}"

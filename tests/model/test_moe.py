@@ -17,16 +17,10 @@ from kvstrata.model.paged_kernels import amx_linear_op, decode_linear_op, moe_co
 from tests.capabilities import requires_amx, requires_cpu_kernels, requires_onednn_bf16_reorder
 from tests.device import TEST_DEVICE
 from tests.model.hf_ckpt import MOE_CASES, edit_checkpoint
-from tests.model.test_llama_vs_hf import PROMPT_LENS, TOLERANCE, Pair, random_prompts, relative_error
+from tests.model.pairs import PROMPT_LENS, TOLERANCE, Pair, random_prompts, relative_error
 
 DTYPES = [torch.float32, torch.bfloat16]
 CPU = torch.device("cpu")
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _drop_loaded_models():
-    yield
-    Pair._cache.clear()
 
 
 # --- transformers parity --------------------------------------------------------------------------

@@ -9,12 +9,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 from kvstrata.model.paged_kernels import paged_attention_op
 from tests.capabilities import requires_cpu_kernels
 from tests.model.hf_ckpt import CASES
-from tests.model.test_llama_vs_hf import PROMPT_LENS, TOLERANCE, Pair, random_prompts, relative_error
+from tests.model.pairs import PROMPT_LENS, TOLERANCE, Pair, random_prompts, relative_error
+from tests.model.sdpa_reference import causal_sdpa_reference
 
 OP = paged_attention_op()
 pytestmark = requires_cpu_kernels
@@ -26,15 +26,6 @@ def _pool(slots: int, dtype: torch.dtype, seed: int = 0, dim: int = DIM) -> tupl
     g = torch.Generator().manual_seed(seed)
     return (torch.randn(slots, KV_HEADS, dim, generator=g).to(dtype),
             torch.randn(slots, KV_HEADS, dim, generator=g).to(dtype))
-
-
-def _reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, first_pos: int) -> torch.Tensor:
-    """float32 SDPA of queries at positions first_pos.. over keys 0..L-1 (causal), `[n, H, D]`."""
-    n, total = q.shape[0], k.shape[0]
-    allowed = torch.arange(total)[None, :] <= torch.arange(first_pos, first_pos + n)[:, None]
-    out = F.scaled_dot_product_attention(q.float().transpose(0, 1)[None], k.float().transpose(0, 1)[None],
-                                         v.float().transpose(0, 1)[None], attn_mask=allowed, enable_gqa=True)
-    return out[0].transpose(0, 1)
 
 
 def _run(q, k_buf, v_buf, seq_slots: list[torch.Tensor], row_seq: list[int], lens: list[int]) -> torch.Tensor:
@@ -54,7 +45,7 @@ def test_decodes_over_scattered_slots_match_sdpa(dtype, dim):
     out = _run(q, k_buf, v_buf, seq_slots, list(range(len(lens))), lens)
     tolerance = 1e-5 if dtype == torch.float32 else 1e-2
     for i, n in enumerate(lens):
-        ref = _reference(q[i:i + 1], k_buf[seq_slots[i]], v_buf[seq_slots[i]], n - 1)
+        ref = causal_sdpa_reference(q[i:i + 1], k_buf[seq_slots[i]], v_buf[seq_slots[i]], n - 1)
         assert (out[i].float() - ref[0]).abs().max() < tolerance, f"sequence of {n} keys"
 
 
@@ -65,7 +56,7 @@ def test_extend_after_prefix_matches_causal_sdpa(dtype):
     prefix, n = 333, 267
     q = torch.randn(n, HEADS, DIM).to(dtype)
     out = _run(q, k_buf, v_buf, [slots], [0] * n, list(range(prefix + 1, prefix + n + 1)))
-    ref = _reference(q, k_buf[slots], v_buf[slots], prefix)
+    ref = causal_sdpa_reference(q, k_buf[slots], v_buf[slots], prefix)
     assert (out.float() - ref).abs().max() < (1e-5 if dtype == torch.float32 else 1e-2)
 
 

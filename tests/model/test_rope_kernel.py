@@ -9,7 +9,7 @@ import torch
 from kvstrata.model.paged_kernels import rope_op
 from kvstrata.model.rope import RotaryEmbedding, Rotation, apply_rotary, use_rope_kernel
 from tests.capabilities import requires_cpu_kernels
-from tests.model.test_llama_vs_hf import PROMPT_LENS, Pair, random_prompts
+from tests.model.pairs import PROMPT_LENS, Pair, random_prompts
 
 OP = rope_op()
 pytestmark = requires_cpu_kernels
