@@ -14,7 +14,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvstrata.cache.manager import KVCacheManager
-from kvstrata.cache.page_hash import page_keys
+from kvstrata.cache.page_hash import page_keys, request_namespace
 from kvstrata.runtime.req import Req
 from kvstrata.runtime.sampling_params import SamplingParams
 from tests.cache.drivers import compute
@@ -100,7 +100,7 @@ def check_storage_keys(manager: KVCacheManager) -> None:
             up = up.parent
         start = len(path) - len(node.key)
         gt = storage.group_tokens
-        expected = page_keys(path, gt, storage._namespace_key(up.namespace))
+        expected = page_keys(path, gt, request_namespace(storage.storage_namespace, up.namespace))
         ends = [(i + 1) * gt - start for i in range(len(expected)) if start < (i + 1) * gt <= len(path)]
         assert node.storage.ends == ends, node
         assert node.storage.keys == expected[len(expected) - len(ends):], node
@@ -162,7 +162,8 @@ def test_prefetch_keys_continue_the_cached_chain(tmp_path, page_size, group_toke
         exists = backend.batch_exists
         backend.batch_exists = lambda keys: (looked_up.append(list(keys)), exists(keys))[1]
         match = tree.match_prefix(prompt, record=False)
-        expected = page_keys(prompt, group_tokens, storage._namespace_key(None))[match.cached_tokens // group_tokens:]
+        namespace = request_namespace(storage.storage_namespace, None)
+        expected = page_keys(prompt, group_tokens, namespace)[match.cached_tokens // group_tokens:]
         # The file backend checks the first key on the spot: it is not stored, so nothing is submitted.
         assert storage.prefetch(prompt, None, match) == (None, "not_stored")
         assert looked_up == [expected[:1]] and asked == []
