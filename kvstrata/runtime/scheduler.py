@@ -49,6 +49,7 @@ class Scheduler:
         self.page_size = args.page_size
         self.context_len = self.runner.context_len
         self.cache = build_kv_cache(args.cache_config(), self.runner.pool, self.runner.model_path, self.context_len)
+        self.kv_events = self._kv_event_publisher()   # --kv-events-config (None: off)
         # The scheduler process's tokenizer: stop strings, grammars, and the fingerprint the HTTP process checks.
         self.tokenizer = load_tokenizer(resolve_model_path(args.tokenizer_path))
         self.stop = StopChecker(self.tokenizer, self.runner.config.eos_token_ids)
@@ -67,6 +68,17 @@ class Scheduler:
                 raise ValueError(f"--disaggregation-mode {args.disaggregation_mode} needs a handoff "
                                  "(kvstrata.disagg.handoff_for)")
             self.handoff = handoff_factory(self)
+
+    def _kv_event_publisher(self):
+        """The publisher of the cache's block events, fed once per step (None when events are off)."""
+        config = self.args.kv_events()
+        if config is None or self.cache.events is None:
+            return None
+        from kvstrata.kv_events.publisher import KVEventPublisher
+
+        publisher = KVEventPublisher(config, self.cache.events.group_tokens, self.cache.events.snapshot)
+        self.cache.publish_events = publisher.publish
+        return publisher
 
     # ------------------------------------------------------------------ inputs
     def add_request(self, msg: TokenizedGenerateReq) -> Optional[ReqOutput]:
@@ -165,6 +177,7 @@ class Scheduler:
             outputs.extend(self._process(batch, result))
         except Exception as e:  # one bad batch (a bug, an odd shape, out of memory) must not end the server
             outputs.extend(self._fail_batch(batch, e))
+        self.cache.flush_events()
         self.step_count += 1
         return outputs
 
@@ -510,6 +523,9 @@ class Scheduler:
     def close(self) -> None:
         """Release background resources (copy workers, grammar compile threads)."""
         self.cache.close()
+        if self.kv_events is not None:
+            self.cache.flush_events()      # the last copies' residency, then the stream ends
+            self.kv_events.close()
         if self.handoff is not None:
             self.handoff.close()
         if self._grammar is not None:
@@ -530,6 +546,8 @@ class Scheduler:
                  "step": self.step_count, "new_token_ratio": self.new_token_ratio, **self.cache.stats(), **m}
         state["engine_utilization"] = self.engine_meter.utilization()
         state["forward_busy_s"] = self.engine_meter.busy_s
+        if self.kv_events is not None:
+            state["kv_events"] = self.kv_events.metrics()
         if not full:
             return state
         if self.cache.shares_prefixes:
