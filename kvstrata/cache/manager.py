@@ -530,6 +530,20 @@ class KVCacheManager:
                 out["hicache"]["snapshot"] = self.host_snapshot.stats()
         return out
 
+    def copy_seconds_per_token(self) -> dict:
+        """Measured seconds per token of an L2 -> L1 load-back and of an L3 read (0.0: not measured yet),
+        from the copy workers' bytes and busy time."""
+        out = {"load_back_s_per_token": 0.0, "storage_s_per_token": 0.0}
+        if self.host is None:
+            return out
+        token_bytes = self.host.host_pool.page_bytes / self.page_size
+        rate = self.host.controller.stats().get("load_back_bytes_per_s", 0.0)
+        out["load_back_s_per_token"] = token_bytes / rate if rate else 0.0
+        if self.storage is not None:
+            rate = self.storage.io.stats().get("prefetch_bytes_per_s", 0.0)
+            out["storage_s_per_token"] = token_bytes / rate if rate else 0.0
+        return out
+
     @property
     def has_host_tier(self) -> bool:
         """Whether an L2 keeps what leaves the device (a paused request then resumes by load-back)."""

@@ -68,6 +68,8 @@ class KVEventPublisher:
         self._running = True
         self._thread = threading.Thread(target=self._run, name="kv-events", daemon=True)
         self._thread.start()
+        # Batch 0 says "nothing cached": a restart shows as seq 0 at once, and a dump's seq is never -1.
+        self.publish([AllCleared()])
 
     # ---- the scheduler's side ---------------------------------------------------------------------------
 

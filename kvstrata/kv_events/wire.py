@@ -17,8 +17,8 @@ each event an array whose first element names its type (msgspec's tag, the class
 Replay (the ROUTER socket at `replay_endpoint`): a client (DEALER or REQ) sends [b"", start_seq as 8 bytes
 big-endian]; the publisher answers [b"", seq, payload] for every buffered batch from start_seq on, then
 [b"", END_SEQ, b""]. Ours adds one request: start_seq -1 (signed) asks for the current state instead, as one
-batch [AllBlocksCleared, BlockStored...] under the sequence number of the last batch published (-1 before
-the first), then END_SEQ. Anything else on that socket is dropped and counted.
+batch [AllBlocksCleared, BlockStored...] under the sequence number of the last batch published, then
+END_SEQ. Our publisher's batch 0 is [AllBlocksCleared] (the state at start: a restart shows at once). Anything else on that socket is dropped and counted.
 """
 
 from __future__ import annotations

@@ -16,6 +16,7 @@ from kvstrata.runtime.messages import (
     FlushCacheReq,
     GetLoadReq,
     GetStateReq,
+    PrefetchReq,
     TokenizedGenerateReq,
 )
 from kvstrata.runtime.scheduler import Scheduler, error_output
@@ -64,6 +65,8 @@ class SchedulerLoop:
                 self.send(s.flush_cache())
             elif isinstance(msg, GetStateReq):
                 self.send(ControlOut("state", True, "", s.get_state(msg.full)))
+            elif isinstance(msg, PrefetchReq):
+                s.prefetch(msg)
             elif isinstance(msg, GetLoadReq):
                 self.send(ControlOut("load", True, "", s.get_load()))
             elif msg is None:

@@ -22,7 +22,7 @@ from kvstrata.model.builtin import resolve_model_path
 from kvstrata.model.tokenizer import load_tokenizer
 from kvstrata.runtime.batch import BatchEntry, ScheduledBatch, StepResult
 from kvstrata.runtime.handoff import Handoff, HandoffFactory
-from kvstrata.runtime.messages import ControlOut, ReqOutput, TokenizedGenerateReq
+from kvstrata.runtime.messages import ControlOut, PrefetchReq, ReqOutput, TokenizedGenerateReq
 from kvstrata.runtime.model_runner import ModelRunner
 from kvstrata.runtime.req import Req, ReqState, finish_abort
 from kvstrata.runtime.sampler import top_token_ids
@@ -58,7 +58,8 @@ class Scheduler:
         self.new_token_ratio = INIT_NEW_TOKEN_RATIO
         self.step_count = 0
         self.metrics = {"prompt_tokens": 0, "cached_tokens": 0, "generated_tokens": 0, "retractions": 0,
-                        "preemptions": 0, "finished_requests": 0, "aborted_requests": 0}
+                        "preemptions": 0, "finished_requests": 0, "aborted_requests": 0, "prefetch_hints": 0,
+                        "prefetch_loaded_back_tokens": 0}
         self.engine_meter = UtilizationMeter()   # share of wall clock spent in forwards
         self._grammar = None
         self.grammar_backend()   # built now: its vocabulary scan would otherwise stall the first request
@@ -143,6 +144,16 @@ class Scheduler:
                 self.metrics["aborted_requests"] += 1
                 outs.append(self.output_for(req))
         return outs
+
+    def prefetch(self, msg: PrefetchReq) -> None:
+        """A prefetch hint (POST /prefetch): start the load-back / L3 read of the prompt's cached prefix."""
+        if not self.cache.shares_prefixes:
+            return
+        self.cache.begin_step()           # acks first: the hint sees the tree as a step would
+        result = self.cache.warm(msg.input_ids, msg.cache_namespace)
+        self.metrics["prefetch_hints"] += 1
+        self.metrics["prefetch_loaded_back_tokens"] += result["loaded_back_tokens"]
+        self.cache.flush_events()
 
     def flush_cache(self) -> ControlOut:
         """Empty the radix tree; refused while requests are queued or running."""
@@ -567,7 +578,16 @@ class Scheduler:
         """Queue lengths, pool occupancy and hits per tier from counters kept anyway (no walk, no check)."""
         return {"running_requests": len(self.running), "waiting_requests": len(self.waiting), **self.cache.pool_pages(),
                 "prompt_tokens": self.metrics["prompt_tokens"], "cached_tokens": self.metrics["cached_tokens"],
-                **self.cache.metrics}
+                **self.cache.metrics, **self._tier_costs()}
+
+    def _tier_costs(self) -> dict:
+        """Measured seconds per token: computing one (forward time over tokens computed, prefill and
+        decode alike), loading one back from L2, reading one from L3 (0.0 until measured)."""
+        m = self.metrics
+        computed = m["prompt_tokens"] - m["cached_tokens"] + m["generated_tokens"]
+        busy = self.engine_meter.busy_s
+        return {"compute_s_per_token": busy / computed if computed and busy else 0.0,
+                **self.cache.copy_seconds_per_token()}
 
 
 def error_output(rid: str, prompt_tokens: int, message: str, status: int = 400) -> ReqOutput:

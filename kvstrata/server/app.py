@@ -26,6 +26,7 @@ from kvstrata.server.limits import BodySizeLimitMiddleware
 from kvstrata.server.load_api import register_load_api
 from kvstrata.server.metrics import CONTENT_TYPE
 from kvstrata.server.openapi_schema import install_openapi
+from kvstrata.server.prefetch_api import register_prefetch_api
 from kvstrata.server.protocol import ApiError, GenerateRequest, PromptSpec, get_bool, new_rid, parse_json_body
 from kvstrata.server.scheduler_watch import SchedulerWatch
 from kvstrata.server.tokenizer_manager import TokenizerManager
@@ -67,6 +68,7 @@ def create_app(tm: TokenizerManager, scheduler: SchedulerWatch, on_scheduler_dea
     _add_error_handlers(app)
     install_openapi(app)
     register_load_api(app, tm)
+    register_prefetch_api(app, tm)
 
     # ------------------------------------------------------------------ health and info
     @app.get("/health")
