@@ -28,8 +28,8 @@ from kvstrata.runtime.messages import (
     ControlOut,
     FlushCacheReq,
     GetLoadReq,
-    PrefetchReq,
     GetStateReq,
+    PrefetchReq,
     SchedulerReady,
 )
 from kvstrata.server import frontend
