@@ -69,11 +69,11 @@ class EventSubscriber:
         self.index.reset(self.worker, in_sync=False)
 
     def pause(self) -> None:
-        """Disconnect (what the worker publishes meanwhile is missed: a gap on resume). For tests/ops."""
+        """Drop what arrives, unseen, until resume(): a lossy link, for tests (the next batch shows a gap)."""
         self._paused.set()
 
     def resume(self) -> None:
-        """Reconnect after pause()."""
+        """Read again after pause()."""
         self._paused.clear()
 
     # ---- the thread ---------------------------------------------------------------------------------------
@@ -83,17 +83,19 @@ class EventSubscriber:
             sub = self._connect()
             try:
                 self._resync("start")
-                while self._running and not self._paused.is_set():
+                while self._running:
                     if sub.poll(POLL_MS):
-                        self._receive(sub.recv_multipart())
+                        frames = sub.recv_multipart()
+                        if self._paused.is_set():
+                            self.stats["dropped_while_paused"] += 1
+                            continue
+                        self._receive(frames)
             except Exception:                    # a bug must not end the thread: resync and go on
                 logger.exception("KV event subscriber of %s failed", self.worker)
                 self.index.set_in_sync(self.worker, False)
                 time.sleep(0.5)
             finally:
                 sub.close(linger=0)
-            while self._paused.is_set() and self._running:
-                time.sleep(0.05)
 
     def _connect(self) -> zmq.Socket:
         sub = self._ctx.socket(zmq.SUB)
@@ -190,3 +192,63 @@ class EventSubscriber:
             return None
         finally:
             dealer.close(linger=0)
+
+
+def source_from_config(raw: object, worker_url: str) -> EventSource | None:
+    """Where the worker at `worker_url` publishes, from the `kv_events_config` of its /server_info (None: it
+    does not, or the value is not a valid config). A wildcard host means the worker's own host."""
+    from urllib.parse import urlsplit
+
+    from kvstrata.config_cli import ConfigError
+    from kvstrata.kv_events.config import parse_kv_events_config
+
+    if not isinstance(raw, str):
+        return None
+    try:
+        config = parse_kv_events_config(raw)
+    except ConfigError as e:
+        logger.warning("worker %s reports a bad kv_events_config (%s): no exact routing for it", worker_url, e)
+        return None
+    if config is None:
+        return None
+    host = urlsplit(worker_url).hostname or "127.0.0.1"
+
+    def reachable(endpoint: str | None) -> str | None:
+        if endpoint is None:
+            return None
+        for wildcard in ("://*:", "://0.0.0.0:", "://[::]:"):
+            endpoint = endpoint.replace(wildcard, f"://{host}:")
+        return endpoint
+
+    return EventSource(reachable(config.endpoint), reachable(config.replay_endpoint), config.topic)
+
+
+class KVFeeds:
+    """The subscribers of all workers that publish KV events, feeding one KVIndex."""
+
+    def __init__(self, index: KVIndex):
+        self.index = index
+        self.subscribers: dict[str, EventSubscriber] = {}
+        self.probed: set[str] = set()          # workers whose /server_info was read
+
+    def start(self, worker: str, source: EventSource) -> None:
+        """Subscribe to `worker` (replacing an older subscription)."""
+        self.stop(worker)
+        logger.info("subscribing to the KV events of %s at %s", worker, source.endpoint)
+        self.subscribers[worker] = EventSubscriber(worker, source, self.index).start()
+
+    def stop(self, worker: str) -> None:
+        """Unsubscribe from `worker` and forget its blocks."""
+        sub = self.subscribers.pop(worker, None)
+        self.probed.discard(worker)
+        if sub is not None:
+            sub.stop()
+
+    def close(self) -> None:
+        """Stop every subscriber."""
+        for worker in list(self.subscribers):
+            self.stop(worker)
+
+    def stats(self) -> dict[str, Counter]:
+        """Per-worker subscriber counters (batches, gaps, replays, resyncs, restarts, bad messages)."""
+        return {w: s.stats for w, s in self.subscribers.items()}
