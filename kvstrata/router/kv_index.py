@@ -52,7 +52,7 @@ class KVIndex:
         self._chain: dict[tuple, int] = {}            # (parent hash | None, block tokens) -> hash
         self._key_of: dict[int, tuple] = {}           # hash -> its chain key
         self._holders: Counter = Counter()             # hash -> (worker, medium) pairs holding it
-        self.stats = Counter()
+        self.stats: Counter = Counter()
 
     # ---- writers (subscriber threads) --------------------------------------------------------------------
 
@@ -118,7 +118,6 @@ class KVIndex:
         """Mark `worker`'s stream in or out of sync (out: a gap was seen; its blocks are not used)."""
         with self.lock:
             self._workers.setdefault(worker, WorkerBlocks()).in_sync = in_sync
-            self.stats["resyncs" if in_sync else "gaps"] += 0 if in_sync else 1
 
     def set_storage(self, worker: str, storage_id: str | None) -> None:
         """The L3 `worker` reads (from its /load report)."""

@@ -68,7 +68,7 @@ def test_router_routes_to_the_worker_that_holds_the_prefix(evented, tmp_path):
         generate(urls[1], history)
         wait_for(lambda: any(s.value >= 6 for s in samples(router.url, "kvstrata_router_kv_index_blocks")),
                  what="the router's index to learn worker 1's blocks")
-        for turn in range(3):
+        for _ in range(3):
             generate(router.url, history + [rng.randrange(10, 200) for _ in range(8)])
         sent = {s.labels["worker"]: s.value for s in samples(router.url, "kvstrata_router_requests_total")}
         reasons = {s.labels["reason"] for s in samples(router.url, "kvstrata_router_routing_decisions_total")}
