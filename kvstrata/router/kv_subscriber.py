@@ -233,14 +233,18 @@ class KVFeeds:
 
     def start(self, worker: str, source: EventSource) -> None:
         """Subscribe to `worker` (replacing an older subscription)."""
-        self.stop(worker)
+        self._unsubscribe(worker)
+        self.probed.add(worker)
         logger.info("subscribing to the KV events of %s at %s", worker, source.endpoint)
         self.subscribers[worker] = EventSubscriber(worker, source, self.index).start()
 
     def stop(self, worker: str) -> None:
-        """Unsubscribe from `worker` and forget its blocks."""
-        sub = self.subscribers.pop(worker, None)
+        """Unsubscribe from `worker` and forget its blocks (it was removed: a new one is probed again)."""
         self.probed.discard(worker)
+        self._unsubscribe(worker)
+
+    def _unsubscribe(self, worker: str) -> None:
+        sub = self.subscribers.pop(worker, None)
         if sub is not None:
             sub.stop()
 

@@ -132,11 +132,13 @@ class TierAwarePolicy(Policy):
 
     def select(self, workers: list[Worker], key: RouteKey, session: Optional[str] = None) -> Decision:
         exact = self.index is not None and isinstance(key, tuple) and self.index.covers([w.url for w in workers])
+        recorded = [w.tree_for(key).match(key) if key else 0 for w in workers]
         if exact:
             costs, matches = self._exact_costs(workers, key)
         else:
-            costs, matches = self._approximate_costs(workers, key), None
-        i = min(range(len(workers)), key=lambda j: (costs[j], *_spread_order(workers[j])))
+            costs, matches = self._approximate_costs(workers, key, recorded), None
+        # Equal costs (the exact index sees whole blocks only): the longer recorded prefix, then the spread.
+        i = min(range(len(workers)), key=lambda j: (costs[j], -recorded[j], *_spread_order(workers[j])))
         reason = "exact" if exact else "approximate"
         sticky = self._sessions.get(session) if session else None
         for j, w in enumerate(workers):        # a tie goes to the conversation's worker
@@ -160,8 +162,7 @@ class TierAwarePolicy(Policy):
         costs = [self.cost(w, len(key), m.device * bs, m.host * bs, m.storage * bs) for w, m in zip(workers, matches)]
         return costs, matches
 
-    def _approximate_costs(self, workers: list[Worker], key: RouteKey) -> list[float]:
-        matches = [w.tree_for(key).match(key) if key else 0 for w in workers]
+    def _approximate_costs(self, workers: list[Worker], key: RouteKey, matches: list[int]) -> list[float]:
         costs = []
         for w, m in zip(workers, matches):
             host = m * w.load.host_hit_share
