@@ -127,10 +127,25 @@ def run_setup(args: argparse.Namespace, cluster: Cluster, setup: str, convs: lis
         accounting.ideal_cached_tokens(records)
         summary = accounting.summarize(records, round_barrier=False, skipped=a.skipped + b.skipped)
         summary["wall_s"] = time.perf_counter() - start
+        summary["reasons"] = {} if setup == "sglang-router" else decision_reasons(routers[0].url)
         return summary
     finally:
         for r in routers:
             r.stop()
+
+
+def decision_reasons(router_url: str) -> dict[str, float]:
+    """The router's routing decisions by reason (exact, approximate, session, ...)."""
+    import requests
+    from prometheus_client.parser import text_string_to_metric_families
+
+    out: dict[str, float] = {}
+    text = requests.get(router_url + "/metrics", timeout=10).text
+    for fam in text_string_to_metric_families(text):
+        for s in fam.samples:
+            if s.name == "kvstrata_router_routing_decisions_total":
+                out[s.labels["reason"]] = out.get(s.labels["reason"], 0) + s.value
+    return out
 
 
 def events_on_off(args: argparse.Namespace, cluster: Cluster, flags: list[str]) -> dict:
@@ -185,9 +200,11 @@ def main(args: argparse.Namespace, flags: list[str], argv: list[str]) -> int:
 def render(rows: list, onoff: Optional[dict], command: str, machine: str, started: str) -> str:
     """The markdown of a churn run."""
     table = report.markdown_table(
-        ["routing", "hit rate", "ideal", "hit/ideal", "mean TTFT (s)", "P90 TTFT (s)", "input tok/s", "failed"],
+        ["routing", "hit rate", "ideal", "hit/ideal", "mean TTFT (s)", "P90 TTFT (s)", "input tok/s", "failed",
+         "decisions (router 1)"],
         [[name, report.pct(s["cache_hit_rate"]), report.pct(s["ideal_hit_rate"]), report.pct(s["hit_rate_vs_ideal"]),
-          report.sec(s["mean_ttft"]), report.sec(s["p90_ttft"]), f"{s['input_throughput']:.0f}", str(s["failed"])]
+          report.sec(s["mean_ttft"]), report.sec(s["p90_ttft"]), f"{s['input_throughput']:.0f}", str(s["failed"]),
+          ", ".join(f"{k} {v:.0f}" for k, v in sorted(s.get("reasons", {}).items())) or "n/a"]
          for name, s in rows])
     lines = ["Churn (one worker restarted at half; a second router with a quarter of the conversations):", "",
              table, ""]
