@@ -9,6 +9,7 @@ import json
 import random
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import requests
@@ -39,8 +40,8 @@ def evented(tmp_path_factory) -> Iterator[list[tuple[ServerProcess, EventSource]
             proc = ServerProcess([*WORKER_FLAGS, "--hicache-storage-page-tokens", str(BLOCK), "--admin-api-key", ADMIN,
                                   "--kv-events-config", events_config(pub, replay)], str(log_dir / f"w{i}.log"))
             out.append((proc, EventSource(f"tcp://127.0.0.1:{pub}", f"tcp://127.0.0.1:{replay}")))
-        for proc, _ in out:
-            proc.start()
+        with ThreadPoolExecutor(len(out)) as pool:        # both start at once
+            list(pool.map(lambda p: p.start(), [proc for proc, _ in out]))
         yield out
     finally:
         for proc, _ in out:
