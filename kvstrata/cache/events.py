@@ -184,14 +184,6 @@ class BlockEvents:
             events.extend(_chains(m, blocks))
         return events
 
-    def announced(self) -> dict[str, set[int]]:
-        """Block hashes announced per medium (what a subscriber that saw every event holds)."""
-        out: dict[str, set[int]] = {m: set() for m in self.media.all()}
-        for h, block in self._state.items():
-            for m in block.media:
-                out[m].add(h)
-        return out
-
     # ---- internals ----------------------------------------------------------------------------------------
 
     def _expand(self, dirty) -> list[TreeNode]:
