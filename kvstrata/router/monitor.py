@@ -134,8 +134,9 @@ class WorkerMonitor:
 
     def _print_weights(self, w: Worker) -> None:
         """Log a worker's tier_aware weights when they change (measured from its /load rates)."""
-        weights = tuple(round(x, 3) for x in w.tier_weights(self.args.tier_host_weight, self.args.tier_storage_weight))
-        if self._weights.get(w.url) != weights:
+        weights = w.tier_weights(self.args.tier_host_weight, self.args.tier_storage_weight)
+        old = self._weights.get(w.url)
+        if old is None or any(abs(a - b) > 0.25 * max(a, b) for a, b in zip(old, weights)):   # moved by > 25%
             self._weights[w.url] = weights
             logger.info("tier_aware weights of %s: L2 load-back %.3f, L3 read %.3f per token, relative to "
                         "computing one (%.2e s/token measured; a weight not measured yet is the flag's value)",

@@ -73,7 +73,7 @@ class Worker:
         c = self.load.compute_s_per_token
         host = self.load.load_back_s_per_token / c if c and self.load.load_back_s_per_token else host_default
         storage = self.load.storage_s_per_token / c if c and self.load.storage_s_per_token else storage_default
-        return host, storage
+        return min(host, 1.0), min(storage, 1.0)    # the worker recomputes rather than copy slower
 
     @property
     def routable(self) -> bool:
