@@ -186,7 +186,11 @@ def main(args: argparse.Namespace, flags: list[str], argv: list[str]) -> int:
                                     lambda count, length: synthetic_prompts(count, length, space, rng))
         for setup in setups:
             print(f"=== churn: {setup}", flush=True)
-            rows.append((setup, run_setup(args, cluster, setup, convs)))
+            try:
+                rows.append((setup, run_setup(args, cluster, setup, convs)))
+            except Exception as e:      # a shared machine may refuse a restart (memory): keep the other rows
+                print(f"churn run {setup} failed: {type(e).__name__}: {str(e)[:300]}", flush=True)
+                cluster.restart(len(cluster.procs) - 1)
         onoff = events_on_off(args, cluster, flags)
     finally:
         cluster.stop()
