@@ -75,6 +75,8 @@ def test_router_routes_to_the_worker_that_holds_the_prefix(evented, tmp_path):
         reasons = {s.labels["reason"] for s in samples(router.url, "kvstrata_router_routing_decisions_total")}
     assert sent == {urls[1]: 3}, f"the returning conversation went to {sent}"
     assert reasons == {"exact"}
+    published = {s.name: s.value for s in samples(urls[1], "kvstrata:kv_event")}
+    assert published["kvstrata:kv_events_published_total"] > 0 and published["kvstrata:kv_events_dropped_total"] == 0
 
 
 def test_subscriber_that_missed_events_detects_the_gap_and_resyncs(evented):
