@@ -4,8 +4,9 @@ A thread per worker reads the PUB stream ([topic, seq, payload], wire.py). Batch
 one applied:
 
     seq == last + 1     applied
-    seq <= last, != 0   a duplicate (seen in a dump or replay already): skipped
-    seq == 0 after >0   the worker restarted: resync
+    seq <= last         within DUPLICATE_WINDOW_S of a resync: a duplicate (the dump or replay had it),
+                        skipped; later (or seq 0): the worker restarted (its first batches may have gone out
+                        before this socket reconnected): resync
     seq > last + 1      a gap: the worker is out of sync (its blocks are not used) until the missed batches
                         are replayed from its replay endpoint, or, when they are gone, a full-state dump
 
@@ -32,6 +33,7 @@ logger = logging.getLogger(__name__)
 POLL_MS = 100
 REPLAY_TIMEOUT_MS = 3000
 MAX_MESSAGE_BYTES = 64 << 20
+DUPLICATE_WINDOW_S = 2.0       # live batches a dump or replay already covered arrive right after it
 
 
 @dataclass(frozen=True)
@@ -51,6 +53,7 @@ class EventSubscriber:
         self.source = source
         self.index = index
         self.last_seq = -1
+        self._synced_at = 0.0               # monotonic time of the last dump or replay
         self.stats: Counter = Counter()
         self._running = True
         self._paused = threading.Event()
@@ -117,7 +120,8 @@ class EventSubscriber:
             return
         if seq == self.last_seq + 1:
             self._apply(seq, batch)
-        elif seq == 0 and self.last_seq > 0:
+        elif seq <= self.last_seq and (seq == 0 < self.last_seq
+                                       or time.monotonic() - self._synced_at > DUPLICATE_WINDOW_S):
             self.stats["restarts"] += 1
             self._resync("restart")
         elif seq > self.last_seq + 1:
@@ -152,6 +156,7 @@ class EventSubscriber:
         for seq, payload in wanted:
             self._apply(seq, wire.decode_batch(payload))
         self.stats["replays"] += 1
+        self._synced_at = time.monotonic()
         self.index.set_in_sync(self.worker, True)
         return True
 
@@ -166,6 +171,7 @@ class EventSubscriber:
         seq, payload = got[0]
         self.index.apply(self.worker, wire.decode_batch(payload))
         self.last_seq = seq
+        self._synced_at = time.monotonic()
         self.stats["resyncs"] += 1
         self.index.set_in_sync(self.worker, True)
 

@@ -16,6 +16,9 @@ import requests
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvstrata.bench.launcher import ServerProcess
+from kvstrata.cache.events import AllCleared, BlocksStored
+from kvstrata.kv_events.config import parse_kv_events_config
+from kvstrata.kv_events.publisher import KVEventPublisher
 from kvstrata.net import free_port
 from kvstrata.router.kv_index import KVIndex
 from kvstrata.router.kv_subscriber import EventSource, EventSubscriber
@@ -108,6 +111,35 @@ def test_subscriber_that_missed_events_detects_the_gap_and_resyncs(evented):
         wait_for(lambda: other.stats["resyncs"] >= 1, what="a fresh subscriber's dump")
         other.stop()
         assert sub.stats["resyncs"] + sub.stats["replays"] >= 2
+    finally:
+        sub.stop()
+
+
+def test_a_restarted_publisher_is_resynced_even_when_its_first_batches_were_missed():
+    pub, replay = free_port(), free_port()
+    config = parse_kv_events_config(events_config(pub, replay))
+    source = EventSource(config.endpoint, config.replay_endpoint)
+    first = KVEventPublisher(config, 4, snapshot=lambda: [AllCleared()])
+    index = KVIndex()
+    sub = EventSubscriber("w", source, index).start()
+    try:
+        wait_for(lambda: sub.stats["resyncs"] >= 1, what="the first sync")
+        for i in range(5):
+            first.publish([BlocksStored("CPU", [100 + i], None, [i] * 4)])
+        wait_for(lambda: len(index.hashes([4] * 4)) == 1, what="the first life's blocks")
+        first.close()
+        time.sleep(2.1)           # past the window in which a batch at or below the last seq is a duplicate
+        second = KVEventPublisher(config, 4, snapshot=lambda: [AllCleared()])   # its batch 0 goes unseen
+        try:
+            def noticed() -> bool:  # batches 1, 2, ... (below the first life's last) until one lands
+                second.publish([BlocksStored("CPU", [7], None, [9] * 4)])
+                time.sleep(0.1)
+                return index.hashes([9] * 4) == [7]
+
+            wait_for(noticed, what="the restart to be noticed and resynced")
+            assert index.hashes([0] * 4) == [] and sub.stats["restarts"] >= 1
+        finally:
+            second.close()
     finally:
         sub.stop()
 
