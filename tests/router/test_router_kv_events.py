@@ -164,3 +164,28 @@ def test_prefetch_needs_the_admin_key_and_refuses_bad_bodies(evented):
     wait_for(lambda: requests.get(url + "/server_info", timeout=10).json()["internal_states"][0]["prefetch_hints"] >= 2,
              what="the scheduler to take the hints")
     assert requests.get(url + "/health", timeout=10).status_code == 200
+
+
+def test_session_breaks_ties_and_is_read_from_header_session_params_or_user():
+    from kvstrata.router.args import RouterArgs
+    from kvstrata.router.policies import TierAwarePolicy
+    from kvstrata.router.request_key import session_id
+    from kvstrata.router.workers import Worker
+
+    index = KVIndex()
+    workers = [Worker("http://127.0.0.1:1"), Worker("http://127.0.0.1:2")]
+    for w in workers:
+        index.reset(w.url, in_sync=True)
+    index.block_size = BLOCK
+    policy = TierAwarePolicy(RouterArgs(), index)
+    key = tuple(range(40))
+    first = policy.select(workers, key, "conv-1")
+    assert first.reason == "exact"
+    first.worker.in_flight = 1               # the other worker now comes first on load alone
+    assert policy.select(workers, key).worker is not first.worker
+    again = policy.select(workers, key, "conv-1")
+    assert again.worker is first.worker and again.reason == "session"
+    assert session_id({"x-session-id": "abc"}, b"{}") == "abc"
+    assert session_id({}, json.dumps({"session_params": {"id": "s1"}}).encode()) == "s1"
+    assert session_id({}, json.dumps({"messages": [], "user": "u7"}).encode()) == "u7"
+    assert session_id({}, b'{"user": 5}') is None and session_id({}, b"not json user") is None
