@@ -209,6 +209,12 @@ class ServerArgs:
     hicache_storage_page_tokens: int = field(default=64, metadata=_opt(
         "Tokens per storage (L3) object, independent of --page-size: consecutive pages are stored as one "
         "object (file or Mooncake key). A multiple of --page-size; a value below it means one page."))
+    kv_events_config: Optional[str] = field(default=None, metadata=_opt(
+        "Publish KV cache events (JSON, vLLM's and SGLang's fields): {\"enable_kv_cache_events\": true, "
+        "\"publisher\": \"zmq\", \"endpoint\": \"tcp://127.0.0.1:5557\", \"replay_endpoint\": ..., \"topic\": ..., "
+        "\"buffer_steps\": ..., \"hwm\": ...}. Blocks are L3 page groups (--hicache-storage-page-tokens), "
+        "announced per tier: CPU or GPU (L1), CPU_PINNED (L2), DISK or MOONCAKE (L3). Endpoints must be on "
+        "loopback unless \"allow_remote_subscribers\": true. Off by default."))
 
     # --- structured output ---
     grammar_backend: str = field(default="xgrammar", metadata=_opt(
@@ -429,6 +435,7 @@ class ServerArgs:
             raise ConfigError(f"--base-gpu-id must be >= 0, got {self.base_gpu_id}")
         if self.load_format == "gguf" and not self.model_path.endswith(".gguf"):
             raise ConfigError(f"--load-format gguf needs a .gguf file as --model-path, got {self.model_path!r}")
+        self.kv_events()
         if self.kv_run_spare_tokens < 0:
             raise ConfigError(f"--kv-run-spare-tokens must be >= 0, got {self.kv_run_spare_tokens}")
         if self.graceful_shutdown_timeout < 0:
@@ -595,7 +602,14 @@ class ServerArgs:
             host_layout=self.hicache_mem_layout, snapshot_path=self.hicache_snapshot_path,
             storage_backend=self.hicache_storage_backend, storage_dir=self.hicache_storage_dir,
             storage_group_pages=self.storage_group_pages(), prefetch_policy=self.hicache_storage_prefetch_policy,
-            storage_extra_config=self.storage_extra_config() if self.hicache_storage_backend else {})
+            storage_extra_config=self.storage_extra_config() if self.hicache_storage_backend else {},
+            block_events=self.kv_events() is not None)
+
+    def kv_events(self):
+        """The parsed --kv-events-config (a KVEventsConfig), None when unset or off."""
+        from kvstrata.kv_events.config import parse_kv_events_config
+
+        return parse_kv_events_config(self.kv_events_config)
 
     def storage_group_pages(self) -> int:
         """Pages per storage (L3) object: --hicache-storage-page-tokens in pages, at least one."""

@@ -34,6 +34,7 @@ from kvstrata.bench import accounting, multiturn, report
 from kvstrata.bench.client import generate_payload
 from kvstrata.bench.compare import machine_description, warm_up
 from kvstrata.bench.launcher import ServerProcess
+from kvstrata.bench.router_churn import add_churn_args
 from kvstrata.bench.runner import MultiTurnRunner, RunConfig
 from kvstrata.bench.workload import Conversation, synthetic_prompts
 from kvstrata.router.args import POLICIES
@@ -61,6 +62,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--overhead-seconds", type=float, default=5.0, help="Overhead: length of each req/s run.")
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--out-dir", default=os.path.join(tempfile.gettempdir(), "kvstrata-bench-router"))
+    add_churn_args(p)
     return p
 
 
@@ -264,6 +266,10 @@ def main(argv: Optional[list[str]] = None) -> int:
     """CLI entry point."""
     argv = list(sys.argv[1:] if argv is None else argv)
     args, worker_flags = build_parser().parse_known_args(argv)
+    if args.churn:
+        from kvstrata.bench import router_churn
+
+        return router_churn.main(args, worker_flags, argv)
     policies = [p.strip() for p in args.policies.split(",") if p.strip()]
     unknown = sorted(set(policies) - set(POLICIES))
     if unknown:

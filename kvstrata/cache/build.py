@@ -34,7 +34,27 @@ def build_kv_cache(config: CacheConfig, pool: DeviceKVPool, model_id: str, conte
         from kvstrata.cache.host_snapshot import HostSnapshot
 
         snapshot = HostSnapshot.for_engine(config.snapshot_path, model_id, str(pool.dtype), config.page_size)
+    if config.block_events:
+        tree.events = _block_events(config, pool, model_id, host is not None)
     return KVCacheManager(allocator, slot_table, DeviceTier(tree, allocator, host), config, snapshot)
+
+
+def _page_group_namespace(config: CacheConfig, pool: DeviceKVPool, model_id: str) -> str:
+    """The namespace of the L3 page-group keys (the block hashes of the events are the same keys)."""
+    from kvstrata.cache.storage_io import kv_namespace
+
+    # An object's bytes are its pages' in order, so the group size is part of the namespace.
+    return kv_namespace(model_id, str(pool.dtype), config.page_size, f"group_pages={config.storage_group_pages}")
+
+
+def _block_events(config: CacheConfig, pool: DeviceKVPool, model_id: str, host: bool):
+    """The residency sink of the tree: block events under the tiers' medium names (events.py)."""
+    from kvstrata.cache.events import STORAGE_MEDIA, BlockEvents, Media
+
+    media = Media(device="GPU" if pool.device.type == "cuda" else "CPU", host="CPU_PINNED" if host else None,
+                  storage=STORAGE_MEDIA.get(config.storage_backend or ""))
+    return BlockEvents(config.storage_group_pages * config.page_size, _page_group_namespace(config, pool, model_id),
+                       config.page_size, media)
 
 
 def _host_tier(config: CacheConfig, tree: RadixTree, pool: DeviceKVPool, model_id: str):
@@ -51,13 +71,12 @@ def _host_tier(config: CacheConfig, tree: RadixTree, pool: DeviceKVPool, model_i
 
 def _storage_builder(config: CacheConfig, tree: RadixTree, host_pool, pool: DeviceKVPool, model_id: str):
     """How the host tier builds its L3: a StorageTier over the backend, given the host tier's page verbs."""
-    from kvstrata.cache.storage_io import StorageIO, kv_namespace
+    from kvstrata.cache.storage_io import StorageIO
     from kvstrata.cache.storage_tier import StorageTier
     from kvstrata.storage.base import create_backend
 
     group_pages = config.storage_group_pages
     backend = create_backend(config.storage_backend, group_pages * host_pool.page_bytes,
                              config.storage_extra_config, storage_dir=config.storage_dir)
-    # An object's bytes are its pages' in order, so the group size is part of the namespace.
-    namespace = kv_namespace(model_id, str(pool.dtype), tree.page_size, f"group_pages={group_pages}")
+    namespace = _page_group_namespace(config, pool, model_id)
     return functools.partial(StorageTier, tree, StorageIO(backend, host_pool, group_pages), namespace)

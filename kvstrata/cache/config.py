@@ -31,6 +31,7 @@ class CacheConfig:
     storage_group_pages: int = 1           # --hicache-storage-page-tokens, in pages
     storage_extra_config: dict = field(default_factory=dict, hash=False)   # parsed extra-config JSON
     prefetch_policy: str = "best_effort"   # --hicache-storage-prefetch-policy
+    block_events: bool = False             # --kv-events-config: residency changes as block events (events.py)
 
     def __post_init__(self) -> None:
         if self.host_tier and not self.prefix_cache:

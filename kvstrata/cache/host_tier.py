@@ -83,7 +83,7 @@ class HostTier:
             return
         assert host.op_id is None, f"dropping the host copy of {node} while its backup is in flight"
         node.host = None
-        self.tree.mark_changed()
+        self.tree.mark_changed(node)
         pages = host.pages.tolist()
         self._orphans.update(p for p in pages if self._readers[p])
         self.allocator.free([p for p in pages if not self._readers[p]])
@@ -114,7 +114,7 @@ class HostTier:
                 node.host.op_id = None
                 if op.error is None:
                     node.host.ready = True
-                    self.tree.mark_changed()
+                    self.tree.mark_changed(node)
                     self._host_ready(node)
                 else:
                     logger.warning("backup to host failed (%s); the pages stay device-only", op.error)
@@ -182,7 +182,7 @@ class HostTier:
         host_pages = torch.tensor(pages, dtype=torch.long)
         self.host_pool.backup_from_device(self._device_pages(node), host_pages)
         node.host = HostCopy(host_pages, ready=True)
-        self.tree.mark_changed()
+        self.tree.mark_changed(node)
         self.stats["backup_pages"] += num_pages
         self._host_ready(node)
 
@@ -280,7 +280,7 @@ class HostTier:
         self.allocator.free(host_pages[:used])
         leaf = self.tree.add_leaf(parent, key[pos:], None)
         leaf.host = HostCopy(torch.tensor(host_pages[used:], dtype=torch.long), ready=True)
-        self.tree.mark_changed()
+        self.tree.mark_changed(leaf)
         return leaf
 
     # ---- whole-tier views (the L2 snapshot) -------------------------------------------------------------

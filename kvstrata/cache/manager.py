@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -91,6 +91,10 @@ class KVCacheManager:
         self.metrics = {"device_hit_tokens": 0, "host_hit_tokens": 0, "storage_hit_tokens": 0}
         self.refetches = 0              # prefetches re-issued because L1/L2 lost pages a request waited on
         self.host_snapshot = host_snapshot if self.host is not None else None
+        # --kv-events-config: the tree's residency sink, and where its per-step events go (the scheduler
+        # sets the publisher's queue); both None when events are off.
+        self.events = self.tree.events
+        self.publish_events: Callable[[list], None] | None = None
         if self.host_snapshot is not None and self.host is not None:
             self.host_snapshot.load(self.host)
 
@@ -173,6 +177,33 @@ class KVCacheManager:
             self.storage.await_fresh_prefetches()   # requests that arrived together start together
         for tier in self.tiers:
             tier.apply_acks()
+        self.flush_events()
+
+    def flush_events(self) -> None:
+        """Hand this step's residency events to the publisher (a no-op when events are off)."""
+        if self.events is None or self.publish_events is None:
+            return
+        batch = self.events.collect()
+        if batch:
+            self.publish_events(batch)
+
+    def warm(self, token_ids: list[int], namespace: str | None = None) -> dict:
+        """A prefetch hint: start loading the cached prefix of `token_ids` closer (L2 -> L1 load-back, and
+        an L3 read into L2 of what the local tiers miss). Locks nothing beyond what those copies lock until
+        their acks; the next forward waits for the load-back's layers like a request's own."""
+        match = self.tree.match_prefix(token_ids, namespace=namespace, record=False)
+        out = {"device_tokens": match.length, "host_tokens": match.host_tokens, "loaded_back_tokens": 0,
+               "storage_prefetch": None}
+        if match.host_tokens >= LOAD_BACK_MIN_TOKENS:
+            loaded = self.device.load_back(match)
+            if loaded is not None:
+                match, handle = loaded
+                self._loads.append(handle)
+                out["loaded_back_tokens"] = out["host_tokens"]
+        if self.storage is not None:
+            start = self.storage.prefetch(list(token_ids), namespace, match)
+            out["storage_prefetch"] = "started" if start.op is not None else start.skipped
+        return out
 
     def take_layer_wait(self):
         """The per-layer wait hook for the coming forward (None when nothing is loading)."""
@@ -451,6 +482,7 @@ class KVCacheManager:
         for tier in reversed(self.tiers):
             tier.reset()
         self.tree.clear()
+        self.flush_events()
 
     def check_integrity(self, running: Iterable[CacheRequest]) -> None:
         """Assert that every device page has exactly one owner and every row one request."""
@@ -496,6 +528,20 @@ class KVCacheManager:
                 out["hicache"].update(tier.metrics())
             if self.host_snapshot is not None:
                 out["hicache"]["snapshot"] = self.host_snapshot.stats()
+        return out
+
+    def copy_seconds_per_token(self) -> dict:
+        """Measured seconds per token of an L2 -> L1 load-back and of an L3 read (0.0: not measured yet),
+        from the copy workers' bytes and busy time."""
+        out = {"load_back_s_per_token": 0.0, "storage_s_per_token": 0.0}
+        if self.host is None:
+            return out
+        token_bytes = self.host.host_pool.page_bytes / self.page_size
+        rate = self.host.controller.stats().get("load_back_bytes_per_s", 0.0)
+        out["load_back_s_per_token"] = token_bytes / rate if rate else 0.0
+        if self.storage is not None:
+            rate = self.storage.io.stats().get("prefetch_bytes_per_s", 0.0)
+            out["storage_s_per_token"] = token_bytes / rate if rate else 0.0
         return out
 
     @property

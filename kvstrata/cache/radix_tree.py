@@ -28,10 +28,14 @@ import heapq
 import itertools
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
 from kvstrata.cache.eviction import eviction_key
+
+if TYPE_CHECKING:
+    from kvstrata.cache.events import BlockEvents
 
 Key = tuple[int, ...]
 
@@ -150,6 +154,7 @@ class RadixTree:
         self._tokens_hit = 0
         self.evicted_tokens = 0   # advanced by the device tier
         self.version = 0          # see the module docstring: bumped by every change a match could see
+        self.events: BlockEvents | None = None   # told every residency change (--kv-events-config)
 
     # ---- match / insert -------------------------------------------------------------------------------
 
@@ -282,6 +287,8 @@ class RadixTree:
         """Record that `node`'s tokens are now in device `slots`."""
         self.version += 1
         node.device_slots = slots.to(self.device)
+        if self.events is not None:
+            self.events.touched(node)
         if node.lock_ref > 0:
             self._protected_tokens += node.device_tokens
         else:
@@ -297,16 +304,27 @@ class RadixTree:
         self.version += 1
         self._evictable_tokens -= node.device_tokens
         node.device_slots = None
+        if self.events is not None:
+            self.events.touched(node)
         return slots
 
-    def mark_changed(self) -> None:
-        """A tier changed residency the tree does not see (a host copy made ready or dropped)."""
+    def mark_changed(self, node: TreeNode | None = None) -> None:
+        """A tier changed residency the tree does not see (`node`'s host copy made ready or dropped)."""
         self.version += 1
+        if node is not None and self.events is not None:
+            self.events.touched(node, span=True)
+
+    def storage_changed(self, node: TreeNode) -> None:
+        """node's L3 record changed (a write acknowledged): no match sees it, only the residency events."""
+        if self.events is not None:
+            self.events.touched(node)
 
     def remove_leaf(self, node: TreeNode) -> None:
         """Unhang a childless node that holds nothing on the device any more."""
         assert not node.children and node.device_slots is None, f"remove_leaf: {node} still holds data"
         self.version += 1
+        if self.events is not None:
+            self.events.removed(node)
         parent = node.parent
         del parent.children[node.key[:self.page_size]]
         if parent.is_root and not parent.children and parent.namespace is not None:
@@ -336,6 +354,8 @@ class RadixTree:
             self.clear_device_slots(node)
         self._roots.clear()
         self.version += 1
+        if self.events is not None:
+            self.events.cleared()
 
     # ---- sizes, metrics, inspection -------------------------------------------------------------------
 
@@ -485,6 +505,8 @@ class RadixTree:
         child.parent.children[head.key[:ps]] = head
         child.parent = head
         head.children[child.key[:ps]] = child
+        if self.events is not None:
+            self.events.split(head, child)
         return head
 
     def _add_leaf(self, parent: TreeNode, key: Key, slots: torch.Tensor | None, priority: int) -> TreeNode:
@@ -492,6 +514,8 @@ class RadixTree:
         parent.children[key[:self.page_size]] = leaf
         self.version += 1
         self._evictable_tokens += leaf.device_tokens
+        if self.events is not None:
+            self.events.touched(leaf)
         return leaf
 
     def _heap_entry(self, node: TreeNode) -> tuple:

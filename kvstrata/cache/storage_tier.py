@@ -249,6 +249,7 @@ class StorageTier:
                     and node.storage.op_id == op.op_id:
                 node.storage.op_id = None
                 node.storage.backed = op.done == len(op.keys)
+                self.tree.storage_changed(node)
                 node = node.parent
 
     def _attach(self, op: StorageOp) -> None:
@@ -263,6 +264,7 @@ class StorageTier:
             return
         record = self._record(leaf)
         record.backed = record.from_prefetch = True
+        self.tree.storage_changed(leaf)
         self.stats["prefetch_attached_tokens"] += len(leaf.key)
 
     def count_hits(self, nodes: list[TreeNode]) -> int:

@@ -20,6 +20,8 @@ from kvstrata.args import ConfigError
 from kvstrata.router.access import CONTROL_PATHS, check_control, reveals_workers
 from kvstrata.router.args import RouterArgs, check_worker_url
 from kvstrata.router.dashboard import dashboard_routes
+from kvstrata.router.kv_index import KVIndex
+from kvstrata.router.kv_subscriber import KVFeeds
 from kvstrata.router.metrics import CONTENT_TYPE, RouterMetrics
 from kvstrata.router.monitor import WorkerMonitor
 from kvstrata.router.pd import PDRouter, pd_worker_urls
@@ -45,8 +47,12 @@ class Router:
         self.args = args
         self.workers = WorkerRegistry()
         self.metrics = RouterMetrics(self.workers)
-        self.proxy = Proxy(args, self.workers, make_policy(args), self.metrics)
-        self.monitor = WorkerMonitor(args, self.workers, self.proxy)
+        # KV events: an exact index of what every worker holds (tier_aware only)
+        self.feeds = KVFeeds(KVIndex()) if args.policy == "tier_aware" and args.kv_events else None
+        self.proxy = Proxy(args, self.workers, make_policy(args, self.feeds.index if self.feeds else None), self.metrics)
+        self.monitor = WorkerMonitor(args, self.workers, self.proxy, self.feeds)
+        if self.feeds is not None:
+            self.metrics.watch_index(self.feeds)
         self.pd = PDRouter(args, self.workers, self.proxy) if args.pd_disaggregation else None
         # Workers the operator named at start: they get --api-key (also when re-added after a drain).
         self.configured = {check_worker_url(u) for u in (*args.worker_urls, *pd_worker_urls(args))}
@@ -65,6 +71,8 @@ class Router:
     async def stop(self) -> None:
         """Stop the loops and close connections."""
         await self.monitor.stop()
+        if self.feeds is not None:
+            self.feeds.close()
         await self.proxy.close()
 
     # ------------------------------------------------------------------ endpoints
@@ -117,6 +125,8 @@ class Router:
             await worker.idle.wait()
         if self.workers.get(url) is worker and worker.draining == drain:
             self.workers.remove(url)
+            if self.feeds is not None:
+                self.feeds.stop(url)
         return JSONResponse({"success": True, "url": url, "drained": drain})
 
     async def list_workers(self, request: Request) -> Response:

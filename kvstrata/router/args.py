@@ -93,6 +93,13 @@ class RouterArgs:
         "PD: policy that picks the decode server (load).", POLICIES))
     tier_decode_weight: float = field(default=8.0, metadata=cli_option(
         "tier_aware: queueing cost of one request already decoding on a worker, in prompt tokens."))
+    worker_admin_api_key: Optional[str] = field(default=None, repr=False, metadata=cli_option(
+        "tier_aware: the workers' --admin-api-key, sent with the prefetch hints (POST /prefetch) the router "
+        "gives a worker whose L2/L3 holds the chosen request's prefix. Without it they carry the worker's "
+        "API key (enough for a worker without an admin key, from loopback)."))
+    kv_events: bool = field(default=True, metadata=cli_option(
+        "tier_aware: subscribe to the KV events of workers that publish them (found in their /server_info: "
+        "--kv-events-config) and route on the exact index; --no-kv-events keeps the approximate trees."))
 
     # ------------------------------------------------------------------ CLI
     @staticmethod

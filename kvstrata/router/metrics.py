@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 
 from prometheus_client import CollectorRegistry, Counter, disable_created_metrics, generate_latest
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.metrics_core import Metric
 from prometheus_client.registry import Collector
 
@@ -34,8 +34,14 @@ class RouterMetrics:
                                "this one before any byte came back.", ["worker"], registry=self.registry)
         self.decisions = Counter(PREFIX + "routing_decisions", "Routing decisions by policy reason.",
                                  ["worker", "reason"], registry=self.registry)
+        self.prefetch_hints = Counter(PREFIX + "prefetch_hints", "POST /prefetch hints sent (tier_aware: the "
+                                      "chosen worker holds the prefix in L2/L3).", ["worker"], registry=self.registry)
         self.registry.register(_WorkerGauges(workers))
         self.workers = workers
+
+    def watch_index(self, feeds) -> None:
+        """Also report the exact KV index (kv_index.py) and its subscribers (kv_subscriber.KVFeeds)."""
+        self.registry.register(_IndexGauges(feeds, self.workers))
 
     def render(self, reveal_urls: bool) -> bytes:
         """The text exposition format, workers labelled by URL when `reveal_urls`, else by id."""
@@ -77,3 +83,32 @@ class _WorkerGauges(Collector):
             for w in self.workers.all():
                 family.add_metric([w.url], float(read(w)))
             yield family
+
+
+class _IndexGauges(Collector):
+    """The KV index's size, each worker's sync state, weights, and its subscriber's counters."""
+
+    def __init__(self, feeds, workers: WorkerRegistry):
+        self.feeds = feeds
+        self.workers = workers
+
+    def collect(self) -> Iterator[Metric]:
+        size = GaugeMetricFamily(PREFIX + "kv_index_blocks", "Distinct KV blocks some worker announced "
+                                 "(KV events).")
+        size.add_metric([], float(self.feeds.index.size()))
+        yield size
+        events = CounterMetricFamily(PREFIX + "kv_event_subscriber", "KV event subscriber counters by kind "
+                                     "(batches, gaps, replays, resyncs, restarts, duplicates, bad_messages).",
+                                     labels=["worker", "kind"])
+        for url, stats in self.feeds.stats().items():
+            for kind in ("batches", "gaps", "replays", "resyncs", "restarts", "duplicates", "bad_messages"):
+                events.add_metric([url, kind], float(stats.get(kind, 0)))
+        yield events
+        weights = GaugeMetricFamily(PREFIX + "tier_weight", "tier_aware cost of a cached token relative to "
+                                    "computing it, per tier (measured by the worker; the flag's value until then).",
+                                    labels=["worker", "tier"])
+        for w in self.workers.all():
+            host, storage = w.tier_weights(float("nan"), float("nan"))
+            weights.add_metric([w.url, "host"], host)
+            weights.add_metric([w.url, "storage"], storage)
+        yield weights

@@ -8,10 +8,12 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from typing import Optional
 
 import aiohttp
 
 from kvstrata.router.args import RouterArgs
+from kvstrata.router.kv_subscriber import KVFeeds, source_from_config
 from kvstrata.router.proxy import Proxy, mark_down
 from kvstrata.router.workers import Worker, WorkerLoad, WorkerRegistry
 
@@ -21,12 +23,14 @@ logger = logging.getLogger(__name__)
 class WorkerMonitor:
     """Runs the health, load and eviction loops until stopped."""
 
-    def __init__(self, args: RouterArgs, workers: WorkerRegistry, proxy: Proxy):
+    def __init__(self, args: RouterArgs, workers: WorkerRegistry, proxy: Proxy, feeds: Optional[KVFeeds] = None):
         self.args = args
+        self.feeds = feeds          # KV event subscriptions (None: --no-kv-events or not tier_aware)
         self.workers = workers
         self.proxy = proxy
         self._tasks: list[asyncio.Task] = []
         self._no_load_api: set[str] = set()
+        self._weights: dict[str, tuple] = {}
 
     def start(self) -> None:
         """Start the loops (inside the event loop)."""
@@ -66,12 +70,31 @@ class WorkerMonitor:
             if not w.healthy and (not w.admitted_before or w.success_streak >= self.args.health_success_threshold):
                 logger.info("worker %s is healthy: admitted", w.url)
                 w.healthy = w.admitted_before = True
+            if self.feeds is not None and w.url not in self.feeds.probed:
+                await self.discover_events(w)
         else:
             w.failure_streak, w.success_streak = w.failure_streak + 1, 0
             if w.healthy and w.failure_streak >= self.args.health_failure_threshold:
                 logger.warning("worker %s failed %d health checks: taken out", w.url, w.failure_streak)
                 w.healthy = False
         return passed
+
+    async def discover_events(self, w: Worker) -> None:
+        """Read w's /server_info once: if it publishes KV events, subscribe (kv_subscriber.py)."""
+        assert self.proxy.session is not None and self.feeds is not None
+        try:
+            async with self.proxy.session.get(w.url + "/server_info", headers=self.proxy.worker_headers(w),
+                                              timeout=aiohttp.ClientTimeout(total=10.0)) as resp:
+                if resp.status != 200:
+                    return
+                info = await resp.json()
+        except (aiohttp.ClientError, asyncio.TimeoutError, OSError, ValueError) as e:
+            logger.debug("server_info of %s: %s", w.url, e)
+            return
+        self.feeds.probed.add(w.url)
+        source = source_from_config(info.get("kv_events_config") if isinstance(info, dict) else None, w.url)
+        if source is not None:
+            self.feeds.start(w.url, source)
 
     async def _get_ok(self, w: Worker, path: str, timeout_s: float) -> bool:
         assert self.proxy.session is not None
@@ -102,9 +125,22 @@ class WorkerMonitor:
                     return
                 if resp.status == 200:
                     w.load = WorkerLoad.from_json(await resp.json())
+                    self._print_weights(w)
+                    if self.feeds is not None:
+                        self.feeds.index.set_storage(w.url, w.load.storage_id)
                     w.progress()      # its scheduler answered: not stalled
         except (aiohttp.ClientError, asyncio.TimeoutError, OSError, ValueError) as e:
             logger.debug("load poll of %s failed: %s", w.url, e)
+
+    def _print_weights(self, w: Worker) -> None:
+        """Log a worker's tier_aware weights when they change (measured from its /load rates)."""
+        weights = w.tier_weights(self.args.tier_host_weight, self.args.tier_storage_weight)
+        old = self._weights.get(w.url)
+        if old is None or any(abs(a - b) > 0.25 * max(a, b) for a, b in zip(old, weights)):   # moved by > 25%
+            self._weights[w.url] = weights
+            logger.info("tier_aware weights of %s: L2 load-back %.3f, L3 read %.3f per token, relative to "
+                        "computing one (%.2e s/token measured; a weight not measured yet is the flag's value)",
+                        w.id, *weights, w.load.compute_s_per_token)
 
     # ------------------------------------------------------------------ trees
     async def evict_trees(self) -> None:

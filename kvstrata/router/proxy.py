@@ -30,7 +30,7 @@ from kvstrata.router.access import worker_name
 from kvstrata.router.args import RouterArgs
 from kvstrata.router.metrics import RouterMetrics
 from kvstrata.router.policies import Decision, Policy
-from kvstrata.router.request_key import route_key
+from kvstrata.router.request_key import route_key, session_id
 from kvstrata.router.workers import Worker, WorkerRegistry
 from kvstrata.serving.errors import ApiError
 from kvstrata.web.sse import SSE_DONE, SSEResponse, sse_event
@@ -69,6 +69,7 @@ class Proxy:
         self.metrics = metrics
         self.session: Optional[aiohttp.ClientSession] = None
         self.active = 0
+        self._background: set[asyncio.Task] = set()      # prefetch hints in flight
         self.on_worker_failure: Callable[[Worker], None] = lambda w: None   # the monitor re-checks it
 
     async def start(self) -> None:
@@ -102,7 +103,8 @@ class Proxy:
         try:
             body = await request.body()
             key = route_key(request.url.path, body) if affinity else None
-            response = await self._forward(request, body, key, affinity, reveal)
+            session = session_id(request.headers, body) if affinity else None
+            response = await self._forward(request, body, key, affinity, reveal, session)
             return response
         finally:
             if isinstance(response, RelayResponse):
@@ -113,7 +115,8 @@ class Proxy:
     def _release_slot(self) -> None:
         self.active -= 1
 
-    async def _forward(self, request: Request, body: bytes, key, affinity: bool, reveal: bool) -> Response:
+    async def _forward(self, request: Request, body: bytes, key, affinity: bool, reveal: bool,
+                       session: Optional[str] = None) -> Response:
         tried: list[Worker] = []
         last_error = "no healthy worker"
         for attempt in range(ATTEMPTS):
@@ -122,7 +125,9 @@ class Proxy:
                 break
             if tried:
                 self.metrics.retries.labels(tried[-1].url).inc()
-            decision = self.policy.select(candidates, key) if affinity else _least_loaded(candidates)
+            decision = self.policy.select(candidates, key, session) if affinity else _least_loaded(candidates)
+            if decision.warm_tokens:
+                self._warm(decision.worker, list(key[:decision.warm_tokens]))
             final = attempt == ATTEMPTS - 1 or len(candidates) == 1
             try:
                 return await self._attempt(request, body, key, decision, pass_5xx=final, reveal=reveal)
@@ -227,6 +232,27 @@ class Proxy:
             logger.warning("stream from %s broke: %s: %s", w.url, type(e).__name__, e)
             message = f"the worker {name} failed mid-stream: {type(e).__name__}"
             yield (b"" if at_event_end else b"\n\n") + stream_error(message)
+
+    def _warm(self, w: Worker, input_ids: list[int]) -> None:
+        """Tell `w` (fire and forget) to start loading this prefix from its L2/L3 while the request travels."""
+        headers = self.worker_headers(w)
+        if self.args.worker_admin_api_key:
+            headers["authorization"] = f"Bearer {self.args.worker_admin_api_key}"
+        self.metrics.prefetch_hints.labels(w.url).inc()
+
+        async def send() -> None:
+            assert self.session is not None
+            try:
+                async with self.session.post(w.url + "/prefetch", json={"input_ids": input_ids}, headers=headers,
+                                             timeout=aiohttp.ClientTimeout(total=5.0)) as resp:
+                    await resp.read()
+                    if resp.status != 202:
+                        logger.debug("prefetch hint to %s: %s", w.url, resp.status)
+            except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as e:
+                logger.debug("prefetch hint to %s failed: %s", w.url, e)
+
+        self._background.add(task := asyncio.ensure_future(send()))
+        task.add_done_callback(self._background.discard)
 
     def _prefill_units(self, w: Worker, key) -> int:
         """Prompt units this request is expected to prefill on `w` (queueing estimate for tier_aware)."""

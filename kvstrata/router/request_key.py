@@ -7,7 +7,7 @@ and is routed by load alone.
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any, Optional
 
 RouteKey = Optional[Sequence]   # tuple[int, ...] (token ids), str (text), or None (no prompt found)
@@ -26,6 +26,26 @@ def route_key(path: str, body: bytes) -> RouteKey:
     if path.endswith("/completions"):
         return _prompt_key(req.get("prompt"))
     return _prompt_key(req.get("input_ids")) or _prompt_key(req.get("text"))
+
+
+def session_id(headers: Mapping[str, str], body: bytes) -> Optional[str]:
+    """The conversation a request belongs to: `X-Session-ID`, SGLang's `session_params.id`, or OpenAI's
+    `user` (None: none given). Only used to keep a conversation on one worker when costs tie."""
+    sid = headers.get("x-session-id")
+    if sid:
+        return sid[:256]
+    if b'"session_params"' not in body and b'"user"' not in body:
+        return None
+    try:
+        req = json.loads(body)
+    except (ValueError, UnicodeDecodeError):
+        return None
+    if not isinstance(req, dict):
+        return None
+    params = req.get("session_params")
+    sid = params.get("id") if isinstance(params, dict) else None
+    sid = sid if isinstance(sid, str) and sid else req.get("user")
+    return sid[:256] if isinstance(sid, str) and sid else None
 
 
 def _prompt_key(prompt: Any) -> RouteKey:

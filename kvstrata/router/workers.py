@@ -24,6 +24,9 @@ class WorkerLoad:
     pool_usage: float = 0.0               # fraction of the device KV pool in use (cache included)
     host_hit_share: float = 0.0           # share of its cache hits served from host memory (L2)
     storage_id: Optional[str] = None      # identity of its L3 ("file:/dir", "mooncake:host:port"), if any
+    compute_s_per_token: float = 0.0      # measured by the worker (0.0: not yet): computing a token,
+    load_back_s_per_token: float = 0.0    # loading one back from L2,
+    storage_s_per_token: float = 0.0      # reading one from L3
 
     @staticmethod
     def from_json(d: dict) -> WorkerLoad:
@@ -33,7 +36,10 @@ class WorkerLoad:
                           waiting_requests=int(d.get("waiting_requests", 0)),
                           pool_usage=float(d.get("pool_usage", 0.0)),
                           host_hit_share=d.get("host_hit_tokens", 0) / hits if hits else 0.0,
-                          storage_id=d.get("storage_id"))
+                          storage_id=d.get("storage_id"),
+                          compute_s_per_token=float(d.get("compute_s_per_token", 0.0)),
+                          load_back_s_per_token=float(d.get("load_back_s_per_token", 0.0)),
+                          storage_s_per_token=float(d.get("storage_s_per_token", 0.0)))
 
 
 @dataclass
@@ -60,6 +66,14 @@ class Worker:
 
     def __post_init__(self) -> None:
         self.idle.set()
+
+    def tier_weights(self, host_default: float, storage_default: float) -> tuple[float, float]:
+        """(host, storage) cost of a cached token relative to computing it, from the worker's measured
+        rates; the configured default for a rate not measured yet."""
+        c = self.load.compute_s_per_token
+        host = self.load.load_back_s_per_token / c if c and self.load.load_back_s_per_token else host_default
+        storage = self.load.storage_s_per_token / c if c and self.load.storage_s_per_token else storage_default
+        return min(host, 1.0), min(storage, 1.0)    # the worker recomputes rather than copy slower
 
     @property
     def routable(self) -> bool:

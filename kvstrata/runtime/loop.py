@@ -17,6 +17,7 @@ from kvstrata.runtime.messages import (
     FlushCacheReq,
     GetLoadReq,
     GetStateReq,
+    PrefetchReq,
     TokenizedGenerateReq,
 )
 from kvstrata.runtime.scheduler import Scheduler, error_output
@@ -61,6 +62,8 @@ class SchedulerLoop:
                     outputs.append(err)
             elif isinstance(msg, AbortReq):
                 outputs.extend(s.abort(msg.rid))
+            elif isinstance(msg, PrefetchReq):
+                s.prefetch(msg)
             elif isinstance(msg, ControlReq):
                 reply = self._control(msg)
                 reply.control_id = msg.control_id       # the asker matches its answer by this id

@@ -56,6 +56,14 @@ class GetStateReq(ControlReq):
 
 
 @dataclass
+class PrefetchReq:
+    """frontend → scheduler: a hint to load a prompt's cached prefix closer (POST /prefetch; no answer)."""
+
+    input_ids: list[int]
+    cache_namespace: Optional[str] = None
+
+
+@dataclass
 class GetLoadReq(ControlReq):
     """frontend → scheduler: ask for the O(1) load report (for the router's GET /load)."""
 

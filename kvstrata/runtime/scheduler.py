@@ -22,7 +22,7 @@ from kvstrata.model.builtin import resolve_model_path
 from kvstrata.model.tokenizer import load_tokenizer
 from kvstrata.runtime.batch import BatchEntry, ScheduledBatch, StepResult
 from kvstrata.runtime.handoff import Handoff, HandoffFactory
-from kvstrata.runtime.messages import ControlOut, ReqOutput, TokenizedGenerateReq
+from kvstrata.runtime.messages import ControlOut, PrefetchReq, ReqOutput, TokenizedGenerateReq
 from kvstrata.runtime.model_runner import ModelRunner
 from kvstrata.runtime.req import Req, ReqState, finish_abort
 from kvstrata.runtime.sampler import top_token_ids
@@ -49,6 +49,7 @@ class Scheduler:
         self.page_size = args.page_size
         self.context_len = self.runner.context_len
         self.cache = build_kv_cache(args.cache_config(), self.runner.pool, self.runner.model_path, self.context_len)
+        self.kv_events = self._kv_event_publisher()   # --kv-events-config (None: off)
         # The scheduler process's tokenizer: stop strings, grammars, and the fingerprint the HTTP process checks.
         self.tokenizer = load_tokenizer(resolve_model_path(args.tokenizer_path))
         self.stop = StopChecker(self.tokenizer, self.runner.config.eos_token_ids)
@@ -57,7 +58,8 @@ class Scheduler:
         self.new_token_ratio = INIT_NEW_TOKEN_RATIO
         self.step_count = 0
         self.metrics = {"prompt_tokens": 0, "cached_tokens": 0, "generated_tokens": 0, "retractions": 0,
-                        "preemptions": 0, "finished_requests": 0, "aborted_requests": 0}
+                        "preemptions": 0, "finished_requests": 0, "aborted_requests": 0, "prefetch_hints": 0,
+                        "prefetch_loaded_back_tokens": 0}
         self.engine_meter = UtilizationMeter()   # share of wall clock spent in forwards
         self._grammar = None
         self.grammar_backend()   # built now: its vocabulary scan would otherwise stall the first request
@@ -67,6 +69,17 @@ class Scheduler:
                 raise ValueError(f"--disaggregation-mode {args.disaggregation_mode} needs a handoff "
                                  "(kvstrata.disagg.handoff_for)")
             self.handoff = handoff_factory(self)
+
+    def _kv_event_publisher(self):
+        """The publisher of the cache's block events, fed once per step (None when events are off)."""
+        config = self.args.kv_events()
+        if config is None or self.cache.events is None:
+            return None
+        from kvstrata.kv_events.publisher import KVEventPublisher
+
+        publisher = KVEventPublisher(config, self.cache.events.group_tokens, self.cache.events.snapshot)
+        self.cache.publish_events = publisher.publish
+        return publisher
 
     # ------------------------------------------------------------------ inputs
     def add_request(self, msg: TokenizedGenerateReq) -> Optional[ReqOutput]:
@@ -132,6 +145,16 @@ class Scheduler:
                 outs.append(self.output_for(req))
         return outs
 
+    def prefetch(self, msg: PrefetchReq) -> None:
+        """A prefetch hint (POST /prefetch): start the load-back / L3 read of the prompt's cached prefix."""
+        if not self.cache.shares_prefixes:
+            return
+        self.cache.begin_step()           # acks first: the hint sees the tree as a step would
+        result = self.cache.warm(msg.input_ids, msg.cache_namespace)
+        self.metrics["prefetch_hints"] += 1
+        self.metrics["prefetch_loaded_back_tokens"] += result["loaded_back_tokens"]
+        self.cache.flush_events()
+
     def flush_cache(self) -> ControlOut:
         """Empty the radix tree; refused while requests are queued or running."""
         if self.waiting or self.running or self._handoff_busy():
@@ -165,6 +188,7 @@ class Scheduler:
             outputs.extend(self._process(batch, result))
         except Exception as e:  # one bad batch (a bug, an odd shape, out of memory) must not end the server
             outputs.extend(self._fail_batch(batch, e))
+        self.cache.flush_events()
         self.step_count += 1
         return outputs
 
@@ -510,6 +534,9 @@ class Scheduler:
     def close(self) -> None:
         """Release background resources (copy workers, grammar compile threads)."""
         self.cache.close()
+        if self.kv_events is not None:
+            self.cache.flush_events()      # the last copies' residency, then the stream ends
+            self.kv_events.close()
         if self.handoff is not None:
             self.handoff.close()
         if self._grammar is not None:
@@ -530,6 +557,8 @@ class Scheduler:
                  "step": self.step_count, "new_token_ratio": self.new_token_ratio, **self.cache.stats(), **m}
         state["engine_utilization"] = self.engine_meter.utilization()
         state["forward_busy_s"] = self.engine_meter.busy_s
+        if self.kv_events is not None:
+            state["kv_events"] = self.kv_events.metrics()
         if not full:
             return state
         if self.cache.shares_prefixes:
@@ -549,7 +578,16 @@ class Scheduler:
         """Queue lengths, pool occupancy and hits per tier from counters kept anyway (no walk, no check)."""
         return {"running_requests": len(self.running), "waiting_requests": len(self.waiting), **self.cache.pool_pages(),
                 "prompt_tokens": self.metrics["prompt_tokens"], "cached_tokens": self.metrics["cached_tokens"],
-                **self.cache.metrics}
+                **self.cache.metrics, **self._tier_costs()}
+
+    def _tier_costs(self) -> dict:
+        """Measured seconds per token: computing one (forward time over tokens computed, prefill and
+        decode alike), loading one back from L2, reading one from L3 (0.0 until measured)."""
+        m = self.metrics
+        computed = m["prompt_tokens"] - m["cached_tokens"] + m["generated_tokens"]
+        busy = self.engine_meter.busy_s
+        return {"compute_s_per_token": busy / computed if computed and busy else 0.0,
+                **self.cache.copy_seconds_per_token()}
 
 
 def error_output(rid: str, prompt_tokens: int, message: str, status: int = 400) -> ReqOutput:

@@ -25,6 +25,7 @@ from kvstrata.server.limits import BodySizeLimitMiddleware
 from kvstrata.server.load_api import register_load_api
 from kvstrata.server.metrics import CONTENT_TYPE
 from kvstrata.server.openapi_schema import install_openapi
+from kvstrata.server.prefetch_api import register_prefetch_api
 from kvstrata.server.scheduler_client import SchedulerClient
 from kvstrata.server.scheduler_watch import SchedulerWatch
 from kvstrata.serving.errors import ApiError
@@ -68,6 +69,7 @@ def create_app(client: SchedulerClient, scheduler: SchedulerWatch, on_scheduler_
     _add_error_handlers(app)
     install_openapi(app)
     register_load_api(app, client)
+    register_prefetch_api(app, client)
 
     # ------------------------------------------------------------------ health and info
     @app.get("/health")

@@ -162,9 +162,17 @@ class AbortBody(_Body):
     abort_all: Optional[bool] = None
 
 
+class PrefetchBody(_Body):
+    """POST /prefetch (an admin action): the token ids or text of a prompt about to arrive."""
+
+    input_ids: Optional[list[int]] = None
+    text: Optional[str] = None
+    cache_namespace: Optional[str] = None
+
+
 REQUEST_BODIES: dict[str, type[BaseModel]] = {
     "/generate": GenerateBody, "/v1/completions": CompletionBody, "/v1/chat/completions": ChatBody,
-    "/abort_request": AbortBody,
+    "/abort_request": AbortBody, "/prefetch": PrefetchBody,
 }
 
 

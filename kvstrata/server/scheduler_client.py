@@ -31,6 +31,7 @@ from kvstrata.runtime.messages import (
     FlushCacheReq,
     GetLoadReq,
     GetStateReq,
+    PrefetchReq,
     SchedulerReady,
 )
 from kvstrata.server.metrics import ServerMetrics
@@ -218,6 +219,11 @@ class SchedulerClient:
     async def get_state(self, full: bool = True) -> dict:
         """The scheduler's internal state and metrics (`full=False`: without the costly parts)."""
         return (await self._control_call(GetStateReq(full), "state")).state
+
+    def send_prefetch(self, input_ids: list[int], cache_namespace: Optional[str] = None) -> None:
+        """Hand the scheduler a prefetch hint (no answer: it is a hint)."""
+        self._check_alive()
+        self._send(PrefetchReq(input_ids, cache_namespace))
 
     async def get_load(self) -> dict:
         """The scheduler's O(1) load report (queues, pool, hits per tier)."""

@@ -25,7 +25,7 @@ from kvstrata.serving.errors import ApiError
 
 # The static dashboard page is open; its data (/dashboard/data) needs the key like every endpoint.
 OPEN_PATHS = frozenset({"/health", "/metrics", "/dashboard"})
-ADMIN_PATHS = frozenset({"/abort_request"})
+ADMIN_PATHS = frozenset({"/abort_request", "/prefetch"})
 
 
 def bearer_token(headers: list[tuple[bytes, bytes]]) -> Optional[str]:

@@ -46,7 +46,7 @@ OPERATIONS = [
     ("POST", "/flush_cache"), ("POST", "/generate"), ("POST", "/abort_request"),
     ("POST", "/concate_and_append_request"), ("GET", "/v1/models"), ("GET", "/v1/models/{model_id}"),
     ("POST", "/v1/completions"), ("POST", "/v1/chat/completions"), ("GET", "/load"), ("GET", "/dashboard"),
-    ("GET", "/dashboard/data"),
+    ("GET", "/dashboard/data"), ("POST", "/prefetch"),
 ]
 MODES = [schemathesis.GenerationMode.POSITIVE, schemathesis.GenerationMode.NEGATIVE]
 
