@@ -14,6 +14,8 @@ BENCHMARKS["upgrade"] = "kvstrata.bench.upgrade_bench"
 BENCHMARKS["pd"] = "kvstrata.bench.pd_bench"
 BENCHMARKS["dashboard"] = "kvstrata.bench.dashboard_overhead"
 BENCHMARKS["restart"] = "kvstrata.bench.restart_bench"
+BENCHMARKS["make-dataset"] = "kvstrata.bench.make_dataset"   # a ShareGPT-format file from local text
+BENCHMARKS["cache-scale"] = "kvstrata.bench.cache_scale"     # cache CPU per step: small vs seed-sized tree
 
 
 def main(argv: list[str]) -> int:

@@ -12,7 +12,7 @@ Definitions (kept here, in one place, because the report and the tests depend on
   round r-1 to the first send of round r, when nothing of the workload is in flight because of the barrier).
   Throughputs divide by it.
 - percentiles interpolate linearly between order statistics (numpy's default).
-- engine utilisation = the server's seconds in forward passes (`forward_busy_s`) during the run / wall-clock
+- engine busy = the server's seconds in forward passes (`forward_busy_s`) during the run / wall-clock
   seconds between the /server_info snapshots taken before and after it (NaN if the server lacks the counter).
 """
 
@@ -179,7 +179,7 @@ def summarize(records: Sequence[RequestRecord], round_barrier: bool, skipped: in
     }
 
 
-def engine_utilization(before: Optional[dict], after: Optional[dict], wall_s: float) -> float:
+def engine_busy(before: Optional[dict], after: Optional[dict], wall_s: float) -> float:
     """Share of `wall_s` the server spent in forward passes between two /server_info answers."""
     def busy(info: Optional[dict]) -> Optional[float]:
         value = ((info or {}).get("internal_states") or [{}])[0].get("forward_busy_s")
@@ -250,4 +250,38 @@ def tier_metrics(before: Optional[dict], after: Optional[dict]) -> dict[str, Any
         if (leaf, value) not in seen:
             seen.add((leaf, value))
             out[key] = value
+    return out
+
+
+# Where /server_info's scheduler state keeps what `cache_report` reads (dotted paths into internal_states[0]).
+_REPORT_COUNTERS = {
+    "l1_hit_tokens": "device_hit_tokens", "l2_hit_tokens": "host_hit_tokens", "l3_hit_tokens": "storage_hit_tokens",
+    "load_back_bytes": "hicache.load_back_bytes", "l3_read_bytes": "hicache.storage.prefetch_bytes",
+    "l3_objects_written": "hicache.storage.backed_up_objects", "l3_bytes_written": "hicache.storage.backup_bytes",
+    "scheduler_cpu_s": "scheduler_cpu_s", "steps": "step",
+}
+
+
+def cache_report(before: Optional[dict], after: Optional[dict]) -> dict[str, Any]:
+    """What a run did in each tier, from two /server_info answers (counters as deltas; absent: not reported).
+
+    - l1/l2/l3_hit_tokens: prompt tokens served from the device pool, loaded back from host memory, fetched
+      from storage (they add up to the cached tokens);
+    - load_back_bytes (L2 -> device), l3_read_bytes (L3 -> host);
+    - l3_objects / l3_bytes: objects and bytes written to L3 during the run (each run starts on an empty L3,
+      so this is what it holds, less anything its capacity limit evicted);
+    - scheduler_cpu_ms_per_step: the scheduler thread's CPU time outside the forward, per step.
+    """
+    a = flatten(((after or {}).get("internal_states") or [{}])[0])
+    b = flatten(((before or {}).get("internal_states") or [{}])[0])
+    out: dict[str, Any] = {}
+    for name, key in _REPORT_COUNTERS.items():
+        if isinstance(a.get(key), (int, float)) and isinstance(b.get(key), (int, float)):
+            out[name] = a[key] - b[key]
+    if "l3_objects_written" in out:
+        out["l3_objects"] = out.pop("l3_objects_written")
+        out["l3_bytes"] = out.pop("l3_bytes_written", 0)
+    if "scheduler_cpu_s" in out and out.get("steps"):
+        out["scheduler_cpu_ms_per_step"] = 1000 * out.pop("scheduler_cpu_s") / out["steps"]
+    out["integrity_ok"] = ((after or {}).get("internal_states") or [{}])[0].get("integrity_ok")
     return out

@@ -63,6 +63,9 @@ def add_workload_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--enable-round-barrier", action="store_true",
                    help="Send round r+1 only after every request of round r is done.")
     p.add_argument("--seed", type=int, default=1, help="Seed of the workload, arrivals and queue order.")
+    p.add_argument("--disable-auto-run", action="store_true",
+                   help="As in SGLang: run once at --request-rate. kvstrata always does (SGLang without it sweeps "
+                        "the rates 16, 14, ..., 1; loop over --request-rate in the shell for that).")
     p.add_argument("--request-timeout", type=float, default=600.0, help="Seconds before a request fails.")
 
 
@@ -173,7 +176,7 @@ def run(args: argparse.Namespace, url: str) -> dict:
     accounting.ideal_cached_tokens(outcome.records, page_size)
     summary = accounting.summarize(outcome.records, args.enable_round_barrier, outcome.skipped)
     summary["wall_s"] = outcome.wall_s
-    summary["engine_utilization"] = accounting.engine_utilization(before, after, between_snapshots_s)
+    summary["engine_busy"] = accounting.engine_busy(before, after, between_snapshots_s)
     return {
         "timestamp": datetime.datetime.now().isoformat(timespec="seconds"),
         "tag": getattr(args, "tag", ""),
@@ -187,6 +190,7 @@ def run(args: argparse.Namespace, url: str) -> dict:
         "summary": summary,
         "rounds": accounting.per_round(outcome.records),
         "tiers": accounting.tier_metrics(before, after),
+        "cache": accounting.cache_report(before, after),
         "errors": sorted({r.error for r in outcome.records if r.error})[:10],
     }
 

@@ -55,7 +55,7 @@ def format_run(result: dict) -> str:
         f"Throughput: input {s['input_throughput']:.1f} tok/s, output {s['output_throughput']:.1f} tok/s, "
         f"{s['request_throughput']:.2f} req/s over {s['duration_s']:.1f} s "
         f"(barrier pauses excluded: {s['barrier_pause_s']:.1f} s)",
-        f"Engine utilisation (share of wall clock in forward passes): {pct(s.get('engine_utilization'))}",
+        f"Engine busy (forward seconds / wall seconds): {pct(s.get('engine_busy'))}",
         "",
         round_table(result["rounds"]),
     ]
@@ -79,7 +79,7 @@ def compare_table(rows: list[dict]) -> str:
     """The seed-shaped comparison: config, hit rate, mean/P90 TTFT, input tok/s, change vs L1 only."""
     base = next((r["summary"] for r in rows if r.get("key") == "l1" and r.get("summary")), None)
     header = ["Config", "KV cache hit rate", "Hit rate / ideal", "Mean TTFT (s)", "P90 TTFT (s)",
-              "Input tok/s", "Failed", "Engine utilisation"]
+              "Input tok/s", "Failed", "Engine busy"]
     out = []
     for row in rows:
         s = row.get("summary")
@@ -92,7 +92,32 @@ def compare_table(rows: list[dict]) -> str:
                     sec(s["mean_ttft"]) + _change(s["mean_ttft"], b and b["mean_ttft"]),
                     sec(s["p90_ttft"]) + _change(s["p90_ttft"], b and b["p90_ttft"]),
                     f"{s['input_throughput']:,.1f}" + _change(s["input_throughput"], b and b["input_throughput"]),
-                    str(s["failed"]), pct(s.get("engine_utilization"))])
+                    str(s["failed"]), pct(s.get("engine_busy"))])
+    return markdown_table(header, out)
+
+
+def _mb(x: Optional[float]) -> str:
+    return "n/a" if x is None else f"{x / 2**20:,.1f}"
+
+
+def cache_table(rows: list[dict]) -> str:
+    """Per configuration, what the seed's table cannot show: where hits came from, bytes moved between
+    tiers, what L3 holds, the engine's busy share and the scheduler's CPU time per step."""
+    header = ["Config", "Hit / ideal", "Hits L1 / L2 / L3 (tokens)", "Load-back MB (L2->L1)", "L3 read MB",
+              "L3 objects / MB written", "Engine busy", "Scheduler CPU ms/step", "Integrity"]
+    out = []
+    for row in rows:
+        s, c = row.get("summary"), row.get("cache") or {}
+        if not s:
+            continue
+        hits = " / ".join(f"{c[k]:,}" if k in c else "n/a" for k in ("l1_hit_tokens", "l2_hit_tokens",
+                                                                        "l3_hit_tokens"))
+        objects = f"{c['l3_objects']:,} / {_mb(c.get('l3_bytes'))}" if c.get("l3_objects") is not None else "n/a"
+        cpu = c.get("scheduler_cpu_ms_per_step")
+        ok = c.get("integrity_ok")
+        out.append([row["name"], pct(s["hit_rate_vs_ideal"]), hits, _mb(c.get("load_back_bytes")),
+                    _mb(c.get("l3_read_bytes")), objects, pct(s.get("engine_busy")),
+                    "n/a" if cpu is None else f"{cpu:.2f}", "n/a" if ok is None else ("ok" if ok else "FAILED")])
     return markdown_table(header, out)
 
 

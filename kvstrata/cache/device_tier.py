@@ -39,7 +39,7 @@ class DeviceTier:
 
     def eviction_candidates(self) -> Iterator[TreeNode]:
         """Unlocked device nodes with no device-resident child, in policy order."""
-        return self.tree.eviction_order(self._is_candidate)
+        return self.tree.eviction_order(self._is_candidate, "device")
 
     def _is_candidate(self, node: TreeNode) -> bool:
         return (not node.is_root and node.lock_ref == 0 and node.device_slots is not None

@@ -69,7 +69,7 @@ class HostTier:
 
     def eviction_candidates(self) -> Iterator[TreeNode]:
         """Unlocked nodes with a settled host copy that no child's host copy hangs below, in policy order."""
-        return self.tree.eviction_order(self._is_candidate)
+        return self.tree.eviction_order(self._is_candidate, "host")
 
     def _is_candidate(self, node: TreeNode) -> bool:
         return (not node.is_root and node.lock_ref == 0 and node.host_ready and node.host.op_id is None
@@ -84,6 +84,7 @@ class HostTier:
         assert host.op_id is None, f"dropping the host copy of {node} while its backup is in flight"
         node.host = None
         self.tree.mark_changed(node)
+        self.tree.touch(node)
         pages = host.pages.tolist()
         self._orphans.update(p for p in pages if self._readers[p])
         self.allocator.free([p for p in pages if not self._readers[p]])
@@ -112,6 +113,7 @@ class HostTier:
                 continue
             for node in self._sharing(self._backups.pop(op.op_id, None), op.op_id):
                 node.host.op_id = None
+                self.tree.touch(node)
                 if op.error is None:
                     node.host.ready = True
                     self.tree.mark_changed(node)
@@ -166,6 +168,7 @@ class HostTier:
         host_pages = torch.tensor(pages, dtype=torch.long)
         op_id = self.controller.submit_backup(self._device_pages(node), host_pages, node)
         node.host = HostCopy(host_pages, ready=False, op_id=op_id)
+        self.tree.touch(node)
         self._backups[op_id] = node
         self.stats["backup_pages"] += num_pages
         return True
@@ -183,6 +186,7 @@ class HostTier:
         self.host_pool.backup_from_device(self._device_pages(node), host_pages)
         node.host = HostCopy(host_pages, ready=True)
         self.tree.mark_changed(node)
+        self.tree.touch(node)
         self.stats["backup_pages"] += num_pages
         self._host_ready(node)
 
@@ -281,6 +285,7 @@ class HostTier:
         leaf = self.tree.add_leaf(parent, key[pos:], None)
         leaf.host = HostCopy(torch.tensor(host_pages[used:], dtype=torch.long), ready=True)
         self.tree.mark_changed(leaf)
+        self.tree.touch(leaf)
         return leaf
 
     # ---- whole-tier views (the L2 snapshot) -------------------------------------------------------------

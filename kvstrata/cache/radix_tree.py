@@ -20,6 +20,10 @@ A locked node is protected; the others count as evictable. Sizes count device to
 Version stamp: `version` changes whenever a match could answer differently (a node added, split or removed,
 device slots set or cleared, a host copy made ready or dropped: the host tier calls `mark_changed`), so a
 match may be memoised until it moves (KVHandle.match). Locks and access times do not move it.
+Eviction order: each tier's candidates are kept in a heap across calls (`_EvictionIndex`); whatever may change
+a node's candidacy or its policy key (locks, residency, copies in flight, children, access) `touch`es it, and
+the next `eviction_order` call re-offers the touched nodes, so a call costs O(touched + evicted) x log(nodes),
+not a walk of the whole tree. The tiers call `touch` when they change a node's host copy or L3 write.
 """
 
 from __future__ import annotations
@@ -82,6 +86,7 @@ class TreeNode:
         self.hit_count = 0
         self.priority = priority
         self.namespace = namespace  # set on roots; a namespace is one root
+        self.in_tree = False        # hung in the tree (and not removed since): eviction entries check it
 
     @property
     def is_root(self) -> bool:
@@ -137,6 +142,16 @@ class TreeMatch:
         return self.length + self.host_tokens
 
 
+class _EvictionIndex:
+    """One tier's eviction candidates, kept across calls: heap entries (policy key, node id, node) that may be
+    stale (checked when popped: still in the tree, still a candidate, same key), and the nodes touched since
+    the last call (offered again then)."""
+
+    def __init__(self, nodes: Iterator[TreeNode]):
+        self.heap: list[tuple] = []
+        self.touched: set[TreeNode] = set(nodes)     # first use: every node is offered
+
+
 class RadixTree:
     """Prefix tree over token ids with per-tier residency; matches, inserts, splits, locks, orders eviction."""
 
@@ -155,6 +170,8 @@ class RadixTree:
         self.evicted_tokens = 0   # advanced by the device tier
         self.version = 0          # see the module docstring: bumped by every change a match could see
         self.events: BlockEvents | None = None   # told every residency change (--kv-events-config)
+        self._num_nodes = 0       # non-root nodes in the tree (counted, so that metrics walk nothing)
+        self._eviction_indexes: dict[str, _EvictionIndex] = {}
 
     # ---- match / insert -------------------------------------------------------------------------------
 
@@ -201,6 +218,7 @@ class RadixTree:
             node.last_access = tick
             node.hit_count += 1
             self._tokens_hit += len(node.key)
+            self.touch(node)
 
     def insert(self, token_ids: list[int], slots: torch.Tensor, namespace: str | None = None,
                priority: int = 0) -> tuple[int, TreeNode | None]:
@@ -223,6 +241,7 @@ class RadixTree:
                 self.set_device_slots(child, slots[pos:pos + len(child.key)])
             child.last_access = tick
             child.priority = max(child.priority, priority)
+            self.touch(child)
             pos += len(child.key)
             node = child
         leaf = self._add_leaf(node, key[pos:], slots[pos:], priority) if pos < len(key) else None
@@ -267,6 +286,7 @@ class RadixTree:
             if node.lock_ref == 0:
                 self._evictable_tokens -= node.device_tokens
                 self._protected_tokens += node.device_tokens
+                self.touch(node)
             node.lock_ref += 1
             node = node.parent
 
@@ -279,6 +299,7 @@ class RadixTree:
             if node.lock_ref == 0:
                 self._protected_tokens -= node.device_tokens
                 self._evictable_tokens += node.device_tokens
+                self.touch(node)
             node = node.parent
 
     # ---- residency (called by the tiers) ----------------------------------------------------------------
@@ -289,6 +310,7 @@ class RadixTree:
         node.device_slots = slots.to(self.device)
         if self.events is not None:
             self.events.touched(node)
+        self.touch(node)
         if node.lock_ref > 0:
             self._protected_tokens += node.device_tokens
         else:
@@ -306,6 +328,7 @@ class RadixTree:
         node.device_slots = None
         if self.events is not None:
             self.events.touched(node)
+        self.touch(node)
         return slots
 
     def mark_changed(self, node: TreeNode | None = None) -> None:
@@ -319,6 +342,14 @@ class RadixTree:
         if self.events is not None:
             self.events.touched(node)
 
+    def touch(self, node: TreeNode) -> None:
+        """Something that decides `node`'s eviction (residency, a copy in flight, a lock, its access) changed:
+        offer it, and its parent (whose candidacy depends on its children), to every tier's order again."""
+        for index in self._eviction_indexes.values():
+            index.touched.add(node)
+            if node.parent is not None:
+                index.touched.add(node.parent)
+
     def remove_leaf(self, node: TreeNode) -> None:
         """Unhang a childless node that holds nothing on the device any more."""
         assert not node.children and node.device_slots is None, f"remove_leaf: {node} still holds data"
@@ -327,23 +358,45 @@ class RadixTree:
             self.events.removed(node)
         parent = node.parent
         del parent.children[node.key[:self.page_size]]
+        node.in_tree = False
+        self._num_nodes -= 1
+        self.touch(parent)
         if parent.is_root and not parent.children and parent.namespace is not None:
             del self._roots[parent.namespace]  # a salt's namespace must not outlive its entries
 
     # ---- eviction order ---------------------------------------------------------------------------------
 
-    def eviction_order(self, candidate: Callable[[TreeNode], bool]) -> Iterator[TreeNode]:
-        """Candidates in policy order; after the caller evicts one, its parent is offered if it qualifies."""
-        heap = [self._heap_entry(n) for n in self.nodes() if candidate(n)]
-        heapq.heapify(heap)
-        while heap:
-            node = heapq.heappop(heap)[-1]
-            if not candidate(node):
-                continue
-            parent = node.parent
-            yield node
-            if not parent.is_root and candidate(parent):
-                heapq.heappush(heap, self._heap_entry(parent))
+    def eviction_order(self, candidate: Callable[[TreeNode], bool], tier: str) -> Iterator[TreeNode]:
+        """`tier`'s candidates in policy order; after the caller evicts one, its parent is offered if it
+        qualifies. The order is kept across calls (see _EvictionIndex): the cost is the nodes touched since
+        the last call and those popped, each O(log n), never a walk of the tree."""
+        index = self._eviction_indexes.get(tier)
+        if index is None or len(index.heap) > 2 * self._num_nodes + 64:
+            # First use, or stale entries outnumber the nodes: rebuild (amortised over the pushes since).
+            index = self._eviction_indexes[tier] = _EvictionIndex(self.nodes())
+        heap, touched = index.heap, index.touched
+        index.touched = set()
+        for node in touched:
+            if node.in_tree and candidate(node):
+                heapq.heappush(heap, self._heap_entry(node))
+        offered = None                      # yielded, and not yet known to be evicted
+        try:
+            while heap:
+                key, _, node = heapq.heappop(heap)
+                if not (node.in_tree and candidate(node) and key == self._policy_key(node)):
+                    continue                # stale: a touch re-offers the node if it qualifies again
+                parent = node.parent
+                offered = node
+                yield node
+                offered = None
+                if node.in_tree and candidate(node):       # the caller kept it: it stays in the order
+                    heapq.heappush(heap, self._heap_entry(node))
+                if not parent.is_root and parent.in_tree and candidate(parent):
+                    heapq.heappush(heap, self._heap_entry(parent))
+        finally:
+            # The caller stopped after taking `offered` without evicting it: keep its entry.
+            if offered is not None and offered.in_tree and candidate(offered):
+                heapq.heappush(heap, self._heap_entry(offered))
 
     def clear(self) -> None:
         """Forget every node (the tiers have freed their pages); raises if any node is locked."""
@@ -352,7 +405,10 @@ class RadixTree:
             raise RuntimeError(f"reset: {len(locked)} nodes are locked by running requests")
         for node in self.nodes():
             self.clear_device_slots(node)
+            node.in_tree = False
         self._roots.clear()
+        self._num_nodes = 0
+        self._eviction_indexes.clear()
         self.version += 1
         if self.events is not None:
             self.events.cleared()
@@ -381,7 +437,7 @@ class RadixTree:
             "evictable_tokens": self._evictable_tokens,
             "protected_tokens": self._protected_tokens,
             "evicted_tokens": self.evicted_tokens,
-            "num_nodes": sum(1 for _ in self.nodes()),
+            "num_nodes": self._num_nodes,
         }
 
     def nodes(self) -> Iterator[TreeNode]:
@@ -423,7 +479,7 @@ class RadixTree:
 
     def check_integrity(self) -> None:
         """Raise AssertionError naming the first broken invariant of the tree's structure and accounting."""
-        ps, evictable, protected = self.page_size, 0, 0
+        ps, evictable, protected, count = self.page_size, 0, 0, 0
         for ns, root in self._roots.items():
             require(root.is_root and root.namespace == ns and not root.key, f"bad root of namespace {ns!r}")
         for node in self.nodes():
@@ -440,10 +496,13 @@ class RadixTree:
                     f"{node} is on the device but its parent is not")
             require(node.device_slots is not None or node.host is not None,
                     f"{node} holds its pages in no tier")
+            require(node.in_tree, f"{node} is in the tree but marked removed")
+            count += 1
             if node.lock_ref > 0:
                 protected += node.device_tokens
             else:
                 evictable += node.device_tokens
+        require(count == self._num_nodes, f"node count {self._num_nodes} != {count}")
         require(evictable == self._evictable_tokens, f"evictable {self._evictable_tokens} != {evictable}")
         require(protected == self._protected_tokens, f"protected {self._protected_tokens} != {protected}")
 
@@ -507,11 +566,18 @@ class RadixTree:
         head.children[child.key[:ps]] = child
         if self.events is not None:
             self.events.split(head, child)
+        head.in_tree = True
+        self._num_nodes += 1
+        self.touch(head)
+        self.touch(child)
         return head
 
     def _add_leaf(self, parent: TreeNode, key: Key, slots: torch.Tensor | None, priority: int) -> TreeNode:
         leaf = self._new_node(parent, key, slots, priority)
         parent.children[key[:self.page_size]] = leaf
+        leaf.in_tree = True
+        self._num_nodes += 1
+        self.touch(leaf)
         self.version += 1
         self._evictable_tokens += leaf.device_tokens
         if self.events is not None:

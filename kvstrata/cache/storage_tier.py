@@ -150,6 +150,7 @@ class StorageTier:
         self.host.pin(pages)
         op = self.io.submit_backup(record.keys, pages, node)
         record.op_id = op.op_id
+        self.tree.touch(node)              # an L3 write in flight keeps its host pages: no host eviction
         self._writes[op.op_id] = (node, pages)
         self.stats["storage_backup_pages"] += len(pages)
 
@@ -250,6 +251,7 @@ class StorageTier:
                 node.storage.op_id = None
                 node.storage.backed = op.done == len(op.keys)
                 self.tree.storage_changed(node)
+                self.tree.touch(node)
                 node = node.parent
 
     def _attach(self, op: StorageOp) -> None:

@@ -1,5 +1,5 @@
-"""Built-in models ('tiny', 'bench', 'bench-moe'): complete HF checkpoint folders with random weights, made on
-first use."""
+"""Built-in models ('tiny', 'bench', 'bench-32k', 'bench-moe'): complete HF checkpoint folders with random
+weights, made on first use."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ import shutil
 import tempfile
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING, Optional
 
 from kvstrata.model.builtin_tokenizer import TokenizerSpec, build_tokenizer
 from kvstrata.model.chat_templates import CHATML_TEMPLATE, LLAMA3_TEMPLATE
@@ -19,7 +19,7 @@ from kvstrata.platform import cache_dir
 if TYPE_CHECKING:
     import torch
 
-BUILTIN_MODELS = ("tiny", "bench", "bench-moe")
+BUILTIN_MODELS = ("tiny", "bench", "bench-32k", "bench-moe")
 # Bump when anything that changes the built files changes, so that stale caches are not reused.
 BUILD_VERSION = "v1"
 _STAGING_MARK = "-building-"
@@ -51,6 +51,7 @@ class BuiltinSpec:
     num_experts: int = 0
     top_k: int = 0
     moe_intermediate_size: int = 0
+    rope_scaling: Optional[dict] = None   # HF config's rope_scaling (None: plain RoPE)
 
     @property
     def vocab_size(self) -> int:
@@ -93,6 +94,13 @@ _BENCH = BuiltinSpec(
     ),
 )
 
+# The bench model with a 32k context, for multi-turn runs whose last round outgrows 8k (the seed's 20k-token
+# conversations): Llama 3.1's RoPE scaling (original 8k context, factor 4), the scaling that keeps RoPE valid
+# at 4x the length it was set for. Same weights as 'bench' (same shapes and seed).
+_BENCH_32K = replace(_BENCH, max_position_embeddings=32768, rope_scaling={
+    "rope_type": "llama3", "factor": 4.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 8192})
+
 # The shape `../shared/peers/make_model.py --arch qwen3_moe` writes for the peers (its config, field by field):
 # the bench model's attention and active MLP width per token (4 x 384 = 1536), 32 experts; ~190M parameters,
 # ~60M active (embedding included).
@@ -104,7 +112,7 @@ _BENCH_MOE = BuiltinSpec(
     num_experts=32, top_k=4, moe_intermediate_size=384,
 )
 
-BUILTIN_SPECS = {"tiny": _TINY, "bench": _BENCH, "bench-moe": _BENCH_MOE}
+BUILTIN_SPECS = {"tiny": _TINY, "bench": _BENCH, "bench-32k": _BENCH_32K, "bench-moe": _BENCH_MOE}
 
 
 def default_cache_dir() -> str:
@@ -212,7 +220,7 @@ def _write_configs(spec: BuiltinSpec, special_ids: dict[str, int], out_dir: str)
         "max_position_embeddings": spec.max_position_embeddings,
         "rms_norm_eps": spec.rms_norm_eps,
         "rope_theta": spec.rope_theta,
-        "rope_scaling": None,
+        "rope_scaling": dict(spec.rope_scaling) if spec.rope_scaling else None,
         "attention_bias": False,
         "attention_dropout": 0.0,
         "mlp_bias": False,

@@ -61,6 +61,7 @@ class Scheduler:
                         "preemptions": 0, "finished_requests": 0, "aborted_requests": 0, "prefetch_hints": 0,
                         "prefetch_loaded_back_tokens": 0}
         self.engine_meter = UtilizationMeter()   # share of wall clock spent in forwards
+        self.scheduler_cpu_s = 0.0               # CPU seconds of step() outside the forward (thread time)
         self._grammar = None
         self.grammar_backend()   # built now: its vocabulary scan would otherwise stall the first request
         self.handoff: Optional[Handoff] = None   # PD disaggregation (None when co-located)
@@ -173,6 +174,7 @@ class Scheduler:
     # ------------------------------------------------------------------ one step
     def step(self) -> list[ReqOutput]:
         """Schedule, run one forward, process results. Returns outputs to send."""
+        cpu_start = time.thread_time()
         outputs = self._poll_grammars()
         self.cache.begin_step()
         if self.handoff is not None:
@@ -180,12 +182,17 @@ class Scheduler:
         batch = self._schedule()
         batch.layer_wait = self.cache.take_layer_wait()
         if batch.is_empty():
+            self.scheduler_cpu_s += time.thread_time() - cpu_start
             time.sleep(0.001)   # waiting on a grammar compile, an L3 prefetch or free pages
             return outputs
+        # The scheduler's own CPU time (this thread, the forward excluded): what grows with the cache's size.
+        self.scheduler_cpu_s += time.thread_time() - cpu_start
         try:
             with self.engine_meter.measure():
                 result = self.runner.forward(batch, self.cache.forward_slots())
+            cpu_start = time.thread_time()
             outputs.extend(self._process(batch, result))
+            self.scheduler_cpu_s += time.thread_time() - cpu_start
         except Exception as e:  # one bad batch (a bug, an odd shape, out of memory) must not end the server
             outputs.extend(self._fail_batch(batch, e))
         self.cache.flush_events()
@@ -559,6 +566,7 @@ class Scheduler:
         state["forward_busy_s"] = self.engine_meter.busy_s
         if self.kv_events is not None:
             state["kv_events"] = self.kv_events.metrics()
+        state["scheduler_cpu_s"] = self.scheduler_cpu_s
         if not full:
             return state
         if self.cache.shares_prefixes:

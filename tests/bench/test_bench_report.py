@@ -11,7 +11,7 @@ from kvstrata.bench import accounting, compare, report
 def summary(hit, ideal, mean_ttft, p90_ttft, tput, failed=0, util=float("nan")):
     return {"cache_hit_rate": hit, "ideal_hit_rate": ideal, "hit_rate_vs_ideal": hit / ideal,
             "mean_ttft": mean_ttft, "p90_ttft": p90_ttft, "input_throughput": tput, "failed": failed,
-            "engine_utilization": util}
+            "engine_busy": util}
 
 
 ROWS = [
@@ -25,7 +25,7 @@ ROWS = [
 def test_compare_table_has_the_seed_shape_and_changes_against_l1():
     table = report.compare_table(ROWS).splitlines()
     assert table[0] == ("| Config | KV cache hit rate | Hit rate / ideal | Mean TTFT (s) | P90 TTFT (s) | "
-                        "Input tok/s | Failed | Engine utilisation |")
+                        "Input tok/s | Failed | Engine busy |")
     assert table[2] == "| L1 only (device) | 12.0% | 15.0% | 6.000 | 12.000 | 1,000.0 | 0 | n/a |"
     assert table[3] == ("| L1+L2 (host DRAM) | 40.0% | 50.0% | 3.000 (-50.0%) | 9.000 (-25.0%) | "
                         "1,500.0 (+50.0%) | 0 | 65.4% |")
@@ -36,8 +36,8 @@ def test_targets_are_judged_on_the_deepest_tier_that_ran():
     lines = compare.targets(ROWS)
     assert lines[0] == "Targets (L1+L2+L3 (file) vs L1 only):"
     assert "97.5% (target >= 95%): met" in lines[1]
-    assert "33.3% of L1 only (target <= 40%): met" in lines[2]
-    assert "2.50x L1 only (target >= 2x): met" in lines[3]
+    assert "0.33x L1 only (target <= 0.40x): met" in lines[2]
+    assert "2.50x L1 only (target >= 2.00x): met" in lines[3]
     assert "not evaluated" in compare.targets(ROWS[1:])[0]
 
 
@@ -67,10 +67,10 @@ def test_repeated_runs_merge_into_medians():
     assert compare.merge_runs(failed) is failed[0]
 
 
-def test_engine_utilization_is_forward_seconds_over_wall_seconds():
+def test_engine_busy_is_forward_seconds_over_wall_seconds():
     def info(busy):
         return {"internal_states": [{"forward_busy_s": busy}]}
 
-    assert accounting.engine_utilization(info(1.5), info(4.0), 5.0) == 0.5
-    assert math.isnan(accounting.engine_utilization({"internal_states": [{}]}, info(4.0), 5.0))
-    assert math.isnan(accounting.engine_utilization(None, None, 5.0))
+    assert accounting.engine_busy(info(1.5), info(4.0), 5.0) == 0.5
+    assert math.isnan(accounting.engine_busy({"internal_states": [{}]}, info(4.0), 5.0))
+    assert math.isnan(accounting.engine_busy(None, None, 5.0))

@@ -130,3 +130,19 @@ def run_conversations(engine, rounds: int = 3) -> tuple[list[list[int]], list[di
             metas.append({"round": r, "history": len(hist), **out["meta_info"]})
             histories[i] = prompt + out["output_ids"]
     return outputs, metas
+
+
+# ---- eviction order ------------------------------------------------------------------------------------
+
+def assert_next_eviction_is_policy_min(tree, candidate, tier: str) -> None:
+    """The tier's kept eviction order offers first what a fresh walk of the whole tree would: the candidate
+    with the smallest (policy key, node id). Peeking leaves the order as it was."""
+    from kvstrata.cache.eviction import eviction_key
+
+    key = eviction_key(tree.eviction_policy)
+    brute = min(((key(n), n.id, n) for n in tree.nodes() if candidate(n)), default=None)
+    order = tree.eviction_order(candidate, tier)
+    first = next(order, None)
+    order.close()
+    assert (first is None) == (brute is None), f"{tier}: kept order offers {first}, a walk finds {brute}"
+    assert first is None or first is brute[2], f"{tier}: kept order offers {first}, the policy minimum is {brute[2]}"

@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 from kvstrata.runtime.req import Req
 from kvstrata.runtime.sampling_params import SamplingParams
-from tests.cache.drivers import compute
+from tests.cache.drivers import assert_next_eviction_is_policy_min, compute
 from tests.cache.stack import make_cache
 
 
@@ -56,6 +56,8 @@ def test_random_workloads_keep_accounting(policy, page_size, workload):
                 host.wait_idle()
             manager.begin_step()
             manager.check_integrity(running)
+            assert_next_eviction_is_policy_min(manager.tree, device._is_candidate, "device")
+            assert_next_eviction_is_policy_min(manager.tree, host._is_candidate, "host")
         for req in running:
             manager.release(req, cache=True)
         running.clear()

@@ -266,3 +266,29 @@ def test_unrecorded_lookup_and_tensor_keys():
     m = cache.match_prefix(torch.tensor([1, 1, 7]), record=False)  # scheduling look-up: no side effects
     assert m.length == 2 and cache.metrics()["tokens_requested"] == 0
     assert evict_order(cache, [A, B]) == [A, B]  # A's access time was not refreshed
+
+
+def test_an_eviction_looks_at_what_changed_not_at_the_whole_tree():
+    # 600 cached conversations; after the first eviction call, one more look-up and eviction must not re-check
+    # every node (the order is kept across calls): per-step cost independent of the tree's size.
+    allocator, cache = make_cache(num_pages=700)
+    for i in range(600):
+        cache_seq(allocator, cache, [i // 256 + 1, i % 256 + 1])
+    checked = 0
+
+    def counting(node):
+        nonlocal checked
+        checked += 1
+        return cache.device._is_candidate(node)
+
+    order = cache.tree.eviction_order(counting, "device")
+    first = next(order)
+    order.close()
+    assert checked >= 600                       # first use: every node is looked at once
+    cache.match_prefix([1, 5])                  # touches one conversation
+    checked = 0
+    order = cache.tree.eviction_order(counting, "device")
+    assert next(order) is first                 # still the least recently used
+    order.close()
+    assert checked < 20, f"{checked} candidate checks for one touched path"
+    assert cache.tree.metrics()["num_nodes"] == 603     # 600 leaves under 3 shared first tokens

@@ -20,6 +20,7 @@ from kvstrata.cache.eviction import EVICTION_POLICIES
 from kvstrata.cache.integrity import check_slot_accounting
 from kvstrata.cache.radix_tree import TreeMatch as MatchResult
 from kvstrata.cache.radix_tree import TreeNode
+from tests.cache.drivers import assert_next_eviction_is_policy_min
 from tests.cache.l1 import L1 as RadixCache
 
 MAX_TOKENS = 16
@@ -197,6 +198,8 @@ class RadixMachine(RuleBasedStateMachine):
         for r in self.running:  # a locked prefix is never evicted: it still maps to the request's slots
             assert r.slots[:r.cached_len].tolist() == self.ref_slots(r.tokens, r.namespace, r.cached_len)
         assert cache.protected_size() >= max((r.cached_len for r in self.running), default=0)
+        # The order kept across calls is the one a fresh walk of the whole tree gives.
+        assert_next_eviction_is_policy_min(cache.tree, cache.device._is_candidate, "device")
 
 
 RadixMachine.TestCase.settings = settings(max_examples=150, stateful_step_count=30, deadline=None)

@@ -49,7 +49,7 @@ def _read_json(folder: str, name: str) -> dict:
 
 
 def test_other_names_pass_through(tmp_path):
-    assert BUILTIN_MODELS == ("tiny", "bench", "bench-moe")
+    assert BUILTIN_MODELS == ("tiny", "bench", "bench-32k", "bench-moe")
     for value in ("/models/Llama-3-8B", "./tiny", "Tiny", "Qwen/Qwen3-0.6B"):
         assert resolve_model_path(value, str(tmp_path)) == value
     assert not (tmp_path / "models").exists()
