@@ -19,6 +19,7 @@ import torch
 from kvstrata.args import ServerArgs
 from kvstrata.cache.build import build_kv_cache
 from kvstrata.model.builtin import resolve_model_path
+from kvstrata.model.parallel import RankFailure
 from kvstrata.model.tokenizer import load_tokenizer
 from kvstrata.runtime.batch import BatchEntry, ScheduledBatch, StepResult
 from kvstrata.runtime.handoff import Handoff, HandoffFactory
@@ -163,10 +164,17 @@ class Scheduler:
             with self.engine_meter.measure():
                 result = self.runner.forward(batch, self.cache.forward_slots())
             outputs.extend(self._process(batch, result))
+        except RankFailure:     # the tensor-parallel group is broken: no later step can run
+            raise
         except Exception as e:  # one bad batch (a bug, an odd shape, out of memory) must not end the server
             outputs.extend(self._fail_batch(batch, e))
         self.step_count += 1
         return outputs
+
+    def idle(self) -> None:
+        """What the loop does when there is no work: apply finished copies, keep the other ranks alive."""
+        self.cache.begin_step()     # frees locks, queues L3 backups
+        self.runner.idle()
 
     def _fail_batch(self, batch: ScheduledBatch, exc: Exception) -> list[ReqOutput]:
         """End the requests of a batch whose step raised: error outputs, KV freed without caching it."""
@@ -508,12 +516,13 @@ class Scheduler:
         return out
 
     def close(self) -> None:
-        """Release background resources (copy workers, grammar compile threads)."""
+        """Release background resources (copy workers, grammar compile threads, the other TP ranks)."""
         self.cache.close()
         if self.handoff is not None:
             self.handoff.close()
         if self._grammar is not None:
             self._grammar.close()
+        self.runner.close()
 
     # ------------------------------------------------------------------ introspection
     def check_integrity(self) -> None:
@@ -530,6 +539,7 @@ class Scheduler:
                  "step": self.step_count, "new_token_ratio": self.new_token_ratio, **self.cache.stats(), **m}
         state["engine_utilization"] = self.engine_meter.utilization()
         state["forward_busy_s"] = self.engine_meter.busy_s
+        state.update(self.runner.parallel_state())
         if not full:
             return state
         if self.cache.shares_prefixes:
