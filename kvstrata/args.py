@@ -520,12 +520,18 @@ class ServerArgs:
                 raise ConfigError(f"--dist-init-addr must be host:port, got {self.dist_init_addr!r}")
         if self.tp_size == 1:
             return
-        unsupported = {"--enable-hierarchical-cache": self.enable_hierarchical_cache,
-                       f"--disaggregation-mode {self.disaggregation_mode}": self.disaggregation_mode != "null"}
-        for flag, used in unsupported.items():
+        unsupported = {  # flag -> what does not shard its KV per rank yet
+            "--hicache-storage-backend": (self.hicache_storage_backend, "L3 objects per rank"),
+            "--hicache-snapshot-path": (self.hicache_snapshot_path, "an L2 snapshot per rank"),
+            "--hicache-write-policy write_back": (self.hicache_write_policy == "write_back",
+                                                  "its synchronous copies do not reach the other ranks"),
+            f"--disaggregation-mode {self.disaggregation_mode}": (self.disaggregation_mode != "null",
+                                                                   "a KV transfer per rank"),
+        }
+        for flag, (used, missing) in unsupported.items():
             if used:
-                raise ConfigError(f"--tp-size {self.tp_size} with {flag} is not implemented yet: the host and "
-                                  f"storage tiers and the PD transfer do not shard KV per rank; use --tp-size 1")
+                raise ConfigError(f"--tp-size {self.tp_size} with {flag} is not implemented yet ({missing}); "
+                                  f"use --tp-size 1")
 
     def no_effect_notes(self) -> list[str]:
         """One line per SGLang flag that was set but means nothing on this engine (logged once at start)."""

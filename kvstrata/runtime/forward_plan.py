@@ -1,73 +1,107 @@
-"""ForwardPlan: one forward as every tensor-parallel rank runs it, and its wire form (int64 tensors, no pickle).
+"""ForwardPlan: one step as every tensor-parallel rank runs it, and its wire form (int64 tensors, no pickle).
 
-Rank 0's scheduler decides what a step computes and where each token's KV goes (slots of the device pool,
-which every rank allocates identically because only rank 0 allocates); the other ranks receive the plan
-and run the same forward on their shard of the weights and of the pool:
+Rank 0's scheduler decides what a step computes, where each token's KV goes (slots of the device pool,
+which every rank has alike because only rank 0 allocates) and which pages its cache copies between the
+device and host pools; the other ranks receive the plan and do the same on their shard of the weights
+and of the pools:
 
-    header  [kind, sequences, tokens, kv slots, logits rows]        one broadcast of HEADER_LEN int64
-    payload [extend_lens | prefix_lens | ids | kv slots | rows]     one broadcast of their total length
+    header  [kind, sequences, tokens, kv slots, logits rows, copies, copied pages]   HEADER_LEN int64
+    payload [extend_lens | prefix_lens | ids | kv slots | rows |                      one broadcast of their
+             per copy: kind, pages | device pages | host pages]                       total length (if any)
+
+Copies travel in the order rank 0's cache submitted them (cache_controller.CopyJournal), and a rank
+applies them before the plan's forward. That order is enough: rank 0 frees or overwrites a copy's source
+only after its acknowledgement, which comes after the submit and so after the plan that carries it, and a
+load-back is submitted while its step is scheduled, so it travels with that step's forward.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import IntEnum
-from typing import Optional
+from typing import NamedTuple
 
 import torch
 
 from kvstrata.model.parallel import RankFailure, TensorParallel
 
-HEADER_LEN = 5
+HEADER_LEN = 7
 MAX_PLAN_VALUES = 1 << 28     # a header asking for more is corrupt: refuse it rather than allocate it
 
 
 class PlanKind(IntEnum):
     """What the ranks do next."""
 
-    FORWARD = 1   # run the plan's forward
-    IDLE = 2      # nothing to run: rank 0 is alive (sent about once a second, so no rank times out idle)
+    FORWARD = 1   # apply the copies, run the plan's forward
+    IDLE = 2      # apply the copies; nothing to run (sent about once a second: no rank times out idle)
     STOP = 3      # leave the loop and exit 0
+
+
+class CopyKind(IntEnum):
+    """A page copy between a rank's device and host pools."""
+
+    BACKUP = 1      # device -> host
+    LOAD_BACK = 2   # host -> device
+
+
+class PageCopy(NamedTuple):
+    """`device_pages[i]` <-> `host_pages[i]` (long tensors of page ids)."""
+
+    kind: CopyKind
+    device_pages: torch.Tensor
+    host_pages: torch.Tensor
 
 
 @dataclass
 class ForwardPlan:
     """Token ids `[T]` of the new tokens, per sequence its new and cached token counts and the pool slot of
-    each of its tokens, and the rows (into the new tokens) whose logits are needed."""
+    each of its tokens, and the rows (into the new tokens) whose logits are needed; `copies` to apply first."""
 
     ids: torch.Tensor
     extend_lens: list[int]
     prefix_lens: list[int]
     kv_slots: list[torch.Tensor]
     logits_rows: torch.Tensor
+    copies: list[PageCopy] = field(default_factory=list)
 
 
-def send_plan(tp: TensorParallel, kind: PlanKind, plan: Optional[ForwardPlan] = None) -> None:
-    """Rank 0: broadcast `kind` (and the plan of a FORWARD) to the group."""
-    if plan is None:
-        tp.broadcast(torch.tensor([int(kind), 0, 0, 0, 0], dtype=torch.long))
-        return
-    kv = torch.cat(plan.kv_slots) if plan.kv_slots else torch.empty(0, dtype=torch.long)
-    parts = [torch.tensor(plan.extend_lens, dtype=torch.long), torch.tensor(plan.prefix_lens, dtype=torch.long),
-             plan.ids.long().cpu(), kv.long().cpu(), plan.logits_rows.long().cpu()]
-    header = [int(kind), len(plan.extend_lens), parts[2].numel(), kv.numel(), parts[4].numel()]
-    tp.broadcast(torch.tensor(header, dtype=torch.long))
-    tp.broadcast(torch.cat(parts))
+EMPTY_PLAN = ForwardPlan(torch.empty(0, dtype=torch.long), [], [], [], torch.empty(0, dtype=torch.long))
 
 
-def receive_plan(tp: TensorParallel) -> tuple[PlanKind, Optional[ForwardPlan]]:
-    """Ranks > 0: the next kind and, for a FORWARD, its plan (CPU tensors)."""
+def send_plan(tp: TensorParallel, kind: PlanKind, plan: ForwardPlan = EMPTY_PLAN) -> None:
+    """Rank 0: broadcast `kind` and its plan (a FORWARD's step, or only copies) to the group."""
+    long = torch.long
+    kv = torch.cat(plan.kv_slots) if plan.kv_slots else torch.empty(0, dtype=long)
+    copy_sizes = [v for c in plan.copies for v in (int(c.kind), c.host_pages.numel())]
+    parts = [torch.tensor(plan.extend_lens, dtype=long), torch.tensor(plan.prefix_lens, dtype=long),
+             plan.ids.long().cpu(), kv.long().cpu(), plan.logits_rows.long().cpu(), torch.tensor(copy_sizes, dtype=long),
+             *(c.device_pages.long().cpu() for c in plan.copies), *(c.host_pages.long().cpu() for c in plan.copies)]
+    header = [int(kind), len(plan.extend_lens), parts[2].numel(), kv.numel(), parts[4].numel(), len(plan.copies),
+              sum(c.host_pages.numel() for c in plan.copies)]
+    tp.broadcast(torch.tensor(header, dtype=long))
+    if sum(header[1:]):
+        tp.broadcast(torch.cat(parts))
+
+
+def receive_plan(tp: TensorParallel) -> tuple[PlanKind, ForwardPlan]:
+    """Ranks > 0: the next kind and its plan (CPU tensors)."""
     header = tp.broadcast(torch.zeros(HEADER_LEN, dtype=torch.long)).tolist()
-    kind, seqs, tokens, kv_total, rows = header
+    kind, seqs, tokens, kv_total, rows, copies, copied = header
     if kind not in PlanKind.__members__.values() or min(header) < 0 or sum(header[1:]) > MAX_PLAN_VALUES:
         raise RankFailure(f"rank {tp.rank}: corrupt plan header {header}")
-    if kind != PlanKind.FORWARD:
-        return PlanKind(kind), None
-    payload = tp.broadcast(torch.zeros(2 * seqs + tokens + kv_total + rows, dtype=torch.long))
-    extend, prefix, ids, kv, logits_rows = payload.split([seqs, seqs, tokens, kv_total, rows])
+    if not sum(header[1:]):
+        return PlanKind(kind), EMPTY_PLAN
+    sizes = [seqs, seqs, tokens, kv_total, rows, 2 * copies, copied, copied]
+    payload = tp.broadcast(torch.zeros(sum(sizes), dtype=torch.long))
+    extend, prefix, ids, kv, logits_rows, copy_sizes, device_pages, host_pages = payload.split(sizes)
     extend_lens, prefix_lens = extend.tolist(), prefix.tolist()
     seq_lens = [p + e for p, e in zip(prefix_lens, extend_lens)]
-    if sum(extend_lens) != tokens or sum(seq_lens) != kv_total:
-        raise RankFailure(f"rank {tp.rank}: inconsistent plan ({tokens} tokens, {kv_total} slots for "
-                          f"sequences of {seq_lens})")
-    return PlanKind.FORWARD, ForwardPlan(ids, extend_lens, prefix_lens, list(kv.split(seq_lens)), logits_rows)
+    copy_kinds, copy_pages = copy_sizes[0::2].tolist(), copy_sizes[1::2].tolist()
+    if (sum(extend_lens) != tokens or sum(seq_lens) != kv_total or sum(copy_pages) != copied
+            or not set(copy_kinds) <= set(CopyKind.__members__.values())):
+        raise RankFailure(f"rank {tp.rank}: inconsistent plan ({tokens} tokens, {kv_total} slots for sequences "
+                          f"of {seq_lens}; copies {copy_kinds} of {copy_pages} pages, {copied} in all)")
+    plan_copies = [PageCopy(CopyKind(k), d, h) for k, d, h in
+                   zip(copy_kinds, device_pages.split(copy_pages), host_pages.split(copy_pages))]
+    return PlanKind(kind), ForwardPlan(ids, extend_lens, prefix_lens, list(kv.split(seq_lens)), logits_rows,
+                                       plan_copies)

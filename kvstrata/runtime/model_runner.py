@@ -44,7 +44,7 @@ from kvstrata.model.paged_kernels import (
 from kvstrata.model.parallel import TensorParallel
 from kvstrata.model.rope import use_rope_kernel
 from kvstrata.runtime.batch import ScheduledBatch, StepResult
-from kvstrata.runtime.forward_plan import ForwardPlan, PlanKind, receive_plan
+from kvstrata.runtime.forward_plan import CopyKind, ForwardPlan, PageCopy, PlanKind, receive_plan
 from kvstrata.runtime.sampler import Sampler
 
 logger = logging.getLogger(__name__)
@@ -237,13 +237,29 @@ class ModelRunner:
         return self.model(plan.ids.to(dev), positions.to(dev), meta, self.pool).float()
 
     def follow(self) -> None:
-        """Ranks > 0: run rank 0's plans until it sends STOP (RankFailure if the group breaks)."""
+        """Ranks > 0: run rank 0's plans until it sends STOP (RankFailure if the group breaks): its page copies
+        between this rank's device pool and its host pool (the host tier's shard, sized as rank 0's), then
+        its forward."""
+        host_pool = None
+        if self.args.enable_hierarchical_cache:
+            from kvstrata.memory.host_pool import HostKVPool
+
+            a = self.args
+            host_pool = HostKVPool(self.pool, HostKVPool.size_pages(self.pool, a.hicache_ratio, a.hicache_size),
+                                   layout=a.hicache_mem_layout)
         while True:
             kind, plan = receive_plan(self.tp)
             if kind == PlanKind.STOP:
                 return
-            if plan is not None:
+            for copy in plan.copies:
+                _apply_copy(copy, host_pool, self.device)
+            if kind == PlanKind.FORWARD:
                 self._run(plan)
+
+    @property
+    def copy_journal(self) -> Optional[Callable[[str, torch.Tensor, torch.Tensor], None]]:
+        """Rank 0 under tensor parallelism: what its cache tells each device <-> host copy (sent with the next plan)."""
+        return self.ranks.record_copy if self.ranks is not None else None
 
     def idle(self) -> None:
         """Called by the scheduler loop while it has nothing to run: keeps the other ranks' collectives alive."""
@@ -272,6 +288,17 @@ class ModelRunner:
         for k in rows:
             reqs[k].grammar.fill_bitmask(mask, k)
         return mask, torch.tensor(rows, dtype=torch.long)
+
+
+def _apply_copy(copy: PageCopy, host_pool, device: torch.device) -> None:
+    """Repeat one of rank 0's page copies on this rank's pools (synchronously: before the plan's forward)."""
+    if host_pool is None:
+        raise RuntimeError("rank 0 sent a page copy but this rank has no host pool")
+    device_pages = copy.device_pages.to(device)
+    if copy.kind == CopyKind.BACKUP:
+        host_pool.backup_from_device(device_pages, copy.host_pages)
+    else:
+        host_pool.load_to_device(copy.host_pages, device_pages)
 
 
 def _tokens(req, start: int, end: int) -> list[int]:

@@ -16,6 +16,7 @@ exits non-zero, the HTTP server turns /health 503 and exits), and ranks > 0 die 
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import logging
 import multiprocessing
 import os
@@ -27,10 +28,11 @@ from typing import Any, Optional
 import torch
 
 from kvstrata.args import ServerArgs
+from kvstrata.cache.cache_controller import BACKUP, LOAD_BACK
 from kvstrata.model.parallel import RankFailure, TensorParallel
 from kvstrata.net import free_port
 from kvstrata.platform import env
-from kvstrata.runtime.forward_plan import ForwardPlan, PlanKind, send_plan
+from kvstrata.runtime.forward_plan import EMPTY_PLAN, CopyKind, ForwardPlan, PageCopy, PlanKind, send_plan
 
 logger = logging.getLogger(__name__)
 
@@ -39,6 +41,7 @@ DEFAULT_TIMEOUT_S = 60
 IDLE_PLAN_S = 1.0
 STOP_JOIN_S = 10.0
 RANK_FAILED_EXIT_CODE = 4
+COPY_KINDS = {BACKUP: CopyKind.BACKUP, LOAD_BACK: CopyKind.LOAD_BACK}
 
 
 def cpu_sets(local_ranks: int, spec: Optional[str] = None, available: Optional[list[int]] = None) -> list[list[int]]:
@@ -105,6 +108,7 @@ class RankGroup:
         self.tp = tp
         self.procs = procs       # rank -> multiprocessing.Process (this node's ranks > 0)
         self.last_sent = time.monotonic()
+        self.pending_copies: list[PageCopy] = []   # submitted by rank 0's cache since the last plan
 
     @classmethod
     def start(cls, args: ServerArgs) -> RankGroup:
@@ -124,9 +128,17 @@ class RankGroup:
             if not proc.is_alive():
                 raise RankFailure(f"rank {rank} (pid {proc.pid}) exited with code {proc.exitcode}")
 
-    def send(self, kind: PlanKind, plan: Optional[ForwardPlan] = None) -> None:
-        """Broadcast the next plan to the ranks (after checking they are alive)."""
+    def record_copy(self, kind: str, device_pages: torch.Tensor, host_pages: torch.Tensor) -> None:
+        """The cache's CopyJournal (on the scheduler thread): the copy goes out with the next plan."""
+        self.pending_copies.append(PageCopy(COPY_KINDS[kind], device_pages.cpu(), host_pages.cpu()))
+
+    def send(self, kind: PlanKind, plan: ForwardPlan = EMPTY_PLAN) -> None:
+        """Broadcast the next plan, with the copies submitted since the last one, to the ranks (after checking
+        they are alive)."""
         self.check_alive()
+        if self.pending_copies and kind != PlanKind.STOP:
+            plan = dataclasses.replace(plan, copies=self.pending_copies)
+            self.pending_copies = []
         send_plan(self.tp, kind, plan)
         self.last_sent = time.monotonic()
 

@@ -49,7 +49,8 @@ class Scheduler:
         self.runner = runner or ModelRunner(args)
         self.page_size = args.page_size
         self.context_len = self.runner.context_len
-        self.cache = build_kv_cache(args.cache_config(), self.runner.pool, self.runner.model_path, self.context_len)
+        self.cache = build_kv_cache(args.cache_config(), self.runner.pool, self.runner.model_path, self.context_len,
+                                    copy_journal=self.runner.copy_journal)
         # The scheduler process's tokenizer: stop strings, grammars, and the fingerprint the HTTP process checks.
         self.tokenizer = load_tokenizer(resolve_model_path(args.tokenizer_path))
         self.stop = StopChecker(self.tokenizer, self.runner.config.eos_token_ids)

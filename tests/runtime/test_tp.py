@@ -1,8 +1,8 @@
 """Tensor parallelism on CPU (gloo, one process per rank): TP=2 against TP=1, and a rank's death.
 
 Each TP=2 engine or server starts a second process that imports torch and loads its shard (seconds), so
-there are few of them: one engine per dtype (each prompt runs cold, then again from the L1 cache) and one
-server for the fault.
+there are few of them: one engine per dtype (multi-turn conversations over a small device pool: cold
+prefills, device hits and host-tier load-backs) and one server for the fault.
 """
 
 from __future__ import annotations
@@ -14,33 +14,31 @@ import time
 import pytest
 import requests
 
-from tests.runtime.helpers import NUMERIC_DTYPES, PROMPTS, assert_idle_integrity, make_engine
+from tests.cache.drivers import run_conversations
+from tests.runtime.helpers import NUMERIC_DTYPES, assert_idle_integrity, make_engine
 from tests.server.conftest import launch_server, pid_alive, stop_server
 
 GREEDY = {"temperature": 0, "max_new_tokens": 10}
-# Cold prompts, then the same prompts again (device-cache hits) and one that extends a cached prompt.
-WORKLOAD = [PROMPTS[1], PROMPTS[4], PROMPTS[6], PROMPTS[1], PROMPTS[4] + " And once more.", PROMPTS[6]]
+# Multi-turn conversations overflowing a small device pool: cold prefills, device hits and host (L2) hits.
+SMALL_TIERS = {"enable_hierarchical_cache": True, "hicache_ratio": 6, "max_total_tokens": 160,
+               "chunked_prefill_size": 32, "num_threads": 1}
 
 
-def _run(engine) -> tuple[list[list[int]], list[int]]:
-    ids, cached = [], []
-    for prompt in WORKLOAD:      # one at a time: the repeats must find their prompt in the cache
-        out = engine.generate(prompt, GREEDY)
-        ids.append(out["output_ids"])
-        cached.append(out["meta_info"]["cached_tokens"])
-    return ids, cached
+def _conversations(**kwargs) -> tuple[list[list[int]], list[int], dict]:
+    with make_engine(**SMALL_TIERS, **kwargs) as engine:
+        outputs, metas = run_conversations(engine)
+        return outputs, [m["cached_tokens"] for m in metas], assert_idle_integrity(engine)
 
 
 @pytest.mark.parametrize("dtype", NUMERIC_DTYPES)
-def test_tp2_greedy_output_is_identical_to_tp1_in_deterministic_mode(dtype):
-    with make_engine(dtype=dtype, num_threads=1) as one:
-        expected, expected_cached = _run(one)
-    with make_engine(dtype=dtype, num_threads=1, tp_size=2) as two:
-        got, cached = _run(two)
-        state = assert_idle_integrity(two)
+def test_tp2_greedy_output_is_identical_to_tp1_in_deterministic_mode_with_l1_and_l2(dtype):
+    expected, expected_cached, one = _conversations(dtype=dtype)
+    got, cached, two = _conversations(dtype=dtype, tp_size=2)
     assert got == expected
-    assert cached == expected_cached and sum(cached[3:]) > 0, cached    # the repeats hit the device cache
-    assert state["tp_size"] == 2 and len(state["tp_rank_pids"]) == 2 and state["tp_comm_calls"] > 0
+    assert cached == expected_cached       # the same hits, request by request
+    for tier in ("device_hit_tokens", "host_hit_tokens"):
+        assert two[tier] == one[tier] and two[tier] > 0, (tier, one, two)
+    assert two["tp_size"] == 2 and len(two["tp_rank_pids"]) == 2 and two["tp_comm_calls"] > 0
 
 
 def _health(url: str) -> int:
