@@ -242,8 +242,12 @@ class ServerArgs:
         "Tensor parallel size: the model is split over this many processes (ranks), one per GPU from "
         "--base-gpu-id on CUDA, one per set of cores on CPU ($SGLANG_CPU_OMP_THREADS_BIND, e.g. '0-27|28-55', "
         "else the cores split evenly). Rank 0 schedules; the others run the same forwards on their shard. "
-        "Not yet with the hierarchical cache, PD disaggregation or MoE models.",
+        "Not yet with the storage tier (L3), the L2 snapshot or PD disaggregation; MoE models need --ep-size N.",
         aliases=("--tp", "--tensor-parallel-size")))
+    ep_size: int = field(default=1, metadata=_opt(
+        "Expert parallel size for MoE models: 1, or --tp-size (each rank holds num_experts / N whole experts; "
+        "each token's expert outputs are combined in the same order as on one rank).",
+        aliases=("--expert-parallel-size",)))
     nnodes: int = field(default=1, metadata=_opt(
         "Number of machines the --tp-size ranks are spread over (evenly; needs --dist-init-addr)."))
     node_rank: int = field(default=0, metadata=_opt(
@@ -262,10 +266,6 @@ class ServerArgs:
     pp_size: int = field(default=1, metadata=_only(
         1, "pipeline parallelism is not implemented", "Pipeline parallel size (only 1).",
         aliases=("--pipeline-parallel-size",)))
-    ep_size: int = field(default=1, metadata=_only(
-        1, "expert parallelism is not implemented yet; MoE models run all their experts on one device "
-           "(--tp-size > 1 refuses MoE models too)", "Expert parallel size (only 1).",
-        aliases=("--expert-parallel-size",)))
     enable_dp_attention: bool = field(default=False, metadata=_only(
         False, "data-parallel attention is not implemented", "Data-parallel attention (not supported)."))
     speculative_algorithm: Optional[str] = field(default=None, metadata=_only(
@@ -507,7 +507,10 @@ class ServerArgs:
 
     def _check_parallelism(self) -> None:
         """--tp-size and its companions; what tensor parallelism does not cover yet is refused by name."""
-        _positive(self, "tp_size", "nnodes", "dist_timeout")
+        _positive(self, "tp_size", "ep_size", "nnodes", "dist_timeout")
+        if self.ep_size not in (1, self.tp_size):
+            raise ConfigError(f"--ep-size {self.ep_size} must be 1 or --tp-size ({self.tp_size}): experts are split "
+                              f"across the tensor-parallel ranks")
         if not 0 <= self.node_rank < self.nnodes:
             raise ConfigError(f"--node-rank must be in 0..{self.nnodes - 1} (--nnodes {self.nnodes}), got {self.node_rank}")
         if self.nnodes > 1 and not self.dist_init_addr:

@@ -121,7 +121,7 @@ def test_every_common_sglang_flag_parses_and_is_implemented_ignored_or_refused_w
         "--enable-eplb", "--hicache-mem-layout", "--hicache-storage-backend"}, by_flag
     assert "--nnodes > 1 needs --dist-init-addr" in by_flag["--nnodes"]
     assert "--node-rank must be in 0..0" in by_flag["--node-rank"]
-    assert "--ep-size 8 cannot be honoured: expert parallelism" in by_flag["--ep-size"]
+    assert "--ep-size 8 must be 1 or --tp-size (1)" in by_flag["--ep-size"]
     assert "--quantization fp8 cannot be honoured: quantized weights" in by_flag["--quantization"]
     assert "--kv-cache-dtype fp8_e5m2 cannot be honoured" in by_flag["--kv-cache-dtype"]
     assert "--schedule-policy must be one of" in by_flag["--schedule-policy"]      # dfs-weight

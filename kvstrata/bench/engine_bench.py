@@ -262,8 +262,12 @@ def main(argv: list[str] | None = None) -> int:
     ours = bench_kvstrata(args)
     result = {"config": vars(args), "kvstrata": ours}
     if args.tp_size > 1:
+        from kvstrata.bench.tp_collectives import measure_collectives
+
         result["kvstrata_tp"] = bench_tp(args, deterministic=False)
         result["tp_over_tp1"] = tp_ratios(result["kvstrata_tp"], ours)
+        result["tp_collectives"] = measure_collectives(args.tp_size, 512 if args.model_path == "bench" else 128,
+                                                       getattr(torch, args.dtype))
     if args.enable_deterministic_inference:
         det = bench_kvstrata(args, deterministic=True)
         result["kvstrata_deterministic"] = det
@@ -298,6 +302,10 @@ def main(argv: list[str] | None = None) -> int:
                   f"{tp['decode_tok_s_multi']:.1f} tok/s ({r['decode_multi_tp_over_tp1']:.2f}x) | collectives "
                   f"{comm['ms_per_step']:.2f} ms/step, {comm['ms_per_layer_step']:.3f} ms/layer, "
                   f"{100 * comm['share_of_forward']:.0f}% of forward time")
+    if "tp_collectives" in result:
+        c = result["tp_collectives"]
+        print("gloo, one layer's activations (rows: all-reduce / all-gather us): " + " | ".join(
+            f"{rows}: {c['all_reduce_us'][rows]:.0f} / {c['all_gather_us'][rows]:.0f}" for rows in c["all_reduce_us"]))
     if "transformers" in result:
         hf = result["transformers"]
         print(f"transformers: forward({args.context}) {hf['forward_s'] * 1000:.0f} ms | decode 1 stream "

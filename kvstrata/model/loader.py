@@ -45,8 +45,8 @@ def load_model(path: str, config: ModelConfig, dtype: torch.dtype, device: torch
     for file, name, read in _checkpoint_tensors(path, files):
         if name == LM_HEAD and config.tie_word_embeddings:
             continue  # tied: lm_head is the embedding matrix whatever the file says
-        if name.endswith(_IGNORED_SUFFIXES):
-            continue
+        if name.endswith(_IGNORED_SUFFIXES) or not model.layout.holds(name):
+            continue     # not needed, or another tensor-parallel rank's expert
         target = targets.get(name)
         if target is None:
             raise ModelLoadError(f"{file}: unexpected tensor {name!r} for {config.architecture} "
@@ -171,7 +171,7 @@ def _shard_of_dummy(config: ModelConfig, dtype: torch.dtype, device: torch.devic
     targets = model.checkpoint_targets()
     params = dict(model.named_parameters(remove_duplicate=False))
     for name, (param_name, start, end, *expert) in whole.checkpoint_targets().items():
-        if name == LM_HEAD and config.tie_word_embeddings:
+        if (name == LM_HEAD and config.tie_word_embeddings) or not model.layout.holds(name):
             continue
         tensor = whole_params[param_name].data
         tensor = (tensor[expert[0]] if expert else tensor)[start:end]

@@ -10,6 +10,8 @@ Which rows or columns of each checkpoint tensor a rank holds (`ShardLayout`, `Sh
 |                                 | output rows (determ.)    | all-gather of the inputs, then the outputs  |
 | embed_tokens / lm_head          | vocabulary rows (padded) | embedding: all-reduce; logits: all-gather   |
 | norms                           | replicated               |                                             |
+| MoE routed experts (--ep-size)  | whole experts, by id     | all-reduce of each (token, k) output row    |
+| MoE router, shared expert       | replicated               |                                             |
 
 KV heads are split like q heads when there are at least as many as ranks; with fewer, each rank holds the
 one KV head its q heads read (replicated across the ranks that share it).
@@ -51,16 +53,17 @@ class TensorParallel:
     """
 
     def __init__(self, rank: int, size: int, deterministic: bool = False,
-                 group: Optional[dist.ProcessGroup] = None):
+                 group: Optional[dist.ProcessGroup] = None, expert_parallel: bool = False):
         self.rank, self.size = rank, size
         self.deterministic = deterministic
+        self.expert_parallel = expert_parallel     # --ep-size = --tp-size: MoE experts split across the ranks
         self.group = group
         self.comm_s = 0.0
         self.comm_calls = 0
 
     @classmethod
     def init(cls, rank: int, size: int, init_addr: str, backend: str, timeout_s: float,
-             deterministic: bool) -> TensorParallel:
+             deterministic: bool, expert_parallel: bool = False) -> TensorParallel:
         """Join the group at `init_addr` (host:port of rank 0's TCP store) as `rank`; collectives time out
         after `timeout_s`."""
         try:
@@ -68,7 +71,7 @@ class TensorParallel:
                                     timeout=timedelta(seconds=timeout_s))
         except Exception as e:   # a rank that never came up: the store's wait timed out, or the address is wrong
             raise RankFailure(f"rank {rank}: joining the tensor-parallel group at {init_addr} failed: {e}") from e
-        return cls(rank, size, deterministic, dist.group.WORLD)
+        return cls(rank, size, deterministic, dist.group.WORLD, expert_parallel)
 
     def close(self) -> None:
         """Leave the group (this process can join no other afterwards)."""
@@ -134,6 +137,8 @@ class ShardLayout:
     hidden: int           # the model's hidden size
     vocab: int            # the model's vocabulary
     vocab_rows: int       # vocabulary rows per rank (the last rank's tail is zero padding)
+    experts: int = 0      # MoE: routed experts on this rank (whole ones), starting at first_expert
+    first_expert: int = 0
 
     @classmethod
     def of(cls, config: ModelConfig, tp: Optional[TensorParallel]) -> ShardLayout:
@@ -141,8 +146,11 @@ class ShardLayout:
         rank, size = (tp.rank, tp.size) if tp is not None else (0, 1)
         c = config
         problems = []
-        if c.moe is not None and size > 1:
-            problems.append("MoE models are not split yet (--ep-size is not implemented)")
+        experts = c.moe.num_experts if c.moe is not None else 0
+        if experts and size > 1 and not tp.expert_parallel:
+            problems.append(f"an MoE model needs --ep-size {size} (its experts split across the ranks)")
+        if experts % size:
+            problems.append(f"{experts} experts")
         if c.num_heads % size:
             problems.append(f"{c.num_heads} attention heads")
         if c.num_kv_heads % size and size % c.num_kv_heads:
@@ -159,7 +167,18 @@ class ShardLayout:
                    q_heads=c.num_heads // size, q_head0=rank * (c.num_heads // size),
                    kv_heads=kv_heads, kv_head0=kv_head0, head_dim=c.head_dim,
                    intermediate=c.intermediate_size // size, hidden=c.hidden_size, vocab=c.vocab_size,
-                   vocab_rows=-(-c.vocab_size // size))
+                   vocab_rows=-(-c.vocab_size // size), experts=experts // size,
+                   first_expert=rank * (experts // size))
+
+    def holds(self, name: str) -> bool:
+        """Whether this rank loads checkpoint tensor `name` at all (not another rank's routed expert)."""
+        parts = name.split(".")
+        if self.size == 1 or "experts" not in parts:
+            return True
+        index = parts.index("experts") + 1
+        if index >= len(parts) or not parts[index].isdigit():
+            return True
+        return self.first_expert <= int(parts[index]) < self.first_expert + self.experts
 
     @property
     def row_parallel_by_output(self) -> bool:
@@ -171,6 +190,8 @@ class ShardLayout:
         if self.size == 1:
             return tensor
         parts = name.split(".")
+        if "experts" in parts or "shared_expert" in parts or "block_sparse_moe" in parts:
+            return tensor     # MoE: routed experts are whole on their rank; the shared expert is replicated
         module, kind = (parts[-2], parts[-1]) if len(parts) >= 2 else ("", "")
         hd = self.head_dim
         if module == "q_proj":

@@ -98,7 +98,7 @@ def join_group(args: ServerArgs, rank: int, init_addr: str) -> TensorParallel:
     """Join the tensor-parallel group as `rank` (gloo on CPU, NCCL on CUDA)."""
     backend = "nccl" if args.device == "cuda" else "gloo"
     return TensorParallel.init(rank, args.tp_size, init_addr, backend, args.dist_timeout or DEFAULT_TIMEOUT_S,
-                               args.enable_deterministic_inference)
+                               args.enable_deterministic_inference, expert_parallel=args.ep_size > 1)
 
 
 class RankGroup:

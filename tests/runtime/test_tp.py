@@ -15,7 +15,8 @@ import pytest
 import requests
 
 from tests.cache.drivers import run_conversations
-from tests.runtime.helpers import NUMERIC_DTYPES, assert_idle_integrity, make_engine
+from tests.model.hf_ckpt import write_servable_moe_checkpoint
+from tests.runtime.helpers import NUMERIC_DTYPES, PROMPTS, assert_idle_integrity, make_engine
 from tests.server.conftest import launch_server, pid_alive, stop_server
 
 GREEDY = {"temperature": 0, "max_new_tokens": 10}
@@ -39,6 +40,18 @@ def test_tp2_greedy_output_is_identical_to_tp1_in_deterministic_mode_with_l1_and
     for tier in ("device_hit_tokens", "host_hit_tokens"):
         assert two[tier] == one[tier] and two[tier] > 0, (tier, one, two)
     assert two["tp_size"] == 2 and len(two["tp_rank_pids"]) == 2 and two["tp_comm_calls"] > 0
+
+
+def test_ep2_moe_greedy_output_is_identical_to_one_rank_in_deterministic_mode(tmp_path):
+    moe = write_servable_moe_checkpoint(str(tmp_path / "tiny-moe"))
+    opts = {"model_path": moe, "num_threads": 1, "max_total_tokens": 1024}
+    with make_engine(**opts) as one:
+        expected = [o["output_ids"] for o in one.generate(list(PROMPTS), GREEDY)]     # batched: many experts active
+    with make_engine(**opts, tp_size=2, ep_size=2) as two:
+        got = [o["output_ids"] for o in two.generate(list(PROMPTS), GREEDY)]
+        lone = two.generate(PROMPTS[0], GREEDY)["output_ids"]                          # the one-row decode path
+    assert got == expected and lone == expected[0]
+    assert len({tuple(o) for o in expected}) > 1
 
 
 def _health(url: str) -> int:

@@ -45,7 +45,7 @@ def test_help_lists_every_sglang_flag(capsys):
     (["--dp", "2"], "--dp-size 2"),
     (["--pp-size", "2"], "--pp-size 2"),
     (["--nnodes", "2"], "--nnodes > 1 needs --dist-init-addr"),
-    (["--ep-size", "2"], "--ep-size 2 cannot be honoured: expert parallelism"),
+    (["--ep-size", "2"], "--ep-size 2 must be 1 or --tp-size (1)"),
     (["--enable-dp-attention"], "--enable-dp-attention"),
     (["--speculative-algorithm", "EAGLE"], "--speculative-algorithm EAGLE"),
     (["--quantization", "fp8"], "--quantization fp8"),
