@@ -61,8 +61,19 @@ def test_vocabulary_shards_are_padded_to_equal_rows():
 def test_models_that_do_not_split_are_refused_by_name():
     with pytest.raises(ShardError, match="--tp-size 3 cannot split .*4 attention heads"):
         _layout(3, 0)
-    with pytest.raises(ShardError, match="MoE models are not split yet"):
+    with pytest.raises(ShardError, match="an MoE model needs --ep-size 2"):
         _layout(2, 0, name="bench-moe")
+
+
+def test_expert_parallel_ranks_hold_whole_experts_and_skip_the_others():
+    layouts = [ShardLayout.of(_config("bench-moe"), TensorParallel(r, 2, expert_parallel=True)) for r in (0, 1)]
+    assert [(x.first_expert, x.experts) for x in layouts] == [(0, 16), (16, 16)]
+    name = "model.layers.3.mlp.experts.{}.down_proj.weight"
+    assert [[x.holds(name.format(e)) for e in (0, 15, 16, 31)] for x in layouts] == [
+        [True, True, False, False], [False, False, True, True]]
+    assert all(x.holds("model.layers.3.mlp.gate.weight") for x in layouts)       # the router: on every rank
+    expert = torch.randn(512, 384)
+    assert layouts[1].shard(name.format(20), expert) is expert                    # whole, not sliced
 
 
 def test_cpu_binding_follows_sglang_format_or_splits_the_cores_evenly():
