@@ -17,6 +17,7 @@ load-back is submitted while its step is scheduled, so it travels with that step
 
 from __future__ import annotations
 
+import zlib
 from dataclasses import dataclass, field
 from enum import IntEnum
 from typing import NamedTuple
@@ -35,6 +36,7 @@ class PlanKind(IntEnum):
     FORWARD = 1   # apply the copies, run the plan's forward
     IDLE = 2      # apply the copies; nothing to run (sent about once a second: no rank times out idle)
     STOP = 3      # leave the loop and exit 0
+    REPORT = 4    # all-gather every rank's PlanLedger (rank 0's /server_info)
 
 
 class CopyKind(IntEnum):
@@ -65,11 +67,41 @@ class ForwardPlan:
     copies: list[PageCopy] = field(default_factory=list)
 
 
+@dataclass
+class PlanLedger:
+    """What a rank has executed: plans, page copies, pages copied, and a CRC-32 of every plan's bytes in order.
+    Equal on every rank when none diverged (rank 0 counts what it sends, the others what they receive)."""
+
+    plans: int = 0
+    copies: int = 0
+    pages: int = 0
+    digest: int = 0
+
+    def add(self, header: torch.Tensor, payload: torch.Tensor | None) -> None:
+        """Count one plan (its header and payload as they went over the wire)."""
+        self.plans += 1
+        self.copies += int(header[5])
+        self.pages += int(header[6])
+        self.digest = zlib.crc32(header.numpy().tobytes(), self.digest)
+        if payload is not None:
+            self.digest = zlib.crc32(payload.numpy().tobytes(), self.digest)
+
+    def as_list(self) -> list[int]:
+        """[plans, copies, pages, digest]."""
+        return [self.plans, self.copies, self.pages, self.digest]
+
+
+def gather_ledgers(tp: TensorParallel, ledger: PlanLedger) -> list[list[int]]:
+    """Every rank's ledger, in rank order (a collective: rank 0 sends REPORT first)."""
+    return tp.all_gather(torch.tensor([ledger.as_list()], dtype=torch.long)).view(tp.size, -1).tolist()
+
+
 EMPTY_PLAN = ForwardPlan(torch.empty(0, dtype=torch.long), [], [], [], torch.empty(0, dtype=torch.long))
 
 
-def send_plan(tp: TensorParallel, kind: PlanKind, plan: ForwardPlan = EMPTY_PLAN) -> None:
-    """Rank 0: broadcast `kind` and its plan (a FORWARD's step, or only copies) to the group."""
+def send_plan(tp: TensorParallel, kind: PlanKind, plan: ForwardPlan = EMPTY_PLAN,
+              ledger: PlanLedger | None = None) -> None:
+    """Rank 0: broadcast `kind` and its plan (a FORWARD's step, or only copies) to the group; count it in `ledger`."""
     long = torch.long
     kv = torch.cat(plan.kv_slots) if plan.kv_slots else torch.empty(0, dtype=long)
     copy_sizes = [v for c in plan.copies for v in (int(c.kind), c.host_pages.numel())]
@@ -78,21 +110,27 @@ def send_plan(tp: TensorParallel, kind: PlanKind, plan: ForwardPlan = EMPTY_PLAN
              *(c.device_pages.long().cpu() for c in plan.copies), *(c.host_pages.long().cpu() for c in plan.copies)]
     header = [int(kind), len(plan.extend_lens), parts[2].numel(), kv.numel(), parts[4].numel(), len(plan.copies),
               sum(c.host_pages.numel() for c in plan.copies)]
-    tp.broadcast(torch.tensor(header, dtype=long))
-    if sum(header[1:]):
-        tp.broadcast(torch.cat(parts))
+    header_t = tp.broadcast(torch.tensor(header, dtype=long))
+    payload = tp.broadcast(torch.cat(parts)) if sum(header[1:]) else None
+    if ledger is not None and kind != PlanKind.REPORT:
+        ledger.add(header_t, payload)
 
 
-def receive_plan(tp: TensorParallel) -> tuple[PlanKind, ForwardPlan]:
-    """Ranks > 0: the next kind and its plan (CPU tensors)."""
-    header = tp.broadcast(torch.zeros(HEADER_LEN, dtype=torch.long)).tolist()
+def receive_plan(tp: TensorParallel, ledger: PlanLedger | None = None) -> tuple[PlanKind, ForwardPlan]:
+    """Ranks > 0: the next kind and its plan (CPU tensors), counted in `ledger`."""
+    header_t = tp.broadcast(torch.zeros(HEADER_LEN, dtype=torch.long))
+    header = header_t.tolist()
     kind, seqs, tokens, kv_total, rows, copies, copied = header
     if kind not in PlanKind.__members__.values() or min(header) < 0 or sum(header[1:]) > MAX_PLAN_VALUES:
         raise RankFailure(f"rank {tp.rank}: corrupt plan header {header}")
     if not sum(header[1:]):
+        if ledger is not None and kind != PlanKind.REPORT:
+            ledger.add(header_t, None)
         return PlanKind(kind), EMPTY_PLAN
     sizes = [seqs, seqs, tokens, kv_total, rows, 2 * copies, copied, copied]
     payload = tp.broadcast(torch.zeros(sum(sizes), dtype=torch.long))
+    if ledger is not None:
+        ledger.add(header_t, payload)
     extend, prefix, ids, kv, logits_rows, copy_sizes, device_pages, host_pages = payload.split(sizes)
     extend_lens, prefix_lens = extend.tolist(), prefix.tolist()
     seq_lens = [p + e for p, e in zip(prefix_lens, extend_lens)]

@@ -44,7 +44,15 @@ from kvstrata.model.paged_kernels import (
 from kvstrata.model.parallel import TensorParallel
 from kvstrata.model.rope import use_rope_kernel
 from kvstrata.runtime.batch import ScheduledBatch, StepResult
-from kvstrata.runtime.forward_plan import CopyKind, ForwardPlan, PageCopy, PlanKind, receive_plan
+from kvstrata.runtime.forward_plan import (
+    CopyKind,
+    ForwardPlan,
+    PageCopy,
+    PlanKind,
+    PlanLedger,
+    gather_ledgers,
+    receive_plan,
+)
 from kvstrata.runtime.sampler import Sampler
 
 logger = logging.getLogger(__name__)
@@ -247,10 +255,14 @@ class ModelRunner:
             a = self.args
             host_pool = HostKVPool(self.pool, HostKVPool.size_pages(self.pool, a.hicache_ratio, a.hicache_size),
                                    layout=a.hicache_mem_layout)
+        ledger = PlanLedger()
         while True:
-            kind, plan = receive_plan(self.tp)
+            kind, plan = receive_plan(self.tp, ledger)
             if kind == PlanKind.STOP:
                 return
+            if kind == PlanKind.REPORT:
+                gather_ledgers(self.tp, ledger)
+                continue
             for copy in plan.copies:
                 _apply_copy(copy, host_pool, self.device)
             if kind == PlanKind.FORWARD:
@@ -267,12 +279,15 @@ class ModelRunner:
             self.ranks.beat()
 
     def parallel_state(self) -> dict:
-        """Tensor parallelism for /server_info: size, this node's rank pids (rank order), rank 0's time in collectives."""
+        """Tensor parallelism for /server_info: size, this node's rank pids (rank order), rank 0's time in
+        collectives, and what every rank has executed (`tp_ranks`; `tp_ranks_agree`: all equal)."""
         if self.ranks is None:
             return {"tp_size": 1}
         tp = self.ranks.tp
+        ranks = self.ranks.report()
         return {"tp_size": tp.size, "tp_rank_pids": [os.getpid(), *(p.pid for p in self.ranks.procs.values())],
-                "tp_comm_s": tp.comm_s, "tp_comm_calls": tp.comm_calls}
+                "tp_comm_s": tp.comm_s, "tp_comm_calls": tp.comm_calls, "tp_ranks": ranks,
+                "tp_ranks_agree": all(r == ranks[0] for r in ranks)}
 
     def close(self) -> None:
         """Stop the other ranks (rank 0; nothing to do otherwise)."""

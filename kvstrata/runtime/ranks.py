@@ -32,7 +32,16 @@ from kvstrata.cache.cache_controller import BACKUP, LOAD_BACK
 from kvstrata.model.parallel import RankFailure, TensorParallel
 from kvstrata.net import free_port
 from kvstrata.platform import env
-from kvstrata.runtime.forward_plan import EMPTY_PLAN, CopyKind, ForwardPlan, PageCopy, PlanKind, send_plan
+from kvstrata.runtime.forward_plan import (
+    EMPTY_PLAN,
+    CopyKind,
+    ForwardPlan,
+    PageCopy,
+    PlanKind,
+    PlanLedger,
+    gather_ledgers,
+    send_plan,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -109,6 +118,7 @@ class RankGroup:
         self.procs = procs       # rank -> multiprocessing.Process (this node's ranks > 0)
         self.last_sent = time.monotonic()
         self.pending_copies: list[PageCopy] = []   # submitted by rank 0's cache since the last plan
+        self.ledger = PlanLedger()
 
     @classmethod
     def start(cls, args: ServerArgs) -> RankGroup:
@@ -136,11 +146,17 @@ class RankGroup:
         """Broadcast the next plan, with the copies submitted since the last one, to the ranks (after checking
         they are alive)."""
         self.check_alive()
-        if self.pending_copies and kind != PlanKind.STOP:
+        if self.pending_copies and kind in (PlanKind.FORWARD, PlanKind.IDLE):   # the kinds that apply copies
             plan = dataclasses.replace(plan, copies=self.pending_copies)
             self.pending_copies = []
-        send_plan(self.tp, kind, plan)
+        send_plan(self.tp, kind, plan, self.ledger)
         self.last_sent = time.monotonic()
+
+    def report(self) -> list[dict]:
+        """Every rank's ledger (plans, copies, pages, digest), in rank order: equal when no rank diverged."""
+        self.send(PlanKind.REPORT)
+        keys = ("plans", "copies", "pages", "digest")
+        return [dict(zip(keys, values)) for values in gather_ledgers(self.tp, self.ledger)]
 
     def beat(self) -> None:
         """While idle: tell the ranks rank 0 is alive, about once a second (and notice a dead one)."""

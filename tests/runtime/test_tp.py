@@ -40,6 +40,8 @@ def test_tp2_greedy_output_is_identical_to_tp1_in_deterministic_mode_with_l1_and
     for tier in ("device_hit_tokens", "host_hit_tokens"):
         assert two[tier] == one[tier] and two[tier] > 0, (tier, one, two)
     assert two["tp_size"] == 2 and len(two["tp_rank_pids"]) == 2 and two["tp_comm_calls"] > 0
+    # Every rank executed the same plans and page copies (rank 0's cache decided them all).
+    assert two["tp_ranks_agree"] and two["tp_ranks"][1]["copies"] > 0, two["tp_ranks"]
 
 
 def test_ep2_moe_greedy_output_is_identical_to_one_rank_in_deterministic_mode(tmp_path):
