@@ -40,6 +40,11 @@ from torch import nn
 from kvstrata.model.config import ModelConfig
 from kvstrata.model.layers import Linear
 
+# How long a rank waits for the others to join, and ranks > 0 for rank 0's next plan: rank 0 may spend long
+# between two plans while starting (tokenizer, grammar tables, cache). A hung rank 0 is the HTTP process's
+# watchdog's to kill (the ranks die with it); a hung rank > 0 fails rank 0's next collective.
+JOIN_TIMEOUT_S = 180.0
+
 
 class RankFailure(RuntimeError):
     """A collective failed: a peer rank died, hung past the timeout, or its socket closed. Fatal to the server."""
@@ -53,36 +58,42 @@ class TensorParallel:
     """
 
     def __init__(self, rank: int, size: int, deterministic: bool = False,
-                 group: Optional[dist.ProcessGroup] = None, expert_parallel: bool = False):
+                 group: Optional[dist.ProcessGroup] = None, expert_parallel: bool = False,
+                 plan_group: Optional[dist.ProcessGroup] = None):
         self.rank, self.size = rank, size
         self.deterministic = deterministic
         self.expert_parallel = expert_parallel     # --ep-size = --tp-size: MoE experts split across the ranks
-        self.group = group
+        self.group = group                         # the model's collectives: --dist-timeout
+        self.plan_group = plan_group or group      # plan broadcasts: JOIN_TIMEOUT_S
         self.comm_s = 0.0
         self.comm_calls = 0
+        self.failed = False      # a collective failed: the group is unusable (no STOP plan can be sent)
 
     @classmethod
     def init(cls, rank: int, size: int, init_addr: str, backend: str, timeout_s: float,
              deterministic: bool, expert_parallel: bool = False) -> TensorParallel:
-        """Join the group at `init_addr` (host:port of rank 0's TCP store) as `rank`; collectives time out
-        after `timeout_s`."""
+        """Join the group at `init_addr` (host:port of rank 0's TCP store) as `rank`, waiting up to
+        JOIN_TIMEOUT_S for the others (a process that imports torch on a busy machine takes a while);
+        collectives then time out after `timeout_s`."""
         try:
             dist.init_process_group(backend, init_method=f"tcp://{init_addr}", rank=rank, world_size=size,
-                                    timeout=timedelta(seconds=timeout_s))
+                                    timeout=timedelta(seconds=max(timeout_s, JOIN_TIMEOUT_S)))
+            group = dist.new_group(list(range(size)), timeout=timedelta(seconds=timeout_s), backend=backend)
         except Exception as e:   # a rank that never came up: the store's wait timed out, or the address is wrong
             raise RankFailure(f"rank {rank}: joining the tensor-parallel group at {init_addr} failed: {e}") from e
-        return cls(rank, size, deterministic, dist.group.WORLD, expert_parallel)
+        return cls(rank, size, deterministic, group, expert_parallel, plan_group=dist.group.WORLD)
 
     def close(self) -> None:
         """Leave the group (this process can join no other afterwards)."""
         if dist.is_initialized():
             dist.destroy_process_group()
 
-    def _run(self, what: str, op, *args) -> None:
+    def _run(self, what: str, op, *args, group: Optional[dist.ProcessGroup] = None) -> None:
         start = time.perf_counter()
         try:
-            op(*args, group=self.group)
+            op(*args, group=group or self.group)
         except Exception as e:   # gloo: connection closed / timed out; NCCL: an error or watchdog abort
+            self.failed = True
             raise RankFailure(f"rank {self.rank}: {what} failed (a peer rank died or timed out): {e}") from e
         self.comm_s += time.perf_counter() - start
         self.comm_calls += 1
@@ -100,8 +111,8 @@ class TensorParallel:
         return torch.cat(parts, dim=-1)
 
     def broadcast(self, x: torch.Tensor, src: int = 0) -> torch.Tensor:
-        """Rank `src`'s `x` on every rank (in place); returns it."""
-        self._run("broadcast", dist.broadcast, x, src)
+        """Rank `src`'s `x` on every rank (in place; a plan: waits up to JOIN_TIMEOUT_S); returns it."""
+        self._run("broadcast", dist.broadcast, x, src, group=self.plan_group)
         return x
 
     def all_min(self, values: list[int]) -> list[int]:

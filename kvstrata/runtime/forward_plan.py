@@ -34,7 +34,7 @@ class PlanKind(IntEnum):
     """What the ranks do next."""
 
     FORWARD = 1   # apply the copies, run the plan's forward
-    IDLE = 2      # apply the copies; nothing to run (sent about once a second: no rank times out idle)
+    IDLE = 2      # apply the copies, then a round trip (about once a second: a dead or hung rank shows)
     STOP = 3      # leave the loop and exit 0
     REPORT = 4    # all-gather every rank's PlanLedger (rank 0's /server_info)
 

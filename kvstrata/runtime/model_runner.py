@@ -267,6 +267,8 @@ class ModelRunner:
                 _apply_copy(copy, host_pool, self.device)
             if kind == PlanKind.FORWARD:
                 self._run(plan)
+            elif kind == PlanKind.IDLE:
+                self.tp.all_min([1])     # the round trip that tells rank 0 this rank is alive
 
     @property
     def copy_journal(self) -> Optional[Callable[[str, torch.Tensor, torch.Tensor], None]]:

@@ -4,7 +4,7 @@
     RankGroup.start: spawn ranks 1..n-1 of this node, join  --->  run_rank: die with rank 0, bind cores,
     the group (TCP store at --dist-init-addr)                       join the group, load its shard
     ModelRunner.forward: send_plan(FORWARD), run the shard  --->  ModelRunner.follow: receive_plan, run it
-    idle: send_plan(IDLE) about once a second               --->  (nothing to run; no collective times out)
+    idle: send_plan(IDLE) + a round trip about once a second --->  apply its copies, answer the round trip
     close: send_plan(STOP), join the processes              --->  exit 0
 
 Faults: a rank that dies closes its sockets, so the next collective fails at once on every other rank
@@ -159,18 +159,23 @@ class RankGroup:
         return [dict(zip(keys, values)) for values in gather_ledgers(self.tp, self.ledger)]
 
     def beat(self) -> None:
-        """While idle: tell the ranks rank 0 is alive, about once a second (and notice a dead one)."""
+        """While idle, about once a second: an IDLE plan and a round trip (an all-reduce), so that a rank that
+        died or hangs is noticed (after --dist-timeout at most) even when no request comes."""
         if time.monotonic() - self.last_sent >= IDLE_PLAN_S:
             self.send(PlanKind.IDLE)
+            self.tp.all_min([1])
 
     def close(self) -> None:
-        """Stop the ranks (STOP if the group still works, then join; kill what does not exit)."""
-        try:
-            self.send(PlanKind.STOP)
-        except RankFailure as e:
-            logger.warning("stopping the ranks without a STOP plan: %s", e)
-        stop_processes(self.procs)
-        self.tp.close()
+        """Stop the ranks: a STOP plan and a join if the group still works; else (a collective failed, and a
+        plan could wait on a hung rank) terminate them at once."""
+        if not self.tp.failed:
+            try:
+                self.send(PlanKind.STOP)
+            except RankFailure as e:
+                logger.warning("stopping the ranks without a STOP plan: %s", e)
+        stop_processes(self.procs, join_s=0.0 if self.tp.failed else STOP_JOIN_S)
+        if not self.tp.failed:
+            self.tp.close()
 
 
 def spawn_ranks(args: ServerArgs, ranks: Any, init_addr: str) -> dict[int, Any]:
@@ -185,9 +190,9 @@ def spawn_ranks(args: ServerArgs, ranks: Any, init_addr: str) -> dict[int, Any]:
     return procs
 
 
-def stop_processes(procs: dict[int, Any]) -> None:
-    """Join each rank process; terminate, then kill, one that does not exit in time."""
-    deadline = time.monotonic() + STOP_JOIN_S
+def stop_processes(procs: dict[int, Any], join_s: float = STOP_JOIN_S) -> None:
+    """Join each rank process; terminate, then kill, one that does not exit within `join_s`."""
+    deadline = time.monotonic() + join_s
     for proc in procs.values():
         proc.join(max(0.0, deadline - time.monotonic()))
     for proc in procs.values():
