@@ -71,7 +71,8 @@ CLI_GROUPS = {
     "hicache_storage_backend": "Hierarchical cache: storage tier (L3)",
     "grammar_backend": "Constrained decoding",
     "chat_template": "API, logging and metrics",
-    "tp_size": "SGLang settings with one value here (parallelism, quantization, LoRA, MoE, ...)",
+    "tp_size": "Tensor parallelism",
+    "dp_size": "SGLang settings with one value here (parallelism, quantization, LoRA, MoE, ...)",
     "trust_remote_code": "SGLang settings with no effect here (kernels, CUDA graphs, distributed init, ...)",
     "admin_api_key": "Hardening: admin actions, request limits, shutdown",
     "disaggregation_mode": "Prefill/decode disaggregation",
@@ -242,24 +243,35 @@ class ServerArgs:
     enable_metrics: bool = field(default=True, metadata=_opt(
         "Serve Prometheus metrics at /metrics (on by default here; --no-enable-metrics turns it off)."))
 
+    # --- tensor parallelism (kvstrata/model/parallel.py, runtime/ranks.py) ---
+    tp_size: int = field(default=1, metadata=_opt(
+        "Tensor parallel size: the model is split over this many processes (ranks), one per GPU from "
+        "--base-gpu-id on CUDA, one per set of cores on CPU ($SGLANG_CPU_OMP_THREADS_BIND, e.g. '0-27|28-55', "
+        "else the cores split evenly). Rank 0 schedules; the others run the same forwards on their shard. "
+        "Not yet with the storage tier (L3), the L2 snapshot or PD disaggregation; MoE models need --ep-size N.",
+        aliases=("--tp", "--tensor-parallel-size")))
+    ep_size: int = field(default=1, metadata=_opt(
+        "Expert parallel size for MoE models: 1, or --tp-size (each rank holds num_experts / N whole experts; "
+        "each token's expert outputs are combined in the same order as on one rank).",
+        aliases=("--expert-parallel-size",)))
+    nnodes: int = field(default=1, metadata=_opt(
+        "Number of machines the --tp-size ranks are spread over (evenly; needs --dist-init-addr)."))
+    node_rank: int = field(default=0, metadata=_opt(
+        "This machine's index among --nnodes: 0 runs the HTTP server and rank 0; the others run their ranks only."))
+    dist_init_addr: Optional[str] = field(default=None, metadata=_opt(
+        "host:port where the ranks meet (rank 0's machine; default with one node: a free loopback port).",
+        aliases=("--nccl-init-addr",)))
+    dist_timeout: Optional[int] = field(default=None, metadata=_opt(
+        "Seconds a rank waits in a collective (or for its peers at start) before it declares the group failed "
+        "and the server stops (default 60)."))
+
     # --- SGLang settings with only one value here: any other is a start-up error that says why ---
-    tp_size: int = field(default=1, metadata=_only(
-        1, "tensor parallelism is not implemented; run one server per device behind a router",
-        "Tensor parallel size (only 1).", aliases=("--tp", "--tensor-parallel-size")))
     dp_size: int = field(default=1, metadata=_only(
         1, "data parallelism is not implemented; run one server per device behind a router",
         "Data parallel size (only 1).", aliases=("--dp", "--data-parallel-size")))
     pp_size: int = field(default=1, metadata=_only(
         1, "pipeline parallelism is not implemented", "Pipeline parallel size (only 1).",
         aliases=("--pipeline-parallel-size",)))
-    ep_size: int = field(default=1, metadata=_only(
-        1, "expert parallelism is not implemented (it needs tensor parallelism, which is not implemented "
-           "either); MoE models run all their experts on one device", "Expert parallel size (only 1).",
-        aliases=("--expert-parallel-size",)))
-    nnodes: int = field(default=1, metadata=_only(1, "multi-node serving is not implemented",
-                                                  "Number of nodes (only 1)."))
-    node_rank: int = field(default=0, metadata=_only(0, "multi-node serving is not implemented",
-                                                     "Rank of this node (only 0)."))
     enable_dp_attention: bool = field(default=False, metadata=_only(
         False, "data-parallel attention is not implemented", "Data-parallel attention (not supported)."))
     speculative_algorithm: Optional[str] = field(default=None, metadata=_only(
@@ -329,11 +341,7 @@ class ServerArgs:
     model_impl: str = field(default="auto", metadata=_no_effect(
         "only the built-in Llama-family implementation exists"))
     gpu_id_step: int = field(default=1, metadata=_no_effect("a server uses one device"))
-    dist_init_addr: Optional[str] = field(default=None, metadata=_opt(
-        "Accepted for SGLang compatibility; no effect here: one process per server, no torch.distributed.",
-        aliases=("--nccl-init-addr",), no_effect="one process per server, no torch.distributed"))
-    nccl_port: Optional[int] = field(default=None, metadata=_no_effect("one process per server, no NCCL"))
-    dist_timeout: Optional[int] = field(default=None, metadata=_no_effect("one process per server"))
+    nccl_port: Optional[int] = field(default=None, metadata=_no_effect("the ranks meet at --dist-init-addr"))
     cuda_graph_bs: tuple[int, ...] = field(default=(), metadata=_no_effect("CUDA graphs are not used"))
     disable_cuda_graph_padding: bool = field(default=False, metadata=_no_effect("CUDA graphs are not used"))
     decode_attention_backend: Optional[str] = field(default=None, metadata=_no_effect(
@@ -502,6 +510,38 @@ class ServerArgs:
             raise ConfigError("--scheduler-heartbeat-timeout must be positive")
         if self.disaggregation_bootstrap_timeout <= 0:
             raise ConfigError("--disaggregation-bootstrap-timeout must be positive")
+        self._check_parallelism()
+
+    def _check_parallelism(self) -> None:
+        """--tp-size and its companions; what tensor parallelism does not cover yet is refused by name."""
+        _positive(self, "tp_size", "ep_size", "nnodes", "dist_timeout")
+        if self.ep_size not in (1, self.tp_size):
+            raise ConfigError(f"--ep-size {self.ep_size} must be 1 or --tp-size ({self.tp_size}): experts are split "
+                              f"across the tensor-parallel ranks")
+        if not 0 <= self.node_rank < self.nnodes:
+            raise ConfigError(f"--node-rank must be in 0..{self.nnodes - 1} (--nnodes {self.nnodes}), got {self.node_rank}")
+        if self.nnodes > 1 and not self.dist_init_addr:
+            raise ConfigError("--nnodes > 1 needs --dist-init-addr host:port (reachable from every node)")
+        if self.tp_size % self.nnodes:
+            raise ConfigError(f"--tp-size {self.tp_size} must be a multiple of --nnodes {self.nnodes}")
+        if self.dist_init_addr is not None:
+            host, _, port = self.dist_init_addr.rpartition(":")
+            if not host or not port.isdigit() or not 0 < int(port) <= 65535:
+                raise ConfigError(f"--dist-init-addr must be host:port, got {self.dist_init_addr!r}")
+        if self.tp_size == 1:
+            return
+        unsupported = {  # flag -> what does not shard its KV per rank yet
+            "--hicache-storage-backend": (self.hicache_storage_backend, "L3 objects per rank"),
+            "--hicache-snapshot-path": (self.hicache_snapshot_path, "an L2 snapshot per rank"),
+            "--hicache-write-policy write_back": (self.hicache_write_policy == "write_back",
+                                                  "its synchronous copies do not reach the other ranks"),
+            f"--disaggregation-mode {self.disaggregation_mode}": (self.disaggregation_mode != "null",
+                                                                   "a KV transfer per rank"),
+        }
+        for flag, (used, missing) in unsupported.items():
+            if used:
+                raise ConfigError(f"--tp-size {self.tp_size} with {flag} is not implemented yet ({missing}); "
+                                  f"use --tp-size 1")
 
     def no_effect_notes(self) -> list[str]:
         """One line per SGLang flag that was set but means nothing on this engine (logged once at start)."""
@@ -575,8 +615,9 @@ class ServerArgs:
             device = "cuda" if torch.cuda.is_available() else "cpu"
         if device == "cuda" and not torch.cuda.is_available():
             raise ConfigError("--device cuda requested but CUDA is not available")
-        if device == "cuda" and self.base_gpu_id >= torch.cuda.device_count():
-            raise ConfigError(f"--base-gpu-id {self.base_gpu_id}: this machine has {torch.cuda.device_count()} GPU(s)")
+        if device == "cuda" and self.base_gpu_id + self.local_ranks() > torch.cuda.device_count():
+            raise ConfigError(f"--base-gpu-id {self.base_gpu_id} with {self.local_ranks()} rank(s) on this node: "
+                              f"this machine has {torch.cuda.device_count()} GPU(s)")
         dtype = self.dtype
         if dtype == "auto":
             dtype = "bfloat16" if device == "cuda" or cpu_has_fast_bf16() else "float32"
@@ -589,6 +630,10 @@ class ServerArgs:
             threshold = 0 if device == "cuda" else CPU_PREFILL_ADMIT_THRESHOLD
         return dataclasses.replace(self, device=device, dtype=dtype, chunked_prefill_size=chunk,
                                    prefill_admit_threshold=threshold)
+
+    def local_ranks(self) -> int:
+        """Tensor-parallel ranks on this node (ranks node_rank * local_ranks ... + local_ranks - 1)."""
+        return self.tp_size // self.nnodes
 
     def cache_config(self) -> CacheConfig:
         """The cache stack's settings (the radix, hicache and storage flags), as build_kv_cache takes them."""

@@ -114,14 +114,14 @@ def test_every_common_sglang_flag_parses_and_is_implemented_ignored_or_refused_w
     by_flag = dict(refused)
     assert set(by_flag) == {
         "--is-embedding", "--enable-multimodal", "--skip-tokenizer-init", "--json-model-override-args",
-        "--quantization", "--kv-cache-dtype", "--schedule-policy", "--nnodes", "--node-rank", "--tp-size", "--tp",
-        "--tensor-parallel-size", "--pp-size", "--dp-size", "--dp", "--ep-size", "--enable-dp-attention",
+        "--quantization", "--kv-cache-dtype", "--schedule-policy", "--nnodes", "--node-rank", "--pp-size", "--dp-size", "--dp", "--ep-size", "--enable-dp-attention",
         "--grammar-backend", "--cpu-offload-gb", "--enable-lora", "--lora-paths", "--enable-lmcache",
         "--speculative-algorithm", "--speculative-draft-model-path", "--speculative-num-steps",
         "--speculative-eagle-topk", "--speculative-num-draft-tokens", "--moe-runner-backend", "--moe-a2a-backend",
         "--enable-eplb", "--hicache-mem-layout", "--hicache-storage-backend"}, by_flag
-    assert "cannot be honoured: tensor parallelism is not implemented" in by_flag["--tp"]
-    assert "--ep-size 8 cannot be honoured: expert parallelism" in by_flag["--ep-size"]
+    assert "--nnodes > 1 needs --dist-init-addr" in by_flag["--nnodes"]
+    assert "--node-rank must be in 0..0" in by_flag["--node-rank"]
+    assert "--ep-size 8 must be 1 or --tp-size (1)" in by_flag["--ep-size"]
     assert "--quantization fp8 cannot be honoured: quantized weights" in by_flag["--quantization"]
     assert "--kv-cache-dtype fp8_e5m2 cannot be honoured" in by_flag["--kv-cache-dtype"]
     assert "--schedule-policy must be one of" in by_flag["--schedule-policy"]      # dfs-weight
@@ -139,7 +139,7 @@ def test_sglang_flags_with_no_effect_are_logged_and_aliases_land_on_their_field(
     assert args.model_path == "bench" and args.dist_init_addr == "h:1"
     notes = "\n".join(args.no_effect_notes())
     assert "--disable-cuda-graph has no effect" in notes and "--hicache-io-backend has no effect" in notes
-    assert "--dist-init-addr has no effect" in notes
+    assert "--dist-init-addr" not in notes     # the ranks meet there (--tp-size)
     assert args.resolve(with_device=False).dtype == "float16"
 
 

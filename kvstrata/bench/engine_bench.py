@@ -89,10 +89,10 @@ def bench_kv_runs(args) -> dict:
             "same_outputs": outputs["runs"] == outputs["slot_by_slot"]}
 
 
-def bench_kvstrata(args, deterministic: bool = False) -> dict:
-    """TTFT and decode rates through kvstrata.Engine."""
+def bench_kvstrata(args, deterministic: bool = False, **overrides) -> dict:
+    """TTFT and decode rates through kvstrata.Engine (`overrides`: further ServerArgs fields, e.g. tp_size)."""
     # The radix cache serves decode_time's cached prompts; the TTFT prompts are fresh random ids, never cached.
-    eng = make_engine(args, deterministic, radix_cache=True)
+    eng = make_engine(args, deterministic, radix_cache=True, **overrides)
     prompt = prompt_maker(eng.scheduler.runner.vocab_size)
 
     greedy1 = {"temperature": 0, "max_new_tokens": 1, "ignore_eos": True}
@@ -110,7 +110,9 @@ def bench_kvstrata(args, deterministic: bool = False) -> dict:
     for _ in range(max(1, args.repeat)):
         for k, prompts in enumerate(groups):
             times[k].append(decode_time(prompts))
-    hicache = eng.get_server_info()["internal_states"][0].get("hicache")
+    state = eng.get_server_info()["internal_states"][0]
+    hicache = state.get("hicache")
+    layers = eng.scheduler.runner.config.num_layers
     eng.shutdown()
 
     def rate(streams: int, seconds: float) -> float:
@@ -123,7 +125,25 @@ def bench_kvstrata(args, deterministic: bool = False) -> dict:
            "multi_over_single_decode": statistics.median(ratios)}
     if hicache is not None:   # what the host tier did meanwhile
         out["host_tier"] = {k: hicache[k] for k in ("backup_pages", "backup_ops", "backup_busy_s")}
+    if state.get("tp_size", 1) > 1:   # rank 0's time in collectives (waits for the other ranks included)
+        steps = max(1, state["step"])
+        out["tp_comm"] = {"seconds": state["tp_comm_s"], "calls": state["tp_comm_calls"], "steps": steps,
+                          "ms_per_step": 1000 * state["tp_comm_s"] / steps,
+                          "ms_per_layer_step": 1000 * state["tp_comm_s"] / (steps * layers),
+                          "share_of_forward": state["tp_comm_s"] / max(state["forward_busy_s"], 1e-9)}
     return out
+
+
+def bench_tp(args, deterministic: bool) -> dict:
+    """--tp-size N with --threads / N threads per rank, against TP=1 with --threads (measured just before)."""
+    return bench_kvstrata(args, deterministic, tp_size=args.tp_size, num_threads=max(1, args.threads // args.tp_size))
+
+
+def tp_ratios(tp: dict, one: dict) -> dict:
+    """TP=N over TP=1: TTFT as a time ratio, decode as a rate ratio (above 1: TP is better)."""
+    return {"ttft_tp1_over_tp": one["ttft_s"] / tp["ttft_s"],
+            "decode_1_tp_over_tp1": tp["decode_tok_s_1"] / one["decode_tok_s_1"],
+            "decode_multi_tp_over_tp1": tp["decode_tok_s_multi"] / one["decode_tok_s_multi"]}
 
 
 def bench_transformers(args) -> dict:
@@ -181,6 +201,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--attention", action="store_true",
                    help="one layer's attention: the compiled extend and decode kernels next to the torch path "
                         "(gather + SDPA); --streams decode rows at --context")
+    p.add_argument("--tp-size", type=int, default=1,
+                   help="also measure tensor parallelism: N ranks with --threads / N threads each (cores split "
+                        "evenly), next to one process with --threads; prints rank 0's time in collectives")
     p.add_argument("--enable-deterministic-inference", action="store_true",
                    help="also measure the batch-invariant mode, side by side")
     p.add_argument("--enable-hierarchical-cache", action="store_true",
@@ -238,6 +261,13 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     ours = bench_kvstrata(args)
     result = {"config": vars(args), "kvstrata": ours}
+    if args.tp_size > 1:
+        from kvstrata.bench.tp_collectives import measure_collectives
+
+        result["kvstrata_tp"] = bench_tp(args, deterministic=False)
+        result["tp_over_tp1"] = tp_ratios(result["kvstrata_tp"], ours)
+        result["tp_collectives"] = measure_collectives(args.tp_size, 512 if args.model_path == "bench" else 128,
+                                                       getattr(torch, args.dtype))
     if args.enable_deterministic_inference:
         det = bench_kvstrata(args, deterministic=True)
         result["kvstrata_deterministic"] = det
@@ -245,6 +275,9 @@ def main(argv: list[str] | None = None) -> int:
             "ttft_ratio": det["ttft_s"] / ours["ttft_s"],
             "decode_1_ratio": det["decode_tok_s_1"] / ours["decode_tok_s_1"],
             "decode_multi_ratio": det["decode_tok_s_multi"] / ours["decode_tok_s_multi"]}
+        if args.tp_size > 1:
+            result["kvstrata_tp_deterministic"] = bench_tp(args, deterministic=True)
+            result["tp_over_tp1_deterministic"] = tp_ratios(result["kvstrata_tp_deterministic"], det)
     if not args.skip_transformers:
         hf = bench_transformers(args)
         result["transformers"] = hf
@@ -260,6 +293,19 @@ def main(argv: list[str] | None = None) -> int:
         print(f"deterministic: TTFT({args.context}) {det['ttft_s'] * 1000:.0f} ms ({cost['ttft_ratio']:.2f}x) | "
               f"decode 1 stream {det['decode_tok_s_1']:.1f} tok/s ({cost['decode_1_ratio']:.2f}x) | "
               f"{args.streams} streams {det['decode_tok_s_multi']:.1f} tok/s ({cost['decode_multi_ratio']:.2f}x)")
+    for key, ratios in (("kvstrata_tp", "tp_over_tp1"), ("kvstrata_tp_deterministic", "tp_over_tp1_deterministic")):
+        if key in result:
+            tp, r, comm = result[key], result[ratios], result[key]["tp_comm"]
+            print(f"{key} ({args.tp_size} ranks x {max(1, args.threads // args.tp_size)} threads): TTFT "
+                  f"{tp['ttft_s'] * 1000:.0f} ms (TP=1 / TP {r['ttft_tp1_over_tp']:.2f}x) | decode 1 stream "
+                  f"{tp['decode_tok_s_1']:.1f} tok/s ({r['decode_1_tp_over_tp1']:.2f}x) | {args.streams} streams "
+                  f"{tp['decode_tok_s_multi']:.1f} tok/s ({r['decode_multi_tp_over_tp1']:.2f}x) | collectives "
+                  f"{comm['ms_per_step']:.2f} ms/step, {comm['ms_per_layer_step']:.3f} ms/layer, "
+                  f"{100 * comm['share_of_forward']:.0f}% of forward time")
+    if "tp_collectives" in result:
+        c = result["tp_collectives"]
+        print("gloo, one layer's activations (rows: all-reduce / all-gather us): " + " | ".join(
+            f"{rows}: {c['all_reduce_us'][rows]:.0f} / {c['all_gather_us'][rows]:.0f}" for rows in c["all_reduce_us"]))
     if "transformers" in result:
         hf = result["transformers"]
         print(f"transformers: forward({args.context}) {hf['forward_s'] * 1000:.0f} ms | decode 1 stream "

@@ -12,6 +12,7 @@ With the prefix cache off the tree is still there, empty: the facade never commi
 from __future__ import annotations
 
 import functools
+from typing import TYPE_CHECKING
 
 from kvstrata.cache.config import CacheConfig
 from kvstrata.cache.device_tier import DeviceTier
@@ -21,14 +22,19 @@ from kvstrata.memory.allocator import PageAllocator
 from kvstrata.memory.device_pool import DeviceKVPool
 from kvstrata.memory.req_slots import ReqSlotTable
 
+if TYPE_CHECKING:
+    from kvstrata.cache.cache_controller import CopyJournal
 
-def build_kv_cache(config: CacheConfig, pool: DeviceKVPool, model_id: str, context_len: int) -> KVCacheManager:
+
+def build_kv_cache(config: CacheConfig, pool: DeviceKVPool, model_id: str, context_len: int,
+                   copy_journal: CopyJournal | None = None) -> KVCacheManager:
     """The cache facade over `pool` that `config` asks for; `model_id` (the model path) names its L3 and
-    snapshot namespaces; requests hold up to `context_len` tokens."""
+    snapshot namespaces; requests hold up to `context_len` tokens. `copy_journal`: told every device <-> host
+    copy as it is submitted (tensor parallelism: the other ranks repeat them on their shards)."""
     allocator = PageAllocator(pool.num_pages, config.page_size)
     slot_table = ReqSlotTable(config.request_rows, context_len + config.page_size, device=pool.device)
     tree = RadixTree(config.page_size, eviction_policy=config.eviction_policy)
-    host = _host_tier(config, tree, pool, model_id) if config.host_tier else None
+    host = _host_tier(config, tree, pool, model_id, copy_journal) if config.host_tier else None
     snapshot = None
     if host is not None and config.snapshot_path:
         from kvstrata.cache.host_snapshot import HostSnapshot
@@ -57,7 +63,8 @@ def _block_events(config: CacheConfig, pool: DeviceKVPool, model_id: str, host: 
                        config.page_size, media)
 
 
-def _host_tier(config: CacheConfig, tree: RadixTree, pool: DeviceKVPool, model_id: str):
+def _host_tier(config: CacheConfig, tree: RadixTree, pool: DeviceKVPool, model_id: str,
+               copy_journal: CopyJournal | None):
     from kvstrata.cache.cache_controller import CacheController
     from kvstrata.cache.host_tier import HostTier
     from kvstrata.cache.write_policy import write_policy
@@ -66,7 +73,8 @@ def _host_tier(config: CacheConfig, tree: RadixTree, pool: DeviceKVPool, model_i
     host_pages = HostKVPool.size_pages(pool, config.host_ratio, config.host_size_gb)
     host_pool = HostKVPool(pool, host_pages, layout=config.host_layout)
     storage = _storage_builder(config, tree, host_pool, pool, model_id) if config.storage_backend else None
-    return HostTier(tree, host_pool, CacheController(pool, host_pool), write_policy(config.write_policy), storage)
+    controller = CacheController(pool, host_pool, journal=copy_journal)
+    return HostTier(tree, host_pool, controller, write_policy(config.write_policy), storage)
 
 
 def _storage_builder(config: CacheConfig, tree: RadixTree, host_pool, pool: DeviceKVPool, model_id: str):

@@ -40,6 +40,9 @@ from kvstrata.threads import run_ops_on_this_thread_only
 logger = logging.getLogger(__name__)
 
 BACKUP, LOAD_BACK = "backup", "load_back"
+# Called with (kind, device pages, host pages) as each copy is submitted, on the submitting thread: how other
+# tensor-parallel ranks learn the copies rank 0's cache decided, in decision order (runtime/forward_plan.py).
+CopyJournal = Callable[[str, torch.Tensor, torch.Tensor], None]
 
 
 class CopyError(RuntimeError):
@@ -135,11 +138,13 @@ class _Traffic:
 class CacheController:
     """Runs device<->host copies asynchronously and reports completions; applies no policy."""
 
-    def __init__(self, device_pool: DeviceKVPool, host_pool: HostKVPool, num_workers: int = 1):
+    def __init__(self, device_pool: DeviceKVPool, host_pool: HostKVPool, num_workers: int = 1,
+                 journal: CopyJournal | None = None):
         if num_workers < 1:
             raise ValueError(f"num_workers must be >= 1, got {num_workers}")
         self.device_pool = device_pool
         self.host_pool = host_pool
+        self._journal = journal
         self._cuda_device = device_pool.device if device_pool.device.type == "cuda" else None
         self._lock = threading.Lock()
         self._changed = threading.Condition(self._lock)
@@ -184,6 +189,8 @@ class CacheController:
         return handle
 
     def _submit(self, op: CopyOp, handle: LayerLoadHandle | None) -> None:
+        if self._journal is not None:
+            self._journal(op.kind, op.device_pages, op.host_pages)
         ready = None
         if self._cuda_device is not None:
             ready = torch.cuda.Event()

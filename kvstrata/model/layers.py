@@ -239,11 +239,12 @@ class SiluAndMul(nn.Module):
 class GatedMLP(nn.Module):
     """down(silu(gate(x)) * up(x)), with gate and up fused in one `[2 * inter, hidden]` matmul."""
 
-    def __init__(self, hidden_size: int, intermediate_size: int):
+    def __init__(self, hidden_size: int, intermediate_size: int, down_proj: Optional[Linear] = None):
+        """`down_proj`: a row-parallel one under tensor parallelism (`intermediate_size` is then this rank's)."""
         super().__init__()
         self.intermediate_size = intermediate_size
         self.gate_up_proj = Linear(hidden_size, 2 * intermediate_size, bias=False)
-        self.down_proj = Linear(intermediate_size, hidden_size, bias=False)
+        self.down_proj = down_proj or Linear(intermediate_size, hidden_size, bias=False)
         self.act = SiluAndMul(intermediate_size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

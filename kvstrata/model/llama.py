@@ -17,22 +17,24 @@ from kvstrata.model.config import ModelConfig
 from kvstrata.model.forward_meta import ForwardMetadata
 from kvstrata.model.layers import GatedMLP, Linear, RMSNorm, upcasts_on_cpu
 from kvstrata.model.moe import SparseMoeBlock
+from kvstrata.model.parallel import ShardLayout, TensorParallel, embedding, gather_logits, row_parallel_linear
 from kvstrata.model.rope import RotaryEmbedding, Rotation, apply_rotary
 
 
 class LlamaAttention(nn.Module):
     """Self-attention of one layer: fused qkv projection, optional q/k norm, RoPE, paged attention."""
 
-    def __init__(self, config: ModelConfig, layer_id: int):
+    def __init__(self, config: ModelConfig, layer_id: int, layout: ShardLayout, tp: TensorParallel | None):
         super().__init__()
         self.layer_id = layer_id
-        self.num_heads = config.num_heads
-        self.num_kv_heads = config.num_kv_heads
+        self.num_heads = layout.q_heads         # this rank's heads (all of them without tensor parallelism)
+        self.num_kv_heads = layout.kv_heads
         self.head_dim = config.head_dim
-        self.q_size = config.num_heads * config.head_dim
-        self.kv_size = config.num_kv_heads * config.head_dim
+        self.q_size = self.num_heads * config.head_dim
+        self.kv_size = self.num_kv_heads * config.head_dim
         self.qkv_proj = Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.attention_bias)
-        self.o_proj = Linear(self.q_size, config.hidden_size, bias=config.o_proj_bias)
+        self.o_proj = row_parallel_linear(config.num_heads * config.head_dim, config.hidden_size,
+                                          config.o_proj_bias, tp)
         self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps) if config.qk_norm else None
         self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps) if config.qk_norm else None
 
@@ -59,15 +61,16 @@ class LlamaAttention(nn.Module):
 class LlamaDecoderLayer(nn.Module):
     """Pre-norm decoder block; carries the residual stream separately so norms read the summed input."""
 
-    def __init__(self, config: ModelConfig, layer_id: int):
+    def __init__(self, config: ModelConfig, layer_id: int, layout: ShardLayout, tp: TensorParallel | None):
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = LlamaAttention(config, layer_id)
+        self.self_attn = LlamaAttention(config, layer_id, layout, tp)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         if config.is_sparse_layer(layer_id):
-            self.mlp = SparseMoeBlock(config.hidden_size, config.moe)
+            self.mlp = SparseMoeBlock(config.hidden_size, config.moe, layout, tp)
         else:
-            self.mlp = GatedMLP(config.hidden_size, config.intermediate_size)
+            self.mlp = GatedMLP(config.hidden_size, layout.intermediate,
+                                down_proj=row_parallel_linear(config.intermediate_size, config.hidden_size, False, tp))
 
     def forward(self, hidden: torch.Tensor, residual: torch.Tensor | None, rotation: Rotation,
                 meta: ForwardMetadata, kv_pool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -81,23 +84,30 @@ class LlamaDecoderLayer(nn.Module):
 class LlamaModel(nn.Module):
     """Embedding, decoder layers and final norm (HF's `model.*` tensors)."""
 
-    def __init__(self, config: ModelConfig):
+    def __init__(self, config: ModelConfig, layout: ShardLayout, tp: TensorParallel | None):
         super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(config, i) for i in range(config.num_layers))
+        self.embed_tokens = embedding(layout, tp)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(config, i, layout, tp) for i in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
 
 class LlamaForCausalLM(nn.Module):
-    """Llama-family causal LM; `forward` returns float32 logits for the rows the caller asks for."""
+    """Llama-family causal LM; `forward` returns float32 logits for the rows the caller asks for.
 
-    def __init__(self, config: ModelConfig):
+    `tp`: this process's rank of a tensor-parallel group (model/parallel.py): the model holds the rank's
+    shard of every weight (`layout`), and `forward` still returns the full logits on every rank.
+    """
+
+    def __init__(self, config: ModelConfig, tp: TensorParallel | None = None):
         super().__init__()
         self.config = config
-        self.model = LlamaModel(config)
+        self.tp = tp
+        self.layout = ShardLayout.of(config, tp)
+        self.model = LlamaModel(config, self.layout, tp)
         # A bf16 lm_head left in bf16 (tied; see optimize_layout): converting the whole vocabulary matrix
         # to float32 only pays for many rows (prompt logprobs).
-        self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False, upcast_min_rows=64)
+        vocab_rows = self.layout.vocab_rows if self.layout.size > 1 else config.vocab_size
+        self.lm_head = Linear(config.hidden_size, vocab_rows, bias=False, upcast_min_rows=64)
         self.rotary = RotaryEmbedding(config.head_dim, config.rope_theta, config.rope_scaling,
                                       config.max_position_embeddings)
 
@@ -141,7 +151,7 @@ class LlamaForCausalLM(nn.Module):
         # Only the requested rows go through the final norm and lm_head (prefill needs the last one).
         rows = meta.logits_indices
         hidden, _ = self.model.norm.add_norm(hidden[rows], residual[rows])
-        return self.lm_head(hidden).float()
+        return gather_logits(self.lm_head(hidden).float(), self.layout, self.tp)
 
     def checkpoint_targets(self) -> dict[str, tuple]:
         """Hugging Face tensor name -> (parameter name, first row, end row[, expert]) it fills.
@@ -149,8 +159,8 @@ class LlamaForCausalLM(nn.Module):
         Fused parameters are filled by several checkpoint tensors, each a row range (of one expert's slice
         for the stacked expert weights). lm_head is listed even when tied; the loader decides whether to tie.
         """
-        c = self.config
-        q, kv, inter = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim, c.intermediate_size
+        c, layout = self.config, self.layout
+        q, kv, inter = layout.q_heads * c.head_dim, layout.kv_heads * c.head_dim, layout.intermediate
         targets: dict[str, tuple[str, int, int]] = {}
         for name, param in self.named_parameters(remove_duplicate=False):
             targets[name] = (name, 0, param.shape[0])

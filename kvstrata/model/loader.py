@@ -18,6 +18,7 @@ from safetensors import safe_open
 from kvstrata.model.config import ModelConfig, ModelLoadError
 from kvstrata.model.llama import LlamaForCausalLM
 from kvstrata.model.moe import bind_experts
+from kvstrata.model.parallel import TensorParallel
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -27,15 +28,16 @@ _IGNORED_SUFFIXES = ("rotary_emb.inv_freq", "rotary_emb.cos_cached", "rotary_emb
 
 
 def load_model(path: str, config: ModelConfig, dtype: torch.dtype, device: torch.device,
-               relayout: bool = True) -> torch.nn.Module:
+               relayout: bool = True, tp: TensorParallel | None = None) -> torch.nn.Module:
     """Build the model for `config` and fill it from the safetensors files in `path`.
 
     `relayout`: end with `optimize_layout()` (a caller that first sets the layer kernels calls it itself).
+    `tp`: a tensor-parallel rank: each tensor is cut to the rank's shard (`model.layout.shard`) as it is read.
     """
     device = torch.device(device)
     files = checkpoint_files(path)
     with torch.device("meta"):
-        model = LlamaForCausalLM(config)
+        model = LlamaForCausalLM(config, tp)
     model = model.to(dtype=dtype).to_empty(device=device)
     targets = model.checkpoint_targets()
     params = dict(model.named_parameters(remove_duplicate=False))
@@ -43,13 +45,13 @@ def load_model(path: str, config: ModelConfig, dtype: torch.dtype, device: torch
     for file, name, read in _checkpoint_tensors(path, files):
         if name == LM_HEAD and config.tie_word_embeddings:
             continue  # tied: lm_head is the embedding matrix whatever the file says
-        if name.endswith(_IGNORED_SUFFIXES):
-            continue
+        if name.endswith(_IGNORED_SUFFIXES) or not model.layout.holds(name):
+            continue     # not needed, or another tensor-parallel rank's expert
         target = targets.get(name)
         if target is None:
             raise ModelLoadError(f"{file}: unexpected tensor {name!r} for {config.architecture} "
                                  f"(is the config consistent with the weights?)")
-        _copy_into(params, name, target, read(), file)
+        _copy_into(params, name, target, model.layout.shard(name, read()), file)
         filled.add(name)
     if config.tie_word_embeddings or LM_HEAD not in filled:
         model.tie_embeddings()
@@ -69,12 +71,16 @@ DUMMY_STD = 0.02     # transformers' usual initializer_range: activations stay f
 
 
 def load_dummy_model(config: ModelConfig, dtype: torch.dtype, device: torch.device,
-                     relayout: bool = True, seed: int = DUMMY_SEED) -> torch.nn.Module:
+                     relayout: bool = True, seed: int = DUMMY_SEED,
+                     tp: TensorParallel | None = None) -> torch.nn.Module:
     """The model for `config` with deterministic random weights (`--load-format dummy`): no weight files.
 
     Norm weights are ones, everything else uniform with std DUMMY_STD, drawn parameter by parameter in
-    declaration order from one CPU generator seeded with `seed` (the same weights on every run).
+    declaration order from one CPU generator seeded with `seed` (the same weights on every run). A
+    tensor-parallel rank (`tp`) holds its shard of the same weights.
     """
+    if tp is not None and tp.size > 1:
+        return _shard_of_dummy(config, dtype, device, relayout, seed, tp)
     device = torch.device(device)
     with torch.device("meta"):
         model = LlamaForCausalLM(config)
@@ -151,3 +157,28 @@ def _copy_into(params: dict[str, torch.nn.Parameter], name: str, target: tuple,
         raise ModelLoadError(f"{file}: tensor {name!r} has shape {tuple(tensor.shape)}, "
                              f"expected {tuple(dest.shape)}")
     dest.copy_(tensor)
+
+
+def _shard_of_dummy(config: ModelConfig, dtype: torch.dtype, device: torch.device, relayout: bool, seed: int,
+                    tp: TensorParallel) -> torch.nn.Module:
+    """A rank's shard of the one-rank dummy model: that model is drawn whole on CPU, then read back tensor by
+    tensor under its checkpoint names and cut like a checkpoint (so every TP size serves the same weights)."""
+    whole = load_dummy_model(config, dtype, torch.device("cpu"), relayout=False, seed=seed)
+    whole_params = dict(whole.named_parameters(remove_duplicate=False))
+    with torch.device("meta"):
+        model = LlamaForCausalLM(config, tp)
+    model = model.to(dtype=dtype).to_empty(device=torch.device(device))
+    targets = model.checkpoint_targets()
+    params = dict(model.named_parameters(remove_duplicate=False))
+    for name, (param_name, start, end, *expert) in whole.checkpoint_targets().items():
+        if (name == LM_HEAD and config.tie_word_embeddings) or not model.layout.holds(name):
+            continue
+        tensor = whole_params[param_name].data
+        tensor = (tensor[expert[0]] if expert else tensor)[start:end]
+        _copy_into(params, name, targets[name], model.layout.shard(name, tensor), "dummy weights")
+    if config.tie_word_embeddings:
+        model.tie_embeddings()
+    bind_experts(model)
+    if relayout:
+        model.optimize_layout()
+    return model.eval()

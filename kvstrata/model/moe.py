@@ -33,6 +33,7 @@ from kvstrata.model.layers import GatedMLP, Linear, SiluAndMul, use_decode_linea
 
 if TYPE_CHECKING:
     from kvstrata.model.paged_kernels import DecodeLinear
+    from kvstrata.model.parallel import ShardLayout, TensorParallel
 
 
 def route(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -58,11 +59,21 @@ def combine_ranks(expert_out: torch.Tensor, weights: torch.Tensor) -> torch.Tens
 
 
 class FusedExperts(nn.Module):
-    """E routed SiLU-gated experts over stacked weights; `forward(x, weights, ids)` runs only the active ones."""
+    """E routed SiLU-gated experts over stacked weights; `forward(x, weights, ids)` runs only the active ones.
 
-    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int):
+    Expert parallelism (`tp` given, --ep-size): this rank holds experts [first_expert, first_expert +
+    num_experts) of `total_experts`, computes the (token, k) rows routed to them exactly as one rank holding
+    every expert would, leaves the others zero, and an all-reduce fills each row from the one rank that
+    computed it (adding zeros: exact); every rank then combines the full rows as one rank would.
+    """
+
+    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int,
+                 first_expert: int = 0, total_experts: Optional[int] = None, tp: Optional[TensorParallel] = None):
         super().__init__()
         self.num_experts = num_experts
+        self.first_expert = first_expert
+        self.total_experts = total_experts or num_experts
+        self.tp = tp
         self.intermediate_size = intermediate_size
         self.hidden_size = hidden_size
         self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size, hidden_size))
@@ -100,6 +111,11 @@ class FusedExperts(nn.Module):
         """`x` `[T, H]` through each row's experts `ids` `[T, k]`, weighted by `weights` `[T, k]` -> `[T, H]`."""
         tokens, top_k = ids.shape
         kernel = self.combine if x.device.type == "cpu" and x.dtype in (torch.bfloat16, torch.float32) else None
+        if self.tp is not None:
+            ranked = self._ranked_rows(x, ids)
+            if kernel is not None:
+                return kernel(ranked, torch.arange(tokens * top_k).view(tokens, top_k), weights)
+            return combine_ranks(ranked.view(tokens, top_k, -1), weights)
         if tokens == 1:   # a lone decode row: its k experts in rank order, no grouping to do
             rows = torch.stack([self.expert_mlp(e, x)[0] for e in ids[0].tolist()])
             if kernel is not None:
@@ -128,15 +144,41 @@ class FusedExperts(nn.Module):
         return acc.to(x.dtype)
 
 
+    def _ranked_rows(self, x: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """Expert parallelism: every (token, k) pair's expert output `[T * k, H]`, in (token, k) order, after
+        the all-reduce. The same groups and products as one rank with every expert (the lone-row path too:
+        each of its experts gets one row)."""
+        top_k = ids.shape[1]
+        flat = ids.reshape(-1)
+        order = torch.argsort(flat, stable=True)
+        counts = torch.bincount(flat, minlength=self.total_experts).tolist()
+        rows = x.index_select(0, order // top_k)
+        out = torch.zeros_like(rows)
+        start = 0
+        for expert, count in enumerate(counts):
+            local = expert - self.first_expert
+            if count and 0 <= local < self.num_experts:
+                out[start:start + count] = self.expert_mlp(local, rows[start:start + count])
+            start += count
+        ranked = torch.empty_like(out).index_copy_(0, order, out)
+        return self.tp.all_reduce(ranked)
+
+
 class SparseMoeBlock(nn.Module):
     """Router + fused experts (+ Qwen2-MoE's shared expert behind a sigmoid gate); replaces a layer's MLP."""
 
-    def __init__(self, hidden_size: int, moe: MoeConfig):
+    def __init__(self, hidden_size: int, moe: MoeConfig, layout: Optional[ShardLayout] = None,
+                 tp: Optional[TensorParallel] = None):
+        """`layout`, `tp`: this rank's experts under expert parallelism (model/parallel.py); all of them without."""
         super().__init__()
         self.top_k = moe.top_k
         self.norm_topk_prob = moe.norm_topk_prob
         self.gate = Linear(hidden_size, moe.num_experts, bias=False)   # the router
-        self.experts = FusedExperts(moe.num_experts, hidden_size, moe.expert_intermediate_size)
+        if layout is not None and layout.size > 1:
+            self.experts = FusedExperts(layout.experts, hidden_size, moe.expert_intermediate_size,
+                                        layout.first_expert, moe.num_experts, tp)
+        else:
+            self.experts = FusedExperts(moe.num_experts, hidden_size, moe.expert_intermediate_size)
         shared = moe.shared_expert_intermediate_size
         self.shared_expert = GatedMLP(hidden_size, shared) if shared else None
         self.shared_expert_gate = Linear(hidden_size, 1, bias=False) if shared else None
@@ -157,8 +199,8 @@ class SparseMoeBlock(nn.Module):
         gate_up, down = f"{ours}.experts.gate_up_proj", f"{ours}.experts.down_proj"
         hidden = self.experts.hidden_size
         targets: dict[str, tuple] = {f"{theirs}.gate.weight": (f"{ours}.gate.weight", 0, self.gate.out_features)}
-        for e in range(self.experts.num_experts):
-            expert = f"{theirs}.experts.{e}"
+        for e in range(self.experts.num_experts):    # this rank's experts (all without expert parallelism)
+            expert = f"{theirs}.experts.{self.experts.first_expert + e}"
             targets[f"{expert}.{names[0]}.weight"] = (gate_up, 0, inter, e)
             targets[f"{expert}.{names[1]}.weight"] = (gate_up, inter, 2 * inter, e)
             targets[f"{expert}.{names[2]}.weight"] = (down, 0, hidden, e)

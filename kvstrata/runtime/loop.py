@@ -76,7 +76,7 @@ class SchedulerLoop:
         if s.has_work():
             outputs.extend(s.step())
         else:
-            s.cache.begin_step()     # idle: still apply finished copies (frees locks, queues L3 backups)
+            s.idle()
         if outputs:
             self.send(BatchOutput(outputs))
 

@@ -6,6 +6,7 @@ It knows pools and slots, not the radix tree: the scheduler has already placed e
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Callable
 from typing import Optional
 
@@ -40,8 +41,18 @@ from kvstrata.model.paged_kernels import (
     rope_op,
     silu_and_mul_op,
 )
+from kvstrata.model.parallel import TensorParallel
 from kvstrata.model.rope import use_rope_kernel
 from kvstrata.runtime.batch import ScheduledBatch, StepResult
+from kvstrata.runtime.forward_plan import (
+    CopyKind,
+    ForwardPlan,
+    PageCopy,
+    PlanKind,
+    PlanLedger,
+    gather_ledgers,
+    receive_plan,
+)
 from kvstrata.runtime.sampler import Sampler
 
 logger = logging.getLogger(__name__)
@@ -53,9 +64,16 @@ CUDA_MEM_FRACTION = 0.85
 
 
 class ModelRunner:
-    """Owns the model weights and the L1 pool; runs forwards."""
+    """Owns the model weights and the L1 pool; runs forwards.
 
-    def __init__(self, args: ServerArgs):
+    Under tensor parallelism (--tp-size > 1) each rank has its own runner over its shard of the weights and
+    of the pool (its KV heads). Rank 0's (`tp` None: it starts the group, runtime/ranks.py) sends every
+    forward's plan to the others before running it; theirs (`tp` given) run `follow()`.
+    """
+
+    def __init__(self, args: ServerArgs, tp: Optional[TensorParallel] = None):
+        from kvstrata.runtime.ranks import RankGroup
+
         self.args = args
         self.device = torch.device(args.device)
         self.dtype = DTYPES[args.dtype]
@@ -63,18 +81,32 @@ class ModelRunner:
             torch.set_num_threads(args.num_threads)
         if self.device.type == "cuda":
             torch.cuda.set_device(args.base_gpu_id)   # "cuda" below then means cuda:base_gpu_id
+        self.ranks = RankGroup.start(args) if args.tp_size > 1 and tp is None else None   # rank 0's followers
+        self.tp = tp or (self.ranks.tp if self.ranks is not None else None)
+        try:
+            self._load(args)
+        except BaseException:
+            self.close()
+            raise
+
+    def _load(self, args: ServerArgs) -> None:
         self.model_path = resolve_model_path(args.model_path)
         self.config = ModelConfig.from_path(self.model_path)
         if args.load_format == "dummy":
-            self.model = load_dummy_model(self.config, self.dtype, self.device, relayout=False)
+            self.model = load_dummy_model(self.config, self.dtype, self.device, relayout=False, tp=self.tp)
         else:
-            self.model = load_model(self.model_path, self.config, self.dtype, self.device, relayout=False)
+            self.model = load_model(self.model_path, self.config, self.dtype, self.device, relayout=False, tp=self.tp)
         if args.enable_deterministic_inference:
             make_batch_invariant(self.model)
         self.context_len = args.context_length or self.config.max_position_embeddings
         self.vocab_size = self.config.vocab_size
         num_pages = self._pool_pages()
-        self.pool = DeviceKVPool(num_pages, args.page_size, self.config.num_layers, self.config.num_kv_heads,
+        if self.tp is not None:     # rank 0 allocates slots for every rank: all pools have its size
+            num_pages = self.tp.all_min([num_pages])[0]
+            self.tp.check_agree("--dtype, --page-size, --enable-deterministic-inference, --disable-cpu-kernels",
+                                [list(DTYPES).index(args.dtype), args.page_size,
+                                 int(args.enable_deterministic_inference), int(args.disable_cpu_kernels)])
+        self.pool = DeviceKVPool(num_pages, args.page_size, self.config.num_layers, self.model.layout.kv_heads,
                                  self.config.head_dim, self.dtype, self.device)
         self.sampler = Sampler(self.vocab_size, args.random_seed or 0, self.device, self._argmax_kernel())
         self.paged_kernel = self._paged_kernel()
@@ -143,7 +175,7 @@ class ModelRunner:
 
     def _pool_pages(self) -> int:
         a, c = self.args, self.config
-        per_token = DeviceKVPool.bytes_per_token_for(c.num_layers, c.num_kv_heads, c.head_dim, self.dtype)
+        per_token = DeviceKVPool.bytes_per_token_for(c.num_layers, self.model.layout.kv_heads, c.head_dim, self.dtype)
         if a.max_total_tokens:
             tokens = a.max_total_tokens
         elif self.device.type == "cuda":
@@ -165,7 +197,7 @@ class ModelRunner:
     def forward(self, batch: ScheduledBatch, slot_table: ReqSlotTable) -> StepResult:
         """Run one forward over the batch and sample the sequences whose fill completes."""
         ids: list[int] = []
-        kv_slots, out_slots, extend_lens, prefix_lens = [], [], [], []
+        kv_slots, extend_lens, prefix_lens = [], [], []
         logit_rows: list[int] = []
         prompt_spans: list[tuple[int, int, int]] = []   # (entry index, first logits row, count)
         sample_entries: list[int] = []
@@ -175,7 +207,6 @@ class ModelRunner:
             req = e.req
             ids.extend(_tokens(req, e.start, e.end))
             kv_slots.append(table[req.row, : e.end])
-            out_slots.append(table[req.row, e.start: e.end])
             extend_lens.append(e.extend_len)
             prefix_lens.append(e.start)
             if e.logprob_hi > e.logprob_lo:
@@ -185,15 +216,11 @@ class ModelRunner:
                 sample_entries.append(i)
                 logit_rows.append(offset + e.extend_len - 1)
             offset += e.extend_len
-        dev = self.device
-        positions = torch.cat([torch.arange(p, p + n) for p, n in zip(prefix_lens, extend_lens)])
-        meta = ForwardMetadata(
-            extend_lens=extend_lens, prefix_lens=prefix_lens, kv_slots=kv_slots,
-            out_slots=torch.cat(out_slots), logits_indices=torch.tensor(logit_rows, dtype=torch.long, device=dev),
-            layer_wait=batch.layer_wait, batch_invariant=self.args.enable_deterministic_inference,
-            paged_kernel=self.paged_kernel, extend_kernel=self.extend_kernel)
-        logits = self.model(torch.tensor(ids, dtype=torch.long, device=dev), positions.to(dev), meta, self.pool)
-        logits = logits.float()
+        plan = ForwardPlan(torch.tensor(ids, dtype=torch.long), extend_lens, prefix_lens, kv_slots,
+                           torch.tensor(logit_rows, dtype=torch.long))
+        if self.ranks is not None:
+            self.ranks.send(PlanKind.FORWARD, plan)
+        logits = self._run(plan, batch.layer_wait)
         prompt_rows = {i: torch.log_softmax(logits[r0:r0 + n], dim=-1).cpu() for i, r0, n in prompt_spans}
         if not sample_entries:
             return StepResult([], None, None, prompt_rows)
@@ -205,6 +232,71 @@ class ModelRunner:
         out = self.sampler.sample(logits[first:], reqs, masks, mask_rows, apply_mask)
         return StepResult(out.token_ids, out.logprobs, out.top_logprobs, prompt_rows)
 
+    def _run(self, plan: ForwardPlan, layer_wait: Optional[Callable[[int], None]] = None) -> torch.Tensor:
+        """The float32 logits of the plan's rows: one forward over this rank's weights and pool."""
+        dev = self.device
+        positions = torch.cat([torch.arange(p, p + n) for p, n in zip(plan.prefix_lens, plan.extend_lens)])
+        out_slots = torch.cat([s[p:] for s, p in zip(plan.kv_slots, plan.prefix_lens)]).to(dev)
+        meta = ForwardMetadata(
+            extend_lens=plan.extend_lens, prefix_lens=plan.prefix_lens, kv_slots=[s.to(dev) for s in plan.kv_slots],
+            out_slots=out_slots, logits_indices=plan.logits_rows.to(dev),
+            layer_wait=layer_wait, batch_invariant=self.args.enable_deterministic_inference,
+            paged_kernel=self.paged_kernel, extend_kernel=self.extend_kernel)
+        return self.model(plan.ids.to(dev), positions.to(dev), meta, self.pool).float()
+
+    def follow(self) -> None:
+        """Ranks > 0: run rank 0's plans until it sends STOP (RankFailure if the group breaks): its page copies
+        between this rank's device pool and its host pool (the host tier's shard, sized as rank 0's), then
+        its forward."""
+        host_pool = None
+        if self.args.enable_hierarchical_cache:
+            from kvstrata.memory.host_pool import HostKVPool
+
+            a = self.args
+            host_pool = HostKVPool(self.pool, HostKVPool.size_pages(self.pool, a.hicache_ratio, a.hicache_size),
+                                   layout=a.hicache_mem_layout)
+        ledger = PlanLedger()
+        while True:
+            kind, plan = receive_plan(self.tp, ledger)
+            if kind == PlanKind.STOP:
+                return
+            if kind == PlanKind.REPORT:
+                gather_ledgers(self.tp, ledger)
+                continue
+            for copy in plan.copies:
+                _apply_copy(copy, host_pool, self.device)
+            if kind == PlanKind.FORWARD:
+                self._run(plan)
+            elif kind == PlanKind.IDLE:
+                self.tp.all_min([1])     # the round trip that tells rank 0 this rank is alive
+
+    @property
+    def copy_journal(self) -> Optional[Callable[[str, torch.Tensor, torch.Tensor], None]]:
+        """Rank 0 under tensor parallelism: what its cache tells each device <-> host copy (sent with the next plan)."""
+        return self.ranks.record_copy if self.ranks is not None else None
+
+    def idle(self) -> None:
+        """Called by the scheduler loop while it has nothing to run: keeps the other ranks' collectives alive."""
+        if self.ranks is not None:
+            self.ranks.beat()
+
+    def parallel_state(self) -> dict:
+        """Tensor parallelism for /server_info: size, this node's rank pids (rank order), rank 0's time in
+        collectives, and what every rank has executed (`tp_ranks`; `tp_ranks_agree`: all equal)."""
+        if self.ranks is None:
+            return {"tp_size": 1}
+        tp = self.ranks.tp
+        ranks = self.ranks.report()
+        return {"tp_size": tp.size, "tp_rank_pids": [os.getpid(), *(p.pid for p in self.ranks.procs.values())],
+                "tp_comm_s": tp.comm_s, "tp_comm_calls": tp.comm_calls, "tp_ranks": ranks,
+                "tp_ranks_agree": all(r == ranks[0] for r in ranks)}
+
+    def close(self) -> None:
+        """Stop the other ranks (rank 0; nothing to do otherwise)."""
+        if self.ranks is not None:
+            ranks, self.ranks = self.ranks, None
+            ranks.close()
+
     def _grammar_masks(self, reqs) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
         rows = [k for k, r in enumerate(reqs) if r.grammar is not None]
         if not rows or self.grammar_backend is None:
@@ -213,6 +305,17 @@ class ModelRunner:
         for k in rows:
             reqs[k].grammar.fill_bitmask(mask, k)
         return mask, torch.tensor(rows, dtype=torch.long)
+
+
+def _apply_copy(copy: PageCopy, host_pool, device: torch.device) -> None:
+    """Repeat one of rank 0's page copies on this rank's pools (synchronously: before the plan's forward)."""
+    if host_pool is None:
+        raise RuntimeError("rank 0 sent a page copy but this rank has no host pool")
+    device_pages = copy.device_pages.to(device)
+    if copy.kind == CopyKind.BACKUP:
+        host_pool.backup_from_device(device_pages, copy.host_pages)
+    else:
+        host_pool.load_to_device(copy.host_pages, device_pages)
 
 
 def _tokens(req, start: int, end: int) -> list[int]:

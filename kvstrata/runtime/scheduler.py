@@ -19,6 +19,7 @@ import torch
 from kvstrata.args import ServerArgs
 from kvstrata.cache.build import build_kv_cache
 from kvstrata.model.builtin import resolve_model_path
+from kvstrata.model.parallel import RankFailure
 from kvstrata.model.tokenizer import load_tokenizer
 from kvstrata.runtime.batch import BatchEntry, ScheduledBatch, StepResult
 from kvstrata.runtime.handoff import Handoff, HandoffFactory
@@ -48,7 +49,8 @@ class Scheduler:
         self.runner = runner or ModelRunner(args)
         self.page_size = args.page_size
         self.context_len = self.runner.context_len
-        self.cache = build_kv_cache(args.cache_config(), self.runner.pool, self.runner.model_path, self.context_len)
+        self.cache = build_kv_cache(args.cache_config(), self.runner.pool, self.runner.model_path, self.context_len,
+                                    copy_journal=self.runner.copy_journal)
         self.kv_events = self._kv_event_publisher()   # --kv-events-config (None: off)
         # The scheduler process's tokenizer: stop strings, grammars, and the fingerprint the HTTP process checks.
         self.tokenizer = load_tokenizer(resolve_model_path(args.tokenizer_path))
@@ -193,11 +195,18 @@ class Scheduler:
             cpu_start = time.thread_time()
             outputs.extend(self._process(batch, result))
             self.scheduler_cpu_s += time.thread_time() - cpu_start
+        except RankFailure:     # the tensor-parallel group is broken: no later step can run
+            raise
         except Exception as e:  # one bad batch (a bug, an odd shape, out of memory) must not end the server
             outputs.extend(self._fail_batch(batch, e))
         self.cache.flush_events()
         self.step_count += 1
         return outputs
+
+    def idle(self) -> None:
+        """What the loop does when there is no work: apply finished copies, keep the other ranks alive."""
+        self.cache.begin_step()     # frees locks, queues L3 backups
+        self.runner.idle()
 
     def _fail_batch(self, batch: ScheduledBatch, exc: Exception) -> list[ReqOutput]:
         """End the requests of a batch whose step raised: error outputs, KV freed without caching it."""
@@ -539,7 +548,7 @@ class Scheduler:
         return out
 
     def close(self) -> None:
-        """Release background resources (copy workers, grammar compile threads)."""
+        """Release background resources (copy workers, grammar compile threads, the other TP ranks)."""
         self.cache.close()
         if self.kv_events is not None:
             self.cache.flush_events()      # the last copies' residency, then the stream ends
@@ -548,6 +557,7 @@ class Scheduler:
             self.handoff.close()
         if self._grammar is not None:
             self._grammar.close()
+        self.runner.close()
 
     # ------------------------------------------------------------------ introspection
     def check_integrity(self) -> None:
@@ -567,6 +577,7 @@ class Scheduler:
         if self.kv_events is not None:
             state["kv_events"] = self.kv_events.metrics()
         state["scheduler_cpu_s"] = self.scheduler_cpu_s
+        state.update(self.runner.parallel_state())
         if not full:
             return state
         if self.cache.shares_prefixes:

@@ -19,10 +19,12 @@ import zmq
 
 from kvstrata.args import ConfigError, ServerArgs
 from kvstrata.model.light_tokenizer import fingerprint
+from kvstrata.model.parallel import RankFailure
 from kvstrata.runtime.handoff import HandoffFactory
 from kvstrata.runtime.heartbeat import Heartbeat
 from kvstrata.runtime.loop import SchedulerLoop
 from kvstrata.runtime.messages import SchedulerReady
+from kvstrata.runtime.ranks import RANK_FAILED_EXIT_CODE
 
 if TYPE_CHECKING:
     from kvstrata.runtime.scheduler import Scheduler
@@ -81,13 +83,20 @@ def run_scheduler_process(server_args: ServerArgs, recv_addr: str, send_addr: st
 
     loop = SchedulerLoop(scheduler, recv, push.send_pyobj, heartbeat.beat if heartbeat else lambda: None)
     signal.signal(signal.SIGTERM, lambda *_: loop.stop())
+    failure = None
     try:
         loop.run()
+    except RankFailure as e:
+        failure = e
     finally:
         scheduler.close()
         pull.close(linger=0)
         push.close(linger=0)
         ctx.term()
+    if failure is not None:     # exit at once and non-zero: the HTTP process sees it and turns /health 503
+        logger.error("the tensor-parallel group failed: %s; the scheduler stops", failure)
+        logging.shutdown()
+        os._exit(RANK_FAILED_EXIT_CODE)
 
 
 def owner_only(addr: str) -> None:

@@ -50,6 +50,10 @@ def main(argv: Optional[list[str]] = None) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="[%(asctime)s] %(levelname)s %(name)s: %(message)s")
     for note in args.no_effect_notes():
         logger.warning("%s", note)
+    if args.node_rank > 0:     # no HTTP server on this node: its tensor-parallel ranks follow rank 0's plans
+        from kvstrata.runtime.ranks import run_node
+
+        return run_node(args.resolve())
     signal.signal(signal.SIGTERM, _raise_shutdown)
     try:
         return serve(args)
@@ -179,7 +183,8 @@ def spawn_scheduler(args: ServerArgs, recv_addr: str, send_addr: str) -> tuple[A
     reader, writer = ctx.Pipe(duplex=False)
     heartbeat = Heartbeat(ctx)
     proc = ctx.Process(target=_scheduler_main, args=(args, recv_addr, send_addr, writer, os.getpid(), heartbeat),
-                       name="kvstrata-scheduler", daemon=True)
+                       name="kvstrata-scheduler", daemon=False)   # it starts the --tp-size ranks: not a daemon
+    # It still never outlives this process: PR_SET_PDEATHSIG, and stop_scheduler in serve()'s finally.
     proc.start()
     writer.close()
     return proc, reader, heartbeat

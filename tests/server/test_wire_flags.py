@@ -38,11 +38,14 @@ def test_help_lists_every_sglang_flag(capsys):
 
 
 @pytest.mark.parametrize("argv,named", [
-    (["--tp", "2"], "--tp-size 2 cannot be honoured: tensor parallelism"),
-    (["--tensor-parallel-size", "4"], "--tp-size 4"),
+    (["--tp", "2", "--enable-hierarchical-cache", "--hicache-storage-backend", "file"],
+     "--tp-size 2 with --hicache-storage-backend is not implemented yet (L3 objects per rank)"),
+    (["--tensor-parallel-size", "4", "--disaggregation-mode", "prefill"], "--tp-size 4 with --disaggregation-mode"),
+    (["--tp", "3", "--nnodes", "2", "--dist-init-addr", "h:1"], "--tp-size 3 must be a multiple of --nnodes 2"),
     (["--dp", "2"], "--dp-size 2"),
     (["--pp-size", "2"], "--pp-size 2"),
-    (["--nnodes", "2"], "--nnodes 2"),
+    (["--nnodes", "2"], "--nnodes > 1 needs --dist-init-addr"),
+    (["--ep-size", "2"], "--ep-size 2 must be 1 or --tp-size (1)"),
     (["--enable-dp-attention"], "--enable-dp-attention"),
     (["--speculative-algorithm", "EAGLE"], "--speculative-algorithm EAGLE"),
     (["--quantization", "fp8"], "--quantization fp8"),

@@ -1,0 +1,287 @@
+"""Tensor parallelism inside the model: the rank's communicator, its shard of every weight, the parallel layers.
+
+Which rows or columns of each checkpoint tensor a rank holds (`ShardLayout`, `ShardLayout.shard`):
+
+| tensor                          | split                    | after the product                           |
+|---------------------------------|--------------------------|---------------------------------------------|
+| q_proj / k_proj / v_proj (qkv)  | output rows, by head     | none: attention runs on the rank's heads    |
+| gate_proj / up_proj (gate_up)   | output rows              | none                                        |
+| o_proj / down_proj              | input columns (default)  | all-reduce of the partial sums              |
+|                                 | output rows (determ.)    | all-gather of the inputs, then the outputs  |
+| embed_tokens / lm_head          | vocabulary rows (padded) | embedding: all-reduce; logits: all-gather   |
+| norms                           | replicated               |                                             |
+| MoE routed experts (--ep-size)  | whole experts, by id     | all-reduce of each (token, k) output row    |
+| MoE router, shared expert       | replicated               |                                             |
+
+KV heads are split like q heads when there are at least as many as ranks; with fewer, each rank holds the
+one KV head its q heads read (replicated across the ranks that share it).
+
+Deterministic mode (`--enable-deterministic-inference`): an all-reduce of partial sums adds a row's products
+in another order than one rank's GEMM does, so o_proj and down_proj are split by output features instead:
+every rank gathers the full input row, multiplies it by its output rows of the weight (each output feature
+summed over the whole input in one GEMM, as at TP=1: the batch-invariant Linear's products are
+column-invariant, tests/model/test_tensor_parallel.py checks it) and the outputs are gathered in rank
+order. Weight memory stays sharded; the communication is two all-gathers per layer instead of one
+all-reduce.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from kvstrata.model.config import ModelConfig
+from kvstrata.model.layers import Linear
+
+# How long a rank waits for the others to join, and ranks > 0 for rank 0's next plan: rank 0 may spend long
+# between two plans while starting (tokenizer, grammar tables, cache). A hung rank 0 is the HTTP process's
+# watchdog's to kill (the ranks die with it); a hung rank > 0 fails rank 0's next collective.
+JOIN_TIMEOUT_S = 180.0
+
+
+class RankFailure(RuntimeError):
+    """A collective failed: a peer rank died, hung past the timeout, or its socket closed. Fatal to the server."""
+
+
+class TensorParallel:
+    """One rank's view of its tensor-parallel group: rank, size, and the collectives the model runs.
+
+    Every collective is timed (`comm_s`, `comm_calls`: the benchmark's communication cost) and turns a
+    torch.distributed error into RankFailure naming this rank and the operation.
+    """
+
+    def __init__(self, rank: int, size: int, deterministic: bool = False,
+                 group: Optional[dist.ProcessGroup] = None, expert_parallel: bool = False,
+                 plan_group: Optional[dist.ProcessGroup] = None):
+        self.rank, self.size = rank, size
+        self.deterministic = deterministic
+        self.expert_parallel = expert_parallel     # --ep-size = --tp-size: MoE experts split across the ranks
+        self.group = group                         # the model's collectives: --dist-timeout
+        self.plan_group = plan_group or group      # plan broadcasts: JOIN_TIMEOUT_S
+        self.comm_s = 0.0
+        self.comm_calls = 0
+        self.failed = False      # a collective failed: the group is unusable (no STOP plan can be sent)
+
+    @classmethod
+    def init(cls, rank: int, size: int, init_addr: str, backend: str, timeout_s: float,
+             deterministic: bool, expert_parallel: bool = False) -> TensorParallel:
+        """Join the group at `init_addr` (host:port of rank 0's TCP store) as `rank`, waiting up to
+        JOIN_TIMEOUT_S for the others (a process that imports torch on a busy machine takes a while);
+        collectives then time out after `timeout_s`."""
+        try:
+            dist.init_process_group(backend, init_method=f"tcp://{init_addr}", rank=rank, world_size=size,
+                                    timeout=timedelta(seconds=max(timeout_s, JOIN_TIMEOUT_S)))
+            group = dist.new_group(list(range(size)), timeout=timedelta(seconds=timeout_s), backend=backend)
+        except Exception as e:   # a rank that never came up: the store's wait timed out, or the address is wrong
+            raise RankFailure(f"rank {rank}: joining the tensor-parallel group at {init_addr} failed: {e}") from e
+        return cls(rank, size, deterministic, group, expert_parallel, plan_group=dist.group.WORLD)
+
+    def close(self) -> None:
+        """Leave the group (this process can join no other afterwards)."""
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+    def _run(self, what: str, op, *args, group: Optional[dist.ProcessGroup] = None) -> None:
+        start = time.perf_counter()
+        try:
+            op(*args, group=group or self.group)
+        except Exception as e:   # gloo: connection closed / timed out; NCCL: an error or watchdog abort
+            self.failed = True
+            raise RankFailure(f"rank {self.rank}: {what} failed (a peer rank died or timed out): {e}") from e
+        self.comm_s += time.perf_counter() - start
+        self.comm_calls += 1
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        """Sum `x` over the ranks (in place); returns it."""
+        self._run("all-reduce", dist.all_reduce, x)
+        return x
+
+    def all_gather(self, x: torch.Tensor) -> torch.Tensor:
+        """Concatenate every rank's `x` `[T, n]` along the last dimension, in rank order -> `[T, size * n]`."""
+        x = x.contiguous()
+        parts = [torch.empty_like(x) for _ in range(self.size)]
+        self._run("all-gather", dist.all_gather, parts, x)
+        return torch.cat(parts, dim=-1)
+
+    def broadcast(self, x: torch.Tensor, src: int = 0) -> torch.Tensor:
+        """Rank `src`'s `x` on every rank (in place; a plan: waits up to JOIN_TIMEOUT_S); returns it."""
+        self._run("broadcast", dist.broadcast, x, src, group=self.plan_group)
+        return x
+
+    def all_min(self, values: list[int]) -> list[int]:
+        """The element-wise minimum of `values` over the ranks (flags: 1 on every rank, else 0)."""
+        t = torch.tensor(values, dtype=torch.long)
+        self._run("all-reduce (min)", dist.all_reduce, t, dist.ReduceOp.MIN)
+        return t.tolist()
+
+    def check_agree(self, what: str, values: list[int]) -> None:
+        """Raise RankFailure unless every rank passed the same `values` (settings each rank resolved itself)."""
+        if self.all_min(values) != values or self.all_min([-v for v in values]) != [-v for v in values]:
+            raise RankFailure(f"rank {self.rank}: the ranks disagree on {what} (this rank: {values}); set them "
+                              f"explicitly and identically on every node")
+
+
+class ShardError(ValueError):
+    """The model cannot be split `size` ways (a dimension that does not divide)."""
+
+
+@dataclass(frozen=True)
+class ShardLayout:
+    """What rank `rank` of `size` holds of a model: head, feature and vocabulary ranges (see module docstring)."""
+
+    rank: int
+    size: int
+    deterministic: bool
+    q_heads: int          # q heads on this rank, starting at q_head0
+    q_head0: int
+    kv_heads: int         # KV heads on this rank, starting at kv_head0
+    kv_head0: int
+    head_dim: int
+    intermediate: int     # gate/up rows (down columns) on this rank
+    hidden: int           # the model's hidden size
+    vocab: int            # the model's vocabulary
+    vocab_rows: int       # vocabulary rows per rank (the last rank's tail is zero padding)
+    experts: int = 0      # MoE: routed experts on this rank (whole ones), starting at first_expert
+    first_expert: int = 0
+
+    @classmethod
+    def of(cls, config: ModelConfig, tp: Optional[TensorParallel]) -> ShardLayout:
+        """The layout of `config` on `tp`'s rank (everything on one rank when `tp` is None)."""
+        rank, size = (tp.rank, tp.size) if tp is not None else (0, 1)
+        c = config
+        problems = []
+        experts = c.moe.num_experts if c.moe is not None else 0
+        if experts and size > 1 and not tp.expert_parallel:
+            problems.append(f"an MoE model needs --ep-size {size} (its experts split across the ranks)")
+        if experts % size:
+            problems.append(f"{experts} experts")
+        if c.num_heads % size:
+            problems.append(f"{c.num_heads} attention heads")
+        if c.num_kv_heads % size and size % c.num_kv_heads:
+            problems.append(f"{c.num_kv_heads} KV heads (neither divides the other)")
+        if c.intermediate_size % size:
+            problems.append(f"intermediate size {c.intermediate_size}")
+        if c.hidden_size % size:
+            problems.append(f"hidden size {c.hidden_size}")
+        if problems:
+            raise ShardError(f"--tp-size {size} cannot split {c.architecture}: " + "; ".join(problems))
+        kv_heads = max(c.num_kv_heads // size, 1)
+        kv_head0 = rank * c.num_kv_heads // size   # with fewer KV heads than ranks: the one this rank's q heads read
+        return cls(rank=rank, size=size, deterministic=tp is not None and tp.deterministic,
+                   q_heads=c.num_heads // size, q_head0=rank * (c.num_heads // size),
+                   kv_heads=kv_heads, kv_head0=kv_head0, head_dim=c.head_dim,
+                   intermediate=c.intermediate_size // size, hidden=c.hidden_size, vocab=c.vocab_size,
+                   vocab_rows=-(-c.vocab_size // size), experts=experts // size,
+                   first_expert=rank * (experts // size))
+
+    def holds(self, name: str) -> bool:
+        """Whether this rank loads checkpoint tensor `name` at all (not another rank's routed expert)."""
+        parts = name.split(".")
+        if self.size == 1 or "experts" not in parts:
+            return True
+        index = parts.index("experts") + 1
+        if index >= len(parts) or not parts[index].isdigit():
+            return True
+        return self.first_expert <= int(parts[index]) < self.first_expert + self.experts
+
+    @property
+    def row_parallel_by_output(self) -> bool:
+        """Whether o_proj / down_proj are split by output features (deterministic mode) rather than input."""
+        return self.size > 1 and self.deterministic
+
+    def shard(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
+        """This rank's part of checkpoint tensor `name` (a Hugging Face name), shaped as its parameter holds it."""
+        if self.size == 1:
+            return tensor
+        parts = name.split(".")
+        if "experts" in parts or "shared_expert" in parts or "block_sparse_moe" in parts:
+            return tensor     # MoE: routed experts are whole on their rank; the shared expert is replicated
+        module, kind = (parts[-2], parts[-1]) if len(parts) >= 2 else ("", "")
+        hd = self.head_dim
+        if module == "q_proj":
+            return tensor[self.q_head0 * hd:(self.q_head0 + self.q_heads) * hd]
+        if module in ("k_proj", "v_proj"):
+            return tensor[self.kv_head0 * hd:(self.kv_head0 + self.kv_heads) * hd]
+        if module in ("gate_proj", "up_proj"):
+            return _rows(tensor, self.rank, self.intermediate)
+        if module in ("o_proj", "down_proj"):
+            return self._row_parallel(tensor, kind, self.q_heads * hd if module == "o_proj" else self.intermediate)
+        if module in ("embed_tokens", "lm_head"):
+            part = _rows(tensor, self.rank, self.vocab_rows)
+            return F.pad(part, (0, 0, 0, self.vocab_rows - part.shape[0]))
+        return tensor
+
+    def _row_parallel(self, tensor: torch.Tensor, kind: str, in_per_rank: int) -> torch.Tensor:
+        if self.row_parallel_by_output:
+            return _rows(tensor, self.rank, self.hidden // self.size)
+        if kind == "bias":     # added once, after the sum: rank 0 holds it, the others add zeros
+            return tensor if self.rank == 0 else torch.zeros_like(tensor)
+        return tensor[:, self.rank * in_per_rank:(self.rank + 1) * in_per_rank]
+
+
+def _rows(tensor: torch.Tensor, rank: int, per_rank: int) -> torch.Tensor:
+    return tensor[rank * per_rank:(rank + 1) * per_rank]
+
+
+class RowParallelLinear(Linear):
+    """o_proj / down_proj on one rank: input-split with an all-reduce, or (deterministic mode) output-split
+    over the gathered input with the outputs gathered; the layout's docstring says why."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, tp: TensorParallel):
+        if tp.deterministic:
+            super().__init__(in_features, out_features // tp.size, bias=bias)
+        else:
+            super().__init__(in_features // tp.size, out_features, bias=bias)
+        self.tp = tp
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x `[T, in / size]` (this rank's heads or intermediate features) -> the full `[T, out]`."""
+        if self.tp.deterministic:
+            return self.tp.all_gather(super().forward(self.tp.all_gather(x)))
+        return self.tp.all_reduce(super().forward(x))
+
+
+def row_parallel_linear(in_features: int, out_features: int, bias: bool,
+                        tp: Optional[TensorParallel]) -> Linear:
+    """A row-parallel Linear on `tp`, or a plain one without tensor parallelism."""
+    if tp is None or tp.size == 1:
+        return Linear(in_features, out_features, bias=bias)
+    return RowParallelLinear(in_features, out_features, bias, tp)
+
+
+class VocabParallelEmbedding(nn.Embedding):
+    """This rank's vocabulary rows; a token outside them contributes zeros, and the all-reduce adds the
+    one non-zero row to zeros (exact: the result is the row itself)."""
+
+    def __init__(self, vocab_rows: int, hidden: int, tp: TensorParallel):
+        super().__init__(vocab_rows, hidden)
+        self.tp = tp
+        self.first = tp.rank * vocab_rows
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        """Embeddings `[T, hidden]` of token ids `[T]`."""
+        local = ids - self.first
+        outside = (local < 0) | (local >= self.num_embeddings)
+        out = super().forward(local.masked_fill(outside, 0))
+        return self.tp.all_reduce(out.masked_fill_(outside.unsqueeze(-1), 0))
+
+
+def embedding(layout: ShardLayout, tp: Optional[TensorParallel]) -> nn.Embedding:
+    """The input embedding: whole, or this rank's vocabulary rows."""
+    if tp is None or tp.size == 1:
+        return nn.Embedding(layout.vocab, layout.hidden)
+    return VocabParallelEmbedding(layout.vocab_rows, layout.hidden, tp)
+
+
+def gather_logits(logits: torch.Tensor, layout: ShardLayout, tp: Optional[TensorParallel]) -> torch.Tensor:
+    """The full `[rows, vocab]` logits from every rank's vocabulary rows (padding dropped)."""
+    if tp is None or tp.size == 1:
+        return logits
+    return tp.all_gather(logits)[:, :layout.vocab]

@@ -1,0 +1,255 @@
+"""The tensor-parallel ranks: one process each; rank 0 decides, the others follow its plans.
+
+    rank 0 (the scheduler process, or the Engine's thread)        rank k > 0 (a child process of rank 0)
+    RankGroup.start: spawn ranks 1..n-1 of this node, join  --->  run_rank: die with rank 0, bind cores,
+    the group (TCP store at --dist-init-addr)                       join the group, load its shard
+    ModelRunner.forward: send_plan(FORWARD), run the shard  --->  ModelRunner.follow: receive_plan, run it
+    idle: send_plan(IDLE) + a round trip about once a second --->  apply its copies, answer the round trip
+    close: send_plan(STOP), join the processes              --->  exit 0
+
+Faults: a rank that dies closes its sockets, so the next collective fails at once on every other rank
+(RankFailure); one that hangs makes its peers' collectives time out after --dist-timeout. Rank 0 also
+checks its children before every plan it sends. RankFailure ends rank 0's loop (the scheduler process
+exits non-zero, the HTTP server turns /health 503 and exits), and ranks > 0 die with rank 0.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import dataclasses
+import logging
+import multiprocessing
+import os
+import signal
+import sys
+import time
+from typing import Any, Optional
+
+import torch
+
+from kvstrata.args import ServerArgs
+from kvstrata.cache.cache_controller import BACKUP, LOAD_BACK
+from kvstrata.model.parallel import RankFailure, TensorParallel
+from kvstrata.net import free_port
+from kvstrata.platform import env
+from kvstrata.runtime.forward_plan import (
+    EMPTY_PLAN,
+    CopyKind,
+    ForwardPlan,
+    PageCopy,
+    PlanKind,
+    PlanLedger,
+    gather_ledgers,
+    send_plan,
+)
+
+logger = logging.getLogger(__name__)
+
+CPU_BIND_ENV = "SGLANG_CPU_OMP_THREADS_BIND"   # SGLang's CPU setting: one core list per rank, '|'-separated
+DEFAULT_TIMEOUT_S = 60
+IDLE_PLAN_S = 1.0
+STOP_JOIN_S = 10.0
+RANK_FAILED_EXIT_CODE = 4
+COPY_KINDS = {BACKUP: CopyKind.BACKUP, LOAD_BACK: CopyKind.LOAD_BACK}
+
+
+def cpu_sets(local_ranks: int, spec: Optional[str] = None, available: Optional[list[int]] = None) -> list[list[int]]:
+    """The cores of each local rank: from `spec` (SGLang's '0-3|4-7' format; default $SGLANG_CPU_OMP_THREADS_BIND),
+    else this process's allowed cores split evenly in order (the first ranks get one more when uneven)."""
+    spec = env(CPU_BIND_ENV) if spec is None else spec
+    if spec:
+        sets = [_cpu_list(part) for part in spec.split("|")]
+        if len(sets) != local_ranks:
+            raise ValueError(f"${CPU_BIND_ENV}={spec!r} lists {len(sets)} core sets for {local_ranks} rank(s)")
+        return sets
+    cores = sorted(available if available is not None else os.sched_getaffinity(0))
+    if len(cores) < local_ranks:      # fewer cores than ranks: they share them
+        return [cores for _ in range(local_ranks)]
+    per, extra = divmod(len(cores), local_ranks)
+    sets, start = [], 0
+    for r in range(local_ranks):
+        n = per + (r < extra)
+        sets.append(cores[start:start + n])
+        start += n
+    return sets
+
+
+def _cpu_list(text: str) -> list[int]:
+    cores: list[int] = []
+    try:
+        for item in text.split(","):
+            lo, _, hi = item.strip().partition("-")
+            cores.extend(range(int(lo), int(hi or lo) + 1))
+    except ValueError:
+        raise ValueError(f"${CPU_BIND_ENV}: {text!r} is not a core list such as '0-3,8'") from None
+    if not cores:
+        raise ValueError(f"${CPU_BIND_ENV}: empty core list")
+    return cores
+
+
+def bind_rank(args: ServerArgs, rank: int) -> None:
+    """Pin this process (thread) to its rank's cores and size torch's thread pool (CPU), or pick its GPU (CUDA)."""
+    local = rank % args.local_ranks()
+    if args.device == "cuda":
+        torch.cuda.set_device(args.base_gpu_id + local)
+        return
+    cores = cpu_sets(args.local_ranks())[local]
+    os.sched_setaffinity(0, cores)
+    torch.set_num_threads(args.num_threads or len(cores))
+    logger.info("rank %d: cores %s, %d threads", rank, _ranges(cores), torch.get_num_threads())
+
+
+def _ranges(cores: list[int]) -> str:
+    return ",".join(str(c) for c in cores) if len(cores) < 4 else f"{cores[0]}-{cores[-1]} ({len(cores)})"
+
+
+def join_group(args: ServerArgs, rank: int, init_addr: str) -> TensorParallel:
+    """Join the tensor-parallel group as `rank` (gloo on CPU, NCCL on CUDA)."""
+    backend = "nccl" if args.device == "cuda" else "gloo"
+    return TensorParallel.init(rank, args.tp_size, init_addr, backend, args.dist_timeout or DEFAULT_TIMEOUT_S,
+                               args.enable_deterministic_inference, expert_parallel=args.ep_size > 1)
+
+
+class RankGroup:
+    """Rank 0's side: the group, the processes of this node's other ranks, the plans sent to them."""
+
+    def __init__(self, tp: TensorParallel, procs: dict[int, Any]):
+        self.tp = tp
+        self.procs = procs       # rank -> multiprocessing.Process (this node's ranks > 0)
+        self.last_sent = time.monotonic()
+        self.pending_copies: list[PageCopy] = []   # submitted by rank 0's cache since the last plan
+        self.ledger = PlanLedger()
+
+    @classmethod
+    def start(cls, args: ServerArgs) -> RankGroup:
+        """Spawn this node's ranks 1..n-1, bind rank 0, and join the group with them."""
+        init_addr = args.dist_init_addr or f"127.0.0.1:{free_port()}"
+        procs = spawn_ranks(args, range(1, args.local_ranks()), init_addr)
+        try:
+            bind_rank(args, 0)
+            return cls(join_group(args, 0, init_addr), procs)
+        except BaseException:
+            stop_processes(procs)
+            raise
+
+    def check_alive(self) -> None:
+        """Raise RankFailure if one of this node's ranks has exited."""
+        for rank, proc in self.procs.items():
+            if not proc.is_alive():
+                raise RankFailure(f"rank {rank} (pid {proc.pid}) exited with code {proc.exitcode}")
+
+    def record_copy(self, kind: str, device_pages: torch.Tensor, host_pages: torch.Tensor) -> None:
+        """The cache's CopyJournal (on the scheduler thread): the copy goes out with the next plan."""
+        self.pending_copies.append(PageCopy(COPY_KINDS[kind], device_pages.cpu(), host_pages.cpu()))
+
+    def send(self, kind: PlanKind, plan: ForwardPlan = EMPTY_PLAN) -> None:
+        """Broadcast the next plan, with the copies submitted since the last one, to the ranks (after checking
+        they are alive)."""
+        self.check_alive()
+        if self.pending_copies and kind in (PlanKind.FORWARD, PlanKind.IDLE):   # the kinds that apply copies
+            plan = dataclasses.replace(plan, copies=self.pending_copies)
+            self.pending_copies = []
+        send_plan(self.tp, kind, plan, self.ledger)
+        self.last_sent = time.monotonic()
+
+    def report(self) -> list[dict]:
+        """Every rank's ledger (plans, copies, pages, digest), in rank order: equal when no rank diverged."""
+        self.send(PlanKind.REPORT)
+        keys = ("plans", "copies", "pages", "digest")
+        return [dict(zip(keys, values)) for values in gather_ledgers(self.tp, self.ledger)]
+
+    def beat(self) -> None:
+        """While idle, about once a second: an IDLE plan and a round trip (an all-reduce), so that a rank that
+        died or hangs is noticed (after --dist-timeout at most) even when no request comes."""
+        if time.monotonic() - self.last_sent >= IDLE_PLAN_S:
+            self.send(PlanKind.IDLE)
+            self.tp.all_min([1])
+
+    def close(self) -> None:
+        """Stop the ranks: a STOP plan and a join if the group still works; else (a collective failed, and a
+        plan could wait on a hung rank) terminate them at once."""
+        if not self.tp.failed:
+            try:
+                self.send(PlanKind.STOP)
+            except RankFailure as e:
+                logger.warning("stopping the ranks without a STOP plan: %s", e)
+        stop_processes(self.procs, join_s=0.0 if self.tp.failed else STOP_JOIN_S)
+        if not self.tp.failed:
+            self.tp.close()
+
+
+def spawn_ranks(args: ServerArgs, ranks: Any, init_addr: str) -> dict[int, Any]:
+    """Start a process for each of `ranks` (run_rank), children of this process, which they die with."""
+    ctx = multiprocessing.get_context("spawn")
+    procs = {}
+    for rank in ranks:
+        proc = ctx.Process(target=run_rank, args=(args, rank, init_addr, os.getpid()),
+                           name=f"kvstrata-rank-{rank}", daemon=True)
+        proc.start()
+        procs[rank] = proc
+    return procs
+
+
+def stop_processes(procs: dict[int, Any], join_s: float = STOP_JOIN_S) -> None:
+    """Join each rank process; terminate, then kill, one that does not exit within `join_s`."""
+    deadline = time.monotonic() + join_s
+    for proc in procs.values():
+        proc.join(max(0.0, deadline - time.monotonic()))
+    for proc in procs.values():
+        if proc.is_alive():
+            proc.terminate()
+            proc.join(2.0)
+        if proc.is_alive():
+            proc.kill()
+            proc.join(2.0)
+
+
+def run_rank(args: ServerArgs, rank: int, init_addr: str, parent_pid: int) -> None:
+    """Entry point of a rank > 0: die with its parent, bind, join, load the shard, follow rank 0's plans."""
+    _die_with_parent(parent_pid)
+    logging.basicConfig(level=args.log_level.upper(),
+                        format=f"[%(asctime)s rank {rank}] %(levelname)s %(name)s: %(message)s")
+    signal.signal(signal.SIGINT, signal.SIG_IGN)     # rank 0 decides when the ranks stop
+    code = 0
+    try:
+        from kvstrata.runtime.model_runner import ModelRunner
+
+        bind_rank(args, rank)
+        tp = join_group(args, rank, init_addr)
+        ModelRunner(args, tp).follow()
+        tp.close()
+    except RankFailure as e:
+        logger.error("%s; rank %d stops", e, rank)
+        code = RANK_FAILED_EXIT_CODE
+    except Exception:
+        logger.exception("rank %d failed", rank)
+        code = 1
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)    # no interpreter teardown (seconds with torch loaded); nothing else runs here
+
+
+def run_node(args: ServerArgs) -> int:
+    """A node other than 0 (--node-rank > 0): run its ranks until they exit; non-zero if any failed."""
+    first = args.node_rank * args.local_ranks()
+    procs = spawn_ranks(args, range(first, first + args.local_ranks()), args.dist_init_addr or "")
+    codes = []
+    for rank, proc in procs.items():
+        proc.join()
+        codes.append(proc.exitcode)
+        if proc.exitcode:
+            logger.error("rank %d exited with code %s", rank, proc.exitcode)
+    stop_processes(procs)
+    return next((c for c in codes if c), 0)
+
+
+def _die_with_parent(parent_pid: int) -> None:
+    """SIGKILL this process when its parent (rank 0, or a node's launcher) dies."""
+    if sys.platform.startswith("linux"):
+        try:
+            ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, int(signal.SIGKILL))   # PR_SET_PDEATHSIG
+        except OSError:
+            pass
+    if os.getppid() != parent_pid:
+        os._exit(1)
