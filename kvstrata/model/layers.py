@@ -9,11 +9,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kvstrata.model.quant.base import QuantizedWeight
 from kvstrata.platform import cpu_has_amx, cpu_has_fast_bf16, cpu_has_onednn_bf16_reorder
 
 if TYPE_CHECKING:
     from kvstrata.model.paged_kernels import DecodeLinear
-    from kvstrata.model.quant.base import QuantizedWeight
 
 # On a CPU without native bf16/fp16 matmul (no AVX-512 BF16 / AMX), oneDNN emulates low-precision GEMMs
 # several times slower than float32 ones once more than a row or two is multiplied; converting the
@@ -109,11 +109,14 @@ def make_batch_invariant(model: nn.Module) -> None:
     Low-precision CPU products run in float32 at every row count, and inputs are padded to
     BATCH_INVARIANT_MIN_ROWS rows; GPU products run in blocks of DEVICE_INVARIANT_BLOCK_ROWS rows. A
     compiled GEMV that serves every row count (`use_decode_linear` with `decode_linear_op(every_row=True)`,
-    row-invariant by construction) takes the bf16 products before that.
+    row-invariant by construction) takes the bf16 products before that. Quantized weights are told too
+    (QuantizedWeight.batch_invariant).
     """
     for module in model.modules():
         if isinstance(module, Linear):
             module.min_rows = BATCH_INVARIANT_MIN_ROWS
+            module.batch_invariant = True
+        elif isinstance(module, QuantizedWeight):
             module.batch_invariant = True
 
 

@@ -3,7 +3,8 @@
 The model is built on the meta device, then given uninitialised storage in the target dtype/device, and
 every checkpoint tensor is copied straight into its parameter (or its row range of a fused parameter, or
 its expert's slice of a stacked expert parameter): at most one checkpoint tensor is in flight, never a
-second copy of the model.
+second copy of the model. Quantized layers (AWQ, GPTQ, FP8 checkpoints; `--quantization int8`) never get
+float storage: their tensors go to quant/checkpoint.py, which builds each Linear's QuantizedWeight.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Callable, Iterator
+from typing import Optional
 
 import torch
 from safetensors import safe_open
@@ -18,6 +20,15 @@ from safetensors import safe_open
 from kvstrata.model.config import ModelConfig, ModelLoadError
 from kvstrata.model.llama import LlamaForCausalLM
 from kvstrata.model.moe import bind_experts
+from kvstrata.model.quant.checkpoint import QuantizedLinears, quantize_int8_in_place
+from kvstrata.model.quant.scheme import (
+    CHECKPOINT_METHODS,
+    QuantizationError,
+    checkpoint_quantization,
+    quant_spec,
+)
+
+SAFETENSORS_METHODS = (*CHECKPOINT_METHODS, "int8")   # what this loader quantizes or reads quantized
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -27,23 +38,30 @@ _IGNORED_SUFFIXES = ("rotary_emb.inv_freq", "rotary_emb.cos_cached", "rotary_emb
 
 
 def load_model(path: str, config: ModelConfig, dtype: torch.dtype, device: torch.device,
-               relayout: bool = True) -> torch.nn.Module:
+               relayout: bool = True, quantization: Optional[str] = None) -> torch.nn.Module:
     """Build the model for `config` and fill it from the safetensors files in `path`.
 
     `relayout`: end with `optimize_layout()` (a caller that first sets the layer kernels calls it itself).
+    `quantization`: the method ServerArgs resolved (quant/scheme.py): awq, gptq and fp8 checkpoints' layers
+    are held in their format, int8 quantizes a float checkpoint's layers as they are read (quant/checkpoint.py);
+    None or gguf (already converted to a float folder here) load the float weights.
     """
     device = torch.device(device)
     files = checkpoint_files(path)
     with torch.device("meta"):
         model = LlamaForCausalLM(config)
-    model = model.to(dtype=dtype).to_empty(device=device)
     targets = model.checkpoint_targets()
+    quantized = _quantized_linears(path, files, quantization, model, targets, dtype, device)
+    model = model.to(dtype=dtype).to_empty(device=device)
     params = dict(model.named_parameters(remove_duplicate=False))
     filled: set[str] = set()
     for file, name, read in _checkpoint_tensors(path, files):
         if name == LM_HEAD and config.tie_word_embeddings:
             continue  # tied: lm_head is the embedding matrix whatever the file says
         if name.endswith(_IGNORED_SUFFIXES):
+            continue
+        if quantized is not None and quantized.claims(name):
+            filled.update(quantized.add(name, read(), file))
             continue
         target = targets.get(name)
         if target is None:
@@ -54,6 +72,8 @@ def load_model(path: str, config: ModelConfig, dtype: torch.dtype, device: torch
     if config.tie_word_embeddings or LM_HEAD not in filled:
         model.tie_embeddings()
         filled.add(LM_HEAD)
+    if quantized is not None:
+        quantized.check_complete(path)
     missing = sorted(set(targets) - filled)
     if missing:
         shown = ", ".join(missing[:5]) + (f" (+{len(missing) - 5} more)" if len(missing) > 5 else "")
@@ -64,16 +84,30 @@ def load_model(path: str, config: ModelConfig, dtype: torch.dtype, device: torch
     return model.eval()
 
 
+def _quantized_linears(path: str, files: list[str], quantization: Optional[str], model: torch.nn.Module,
+                       targets: dict[str, tuple], dtype: torch.dtype, device: torch.device) -> Optional[QuantizedLinears]:
+    """The quantized projections of this load (their float weights released before allocation), or None."""
+    if quantization not in SAFETENSORS_METHODS:
+        return None
+    try:
+        spec = quant_spec(quantization, checkpoint_quantization(path), path)
+    except QuantizationError as e:
+        raise ModelLoadError(str(e)) from None
+    names = [name for _, name, _ in _checkpoint_tensors(path, files)]
+    return QuantizedLinears(spec, model, targets, names, dtype, device)
+
+
 DUMMY_SEED = 0
 DUMMY_STD = 0.02     # transformers' usual initializer_range: activations stay finite through any depth
 
 
 def load_dummy_model(config: ModelConfig, dtype: torch.dtype, device: torch.device,
-                     relayout: bool = True, seed: int = DUMMY_SEED) -> torch.nn.Module:
+                     relayout: bool = True, seed: int = DUMMY_SEED, quantization: Optional[str] = None) -> torch.nn.Module:
     """The model for `config` with deterministic random weights (`--load-format dummy`): no weight files.
 
     Norm weights are ones, everything else uniform with std DUMMY_STD, drawn parameter by parameter in
     declaration order from one CPU generator seeded with `seed` (the same weights on every run).
+    `quantization` int8: the layers are then quantized in place (the float model is whole in memory first).
     """
     device = torch.device(device)
     with torch.device("meta"):
@@ -91,6 +125,8 @@ def load_dummy_model(config: ModelConfig, dtype: torch.dtype, device: torch.devi
                 values = torch.rand(param.shape, generator=generator, dtype=torch.float32) * 2 - 1
                 param.copy_(values.mul_(half_width))
     bind_experts(model)
+    if quantization == "int8":
+        quantize_int8_in_place(model, dtype)
     if relayout:
         model.optimize_layout()
     return model.eval()

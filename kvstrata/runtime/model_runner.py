@@ -66,9 +66,11 @@ class ModelRunner:
         self.model_path = resolve_model_path(args.model_path)
         self.config = ModelConfig.from_path(self.model_path)
         if args.load_format == "dummy":
-            self.model = load_dummy_model(self.config, self.dtype, self.device, relayout=False)
+            self.model = load_dummy_model(self.config, self.dtype, self.device, relayout=False,
+                                          quantization=args.quantization)
         else:
-            self.model = load_model(self.model_path, self.config, self.dtype, self.device, relayout=False)
+            self.model = load_model(self.model_path, self.config, self.dtype, self.device, relayout=False,
+                                    quantization=args.quantization)
         if args.enable_deterministic_inference:
             make_batch_invariant(self.model)
         self.context_len = args.context_length or self.config.max_position_embeddings
