@@ -134,6 +134,8 @@ class ModelRunner:
             amx = amx_linear_op()
             if amx is not None:
                 use_expert_linear(self.model, amx)   # small products: the AMX linear beats oneDNN there
+            if gemv is not None:
+                use_decode_linear(self.model, gemv)  # decode rows of what oneDNN does not take (a tied lm_head)
             use_onednn_weights(self.model)
         elif gemv is not None:
             use_decode_linear(self.model, gemv)

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from kvstrata.model.quant.base import QuantizedWeight
 
 TILE_ROWS = 512
-QUANTIZE_ROWS = 1024      # rows converted to float32 at a time while quantizing (bounds the transient copy)
+QUANTIZE_ROWS = 256       # rows converted to float32 at a time while quantizing (bounds the transient copies)
 
 
 def quantize(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
