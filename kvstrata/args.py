@@ -605,6 +605,7 @@ class ServerArgs:
             spare_tokens=self.kv_run_spare_tokens, host_tier=self.enable_hierarchical_cache,
             host_ratio=self.hicache_ratio, host_size_gb=self.hicache_size, write_policy=self.hicache_write_policy,
             host_layout=self.hicache_mem_layout, snapshot_path=self.hicache_snapshot_path,
+            weights_variant="int8" if self.quantization == "int8" else "",
             storage_backend=self.hicache_storage_backend, storage_dir=self.hicache_storage_dir,
             storage_group_pages=self.storage_group_pages(), prefetch_policy=self.hicache_storage_prefetch_policy,
             storage_extra_config=self.storage_extra_config() if self.hicache_storage_backend else {})

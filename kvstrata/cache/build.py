@@ -33,7 +33,8 @@ def build_kv_cache(config: CacheConfig, pool: DeviceKVPool, model_id: str, conte
     if host is not None and config.snapshot_path:
         from kvstrata.cache.host_snapshot import HostSnapshot
 
-        snapshot = HostSnapshot.for_engine(config.snapshot_path, model_id, str(pool.dtype), config.page_size)
+        snapshot = HostSnapshot.for_engine(config.snapshot_path, model_id, str(pool.dtype), config.page_size,
+                                           config.weights_namespace())
     return KVCacheManager(allocator, slot_table, DeviceTier(tree, allocator, host), config, snapshot)
 
 
@@ -59,5 +60,6 @@ def _storage_builder(config: CacheConfig, tree: RadixTree, host_pool, pool: Devi
     backend = create_backend(config.storage_backend, group_pages * host_pool.page_bytes,
                              config.storage_extra_config, storage_dir=config.storage_dir)
     # An object's bytes are its pages' in order, so the group size is part of the namespace.
-    namespace = kv_namespace(model_id, str(pool.dtype), tree.page_size, f"group_pages={group_pages}")
+    namespace = kv_namespace(model_id, str(pool.dtype), tree.page_size,
+                             f"group_pages={group_pages}" + config.weights_namespace())
     return functools.partial(StorageTier, tree, StorageIO(backend, host_pool, group_pages), namespace)

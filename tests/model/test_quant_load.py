@@ -192,3 +192,16 @@ def test_int4_tile_path_computes_what_the_cpu_kernel_does():
     assert torch.allclose(tiles.dequantize(), want) and torch.allclose(kernel.dequantize(), want, atol=1e-6)
     x = torch.randn(3, 256)
     assert torch.allclose(tiles(x), kernel(x), atol=1e-4)
+
+
+def test_int8_weights_get_their_own_kv_namespace():
+    """The same folder served as int8 and unquantized computes different KV: L2 snapshots and L3 objects of
+    one must never be found by the other."""
+    from kvstrata.cache.host_snapshot import HostSnapshot
+
+    path = resolve_model_path("tiny")
+    spaces = []
+    for quantization in (None, "int8"):
+        extra = ServerArgs(model_path=path, quantization=quantization).cache_config().weights_namespace()
+        spaces.append(HostSnapshot.for_engine("/unused", path, "torch.bfloat16", 16, extra).namespace)
+    assert spaces[0] != spaces[1]
