@@ -84,22 +84,24 @@ def test_every_cpu_kind_holds_each_bf16_weight_once(kind, deterministic):
 
 
 CHILD = """
-import json, sys, torch
+import gc, json, sys, torch
 from kvstrata.model.config import ModelConfig
 from kvstrata.model.loader import load_model
 def rss():
     return {l.split(":")[0]: int(l.split()[1]) for l in open("/proc/self/status") if l.startswith(("VmHWM", "VmRSS"))}
-path, quantization = sys.argv[1], sys.argv[2] or None
+path = sys.argv[1]
 config = ModelConfig.from_path(path)
-from kvstrata.model.builtin import resolve_model_path
-tiny = resolve_model_path("tiny")   # first-use costs (allocator pools, op set-up) on another, tiny model
-load_model(tiny, ModelConfig.from_path(tiny), torch.bfloat16, "cpu", quantization=quantization)
-with open("/proc/self/clear_refs", "w") as fh:   # 5: reset the peak (VmHWM) to the current RSS
-    fh.write("5")
-before = rss()
-model = load_model(path, config, torch.bfloat16, "cpu", quantization=quantization)
-after = rss()
-print(json.dumps({"before": before["VmRSS"], "peak": after["VmHWM"], "after": after["VmRSS"]}))
+out = {}
+for quantization in (None, "int8"):   # dense first: its first-use costs (allocator, op set-up) count against it
+    with open("/proc/self/clear_refs", "w") as fh:   # 5: reset the peak (VmHWM) to the current RSS
+        fh.write("5")
+    before = rss()
+    model = load_model(path, config, torch.bfloat16, "cpu", quantization=quantization)
+    after = rss()
+    out[quantization or "dense"] = {"before": before["VmRSS"], "peak": after["VmHWM"], "after": after["VmRSS"]}
+    del model
+    gc.collect()
+print(json.dumps(out))
 """
 
 
@@ -127,17 +129,14 @@ LAYER_SHAPES = {"self_attn.q_proj": (1024, 1024), "self_attn.k_proj": (1024, 102
                 "mlp.down_proj": (1024, 2048)}
 
 
-def _load_rss(path: str, quantization: str) -> dict:
-    out = subprocess.run([sys.executable, "-c", CHILD, path, quantization], capture_output=True, text=True,
-                         timeout=120, check=True)
-    return json.loads(out.stdout.strip().splitlines()[-1])
-
-
 def test_int8_at_load_halves_the_layers_in_peak_rss(tmp_path):
     path = _layers_checkpoint(tmp_path)
-    dense, int8 = _load_rss(path, ""), _load_rss(path, "int8")
+    out = subprocess.run([sys.executable, "-c", CHILD, path], capture_output=True, text=True, timeout=300,
+                         check=True)
+    runs = json.loads(out.stdout.strip().splitlines()[-1])
+    int8 = runs["int8"]
     weights_kb = LAYERS * sum(n * k for n, k in LAYER_SHAPES.values()) * 2 // 1024    # bf16 layers: 40 MiB
-    grown = {name: r["peak"] - r["before"] for name, r in (("dense", dense), ("int8", int8))}
+    grown = {name: r["peak"] - r["before"] for name, r in runs.items()}
     assert grown["dense"] >= weights_kb, grown
     # int8 holds half the layers' bytes; on top, while loading, one bf16 tensor being read (4 MiB), the
     # float32 temporaries of quantizing 256 of its rows and the parts of one fused layer: at most 12 MiB.
