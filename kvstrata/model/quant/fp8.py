@@ -27,6 +27,12 @@ import torch
 import torch.nn.functional as F
 
 from kvstrata.model.config import ModelLoadError
+from kvstrata.model.layers import (
+    BATCH_INVARIANT_MIN_ROWS,
+    DEVICE_INVARIANT_BLOCK_ROWS,
+    UPCAST_MIN_ROWS,
+    upcasts_on_cpu,
+)
 from kvstrata.model.quant.base import QuantizedWeight
 
 E4M3 = torch.float8_e4m3fn
@@ -76,7 +82,9 @@ class Fp8Weight(QuantizedWeight):
             return self._scaled_mm(x)
         if self.batch_invariant:
             return self._forward_invariant(x)
-        return self._forward_tiles(x, x.dtype)
+        # Where bf16 products are emulated (no AVX-512 BF16 / AMX), several rows run faster in float32.
+        upcast = x.device.type == "cpu" and x.shape[0] >= UPCAST_MIN_ROWS and upcasts_on_cpu(x.dtype)
+        return self._forward_tiles(x, torch.float32 if upcast else x.dtype)
 
     def _forward_tiles(self, x: torch.Tensor, compute: torch.dtype) -> torch.Tensor:
         xc = x.to(compute)
@@ -86,8 +94,6 @@ class Fp8Weight(QuantizedWeight):
 
     def _forward_invariant(self, x: torch.Tensor) -> torch.Tensor:
         """Float32 tiles over a fixed number of rows per GEMM, so a row's bits never depend on the batch."""
-        from kvstrata.model.layers import BATCH_INVARIANT_MIN_ROWS, DEVICE_INVARIANT_BLOCK_ROWS
-
         rows = x.shape[0]
         if x.device.type == "cpu":
             padded = F.pad(x, (0, 0, 0, max(0, BATCH_INVARIANT_MIN_ROWS - rows)))
