@@ -205,3 +205,13 @@ def test_int8_weights_get_their_own_kv_namespace():
         extra = ServerArgs(model_path=path, quantization=quantization).cache_config().weights_namespace()
         spaces.append(HostSnapshot.for_engine("/unused", path, "torch.bfloat16", 16, extra).namespace)
     assert spaces[0] != spaces[1]
+
+
+def test_int8_prefill_products_take_dequantized_tiles_with_the_kernels_result():
+    weight = _formats(256, 384)["int8"](torch.bfloat16)
+    x = torch.randn(100, 256).bfloat16()
+    with torch.inference_mode():
+        tiles = weight(x)                                     # > int8.KERNEL_MAX_ROWS rows: de-quantized tiles
+        kernel = torch.cat([weight(x[i:i + 20]) for i in range(0, 100, 20)])   # the int8 kernel
+    assert x.shape[0] > int8.KERNEL_MAX_ROWS >= 20
+    assert torch.allclose(tiles.float(), kernel.float(), atol=2e-2, rtol=2e-2)
