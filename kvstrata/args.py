@@ -26,6 +26,7 @@ from kvstrata.config_cli import (  # re-exported: the rest of kvstrata imports t
     dataclass_from_cli_args,
     flag_name,
 )
+from kvstrata.model.quant.scheme import METHODS as QUANTIZATION_METHODS
 from kvstrata.net import is_ip_literal, is_loopback
 from kvstrata.platform import cpu_has_fast_bf16, env
 
@@ -115,6 +116,12 @@ class ServerArgs:
     enable_deterministic_inference: bool = field(default=False, metadata=_opt(
         "Batch-invariant forward and sampling: a request's logits, tokens and logprobs are bit-identical "
         "whether it runs alone or in any batch, at any chunked-prefill split, with any cache hits."))
+    quantization: Optional[str] = field(default=None, metadata=_opt(
+        "Weight quantization, checked against the checkpoint at start-up: awq, gptq (4-bit int4 with group "
+        "scales), fp8 (e4m3 with per-tensor or block scales) and gguf (a .gguf file) name the checkpoint's own "
+        "format, which is also used without the flag; int8 quantizes a float checkpoint's layer weights at "
+        "load to weight-only int8 per output channel (half of bf16's memory). A flag that does not fit the "
+        "checkpoint is a start-up error.", QUANTIZATION_METHODS))
     disable_cpu_kernels: bool = field(default=False, metadata=_opt(
         "CPU only: plain torch instead of the compiled kernels (paged and extend attention reading K/V in "
         "place, silu*mul, the decode GEMV, fused residual-add + RMSNorm, the rotary embedding, the greedy "
@@ -284,9 +291,6 @@ class ServerArgs:
         None, "speculative decoding is not implemented", "EAGLE top-k (not supported)."))
     speculative_num_draft_tokens: Optional[int] = field(default=None, metadata=_only(
         None, "speculative decoding is not implemented", "Draft tokens (not supported)."))
-    quantization: Optional[str] = field(default=None, metadata=_only(
-        None, "quantized weights are not supported yet (a GGUF file is de-quantized to --dtype on load)",
-        "Weight quantization (not supported)."))
     kv_cache_dtype: str = field(default="auto", metadata=_only(
         "auto", "an FP8 or other KV cache dtype is not supported yet: the KV cache uses the model dtype "
         "(--dtype)", "KV cache dtype (only auto: the model dtype)."))
@@ -571,9 +575,20 @@ class ServerArgs:
                                                                   self.revision, self.load_format)
         except ModelNotFound as e:
             raise ConfigError(str(e)) from None
+        from kvstrata.model.gguf import is_gguf
+        from kvstrata.model.quant.scheme import QuantizationError, effective_quantization
+
+        try:
+            quantization = effective_quantization(self.quantization, model_path, self.load_format, is_gguf(model_path))
+        except QuantizationError as e:
+            raise ConfigError(str(e)) from None
+        if quantization is not None and self.tp_size > 1:
+            raise ConfigError(f"--tp-size {self.tp_size} with {quantization} weights is not implemented yet (quantized "
+                              f"weights are not sharded along their blocks); use --tp-size 1")
         args = dataclasses.replace(
             self,
             model_path=model_path,
+            quantization=quantization,
             tokenizer_path=tokenizer_path,
             served_model_name=self.served_model_name or self.model_path,
             dtype=_DTYPE_ALIASES.get(self.dtype, self.dtype),
@@ -645,6 +660,7 @@ class ServerArgs:
             spare_tokens=self.kv_run_spare_tokens, host_tier=self.enable_hierarchical_cache,
             host_ratio=self.hicache_ratio, host_size_gb=self.hicache_size, write_policy=self.hicache_write_policy,
             host_layout=self.hicache_mem_layout, snapshot_path=self.hicache_snapshot_path,
+            weights_variant="int8" if self.quantization == "int8" else "",
             storage_backend=self.hicache_storage_backend, storage_dir=self.hicache_storage_dir,
             storage_group_pages=self.storage_group_pages(), prefetch_policy=self.hicache_storage_prefetch_policy,
             storage_extra_config=self.storage_extra_config() if self.hicache_storage_backend else {},

@@ -39,7 +39,8 @@ def build_kv_cache(config: CacheConfig, pool: DeviceKVPool, model_id: str, conte
     if host is not None and config.snapshot_path:
         from kvstrata.cache.host_snapshot import HostSnapshot
 
-        snapshot = HostSnapshot.for_engine(config.snapshot_path, model_id, str(pool.dtype), config.page_size)
+        snapshot = HostSnapshot.for_engine(config.snapshot_path, model_id, str(pool.dtype), config.page_size,
+                                           config.weights_namespace())
     if config.block_events:
         tree.events = _block_events(config, pool, model_id, host is not None)
     return KVCacheManager(allocator, slot_table, DeviceTier(tree, allocator, host), config, snapshot)
@@ -50,7 +51,8 @@ def _page_group_namespace(config: CacheConfig, pool: DeviceKVPool, model_id: str
     from kvstrata.cache.storage_io import kv_namespace
 
     # An object's bytes are its pages' in order, so the group size is part of the namespace.
-    return kv_namespace(model_id, str(pool.dtype), config.page_size, f"group_pages={config.storage_group_pages}")
+    return kv_namespace(model_id, str(pool.dtype), config.page_size,
+                        f"group_pages={config.storage_group_pages}" + config.weights_namespace())
 
 
 def _block_events(config: CacheConfig, pool: DeviceKVPool, model_id: str, host: bool):

@@ -25,6 +25,9 @@ class CacheConfig:
     write_policy: str = "write_through"    # --hicache-write-policy
     host_layout: str = "layer_first"       # --hicache-mem-layout
     snapshot_path: str | None = None       # --hicache-snapshot-path
+    # Weights computed from the checkpoint's files (--quantization int8): part of the L2 snapshot's and L3's
+    # namespace, so servers of the same folder with other weights never share KV pages.
+    weights_variant: str = ""
     # L3 (--hicache-storage-backend)
     storage_backend: str | None = None
     storage_dir: str | None = None         # --hicache-storage-dir
@@ -38,3 +41,7 @@ class CacheConfig:
             raise ValueError("a host tier needs the prefix cache")
         if self.storage_backend and not self.host_tier:
             raise ValueError("a storage tier needs the host tier")
+
+    def weights_namespace(self) -> str:
+        """What the L2 snapshot's and L3's namespace add for weights the files do not name (empty: the files')."""
+        return f"|weights={self.weights_variant}" if self.weights_variant else ""

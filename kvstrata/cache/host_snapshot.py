@@ -68,11 +68,12 @@ class HostSnapshot:
         self.last_save: Optional[SnapshotStats] = None
 
     @classmethod
-    def for_engine(cls, path: str, model_path: str, dtype: str, page_size: int) -> HostSnapshot:
-        """A snapshot in the namespace of an engine serving `model_path` in `dtype` with `page_size`."""
+    def for_engine(cls, path: str, model_path: str, dtype: str, page_size: int, extra: str = "") -> HostSnapshot:
+        """A snapshot in the namespace of an engine serving `model_path` in `dtype` with `page_size` (`extra`:
+        more that tells its weights apart)."""
         from kvstrata.cache.storage_io import kv_namespace
 
-        return cls(path, kv_namespace(model_path, dtype, page_size))
+        return cls(path, kv_namespace(model_path, dtype, page_size, extra))
 
     def stats(self) -> dict:
         """The last load and save (for /server_info)."""

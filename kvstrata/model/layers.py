@@ -9,11 +9,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kvstrata.model.quant.base import QuantizedWeight
 from kvstrata.platform import cpu_has_amx, cpu_has_fast_bf16, cpu_has_onednn_bf16_reorder
 
 if TYPE_CHECKING:
     from kvstrata.model.paged_kernels import DecodeLinear
-    from kvstrata.model.quant.base import QuantizedWeight
 
 # On a CPU without native bf16/fp16 matmul (no AVX-512 BF16 / AMX), oneDNN emulates low-precision GEMMs
 # several times slower than float32 ones once more than a row or two is multiplied; converting the
@@ -109,32 +109,52 @@ def make_batch_invariant(model: nn.Module) -> None:
     Low-precision CPU products run in float32 at every row count, and inputs are padded to
     BATCH_INVARIANT_MIN_ROWS rows; GPU products run in blocks of DEVICE_INVARIANT_BLOCK_ROWS rows. A
     compiled GEMV that serves every row count (`use_decode_linear` with `decode_linear_op(every_row=True)`,
-    row-invariant by construction) takes the bf16 products before that.
+    row-invariant by construction) takes the bf16 products before that. Quantized weights are told too
+    (QuantizedWeight.batch_invariant).
     """
     for module in model.modules():
         if isinstance(module, Linear):
             module.min_rows = BATCH_INVARIANT_MIN_ROWS
             module.batch_invariant = True
+        elif isinstance(module, QuantizedWeight):
+            module.batch_invariant = True
 
 
 def use_decode_linear(model: nn.Module, gemv: Optional[DecodeLinear]) -> None:
-    """Route `model`'s bf16 products of up to `gemv.max_rows` rows through `gemv` (paged_kernels.decode_linear_op()),
-    or stop.
+    """Route `model`'s bf16 products of up to `gemv.max_rows` rows through `gemv` (paged_kernels.decode_linear_op()).
 
-    Only Linears whose weight the GEMV can read (bf16, contiguous row-major, on CPU) take it; each keeps the
-    weight as the GEMV reads it (on AVX2 CPUs a packed copy; the row-major one stays for the embedding a
-    tied lm_head shares and for `_forward`, the path of inputs the GEMV does not take). Batch-invariant mode
-    passes a GEMV that serves every row count: one with a row limit sums a row in another order than
-    oneDNN, which serves the same row in a larger batch.
+    Only Linears whose weight the GEMV can read (bf16, contiguous row-major, on CPU) take it, and each keeps ONE
+    copy of its weight: a GEMV that reads the row-major weight itself (AVX-512 BF16) leaves it as it is; one
+    that reads a packed copy (AVX2 builds, the AMX linear) serves every row count, so the row-major weight is
+    released. A weight another module shares (the embedding of a tied lm_head) is never packed into a second
+    copy: that Linear keeps the shared weight and its plain products. Batch-invariant mode passes a GEMV that
+    serves every row count: one with a row limit sums a row in another order than oneDNN, which serves the
+    same row in a larger batch.
     """
+    shared = _shared_weights(model)
     for module in model.modules():
         if isinstance(module, Linear):
             w = module.weight
-            readable = (module.quantized is None and w.device.type == "cpu" and w.dtype == torch.bfloat16
-                        and w.is_contiguous())
-            module.decode_gemv = gemv if readable else None
-            with torch.no_grad():
-                module.decode_weight = gemv.pack(w.detach()) if module.decode_gemv is not None else None
+            if module.decode_weight is not None and w.numel() == 0:
+                continue   # already served from its packed copy, its only one (moe.use_expert_linear)
+            readable = (gemv is not None and module.quantized is None and w.device.type == "cpu"
+                        and w.dtype == torch.bfloat16 and w.is_contiguous() and w.numel() > 0)
+            packed = None
+            if readable:
+                with torch.no_grad():
+                    packed = gemv.pack(w.detach())
+                copy = packed.data_ptr() != w.data_ptr()
+                if copy and (id(w) in shared or gemv.max_rows is not None):
+                    packed = None     # a second copy would be kept: the plain products instead
+            module.decode_gemv = gemv if packed is not None else None
+            module.decode_weight = packed
+            if packed is not None and packed.data_ptr() != w.data_ptr():
+                w.data = torch.empty(0, dtype=w.dtype)   # the packed copy serves every product
+
+
+def _shared_weights(model: nn.Module) -> set[int]:
+    """ids of the parameters a module other than a Linear holds (a tied lm_head's embedding)."""
+    return {id(p) for m in model.modules() if not isinstance(m, Linear) for p in m.parameters(recurse=False)}
 
 
 # Row count oneDNN chooses the prepacked layout for: with it, products of 1 to 2048 rows ran as fast as or
@@ -154,21 +174,22 @@ def use_onednn_weights(model: nn.Module) -> None:
 
     `F.linear` reorders a plain weight into that layout on every call: on an AMX CPU ~30% of a 16-stream
     decode step's products (bench model: 6.5 -> 4.5 ms); at one row it is ~7% slower per token than the
-    compiled GEMV, which would need a second copy of every weight. The row-major copy is released, except where another module shares it
-    (the embedding of a tied lm_head). Not for batch-invariant mode: oneDNN's AMX kernels are not row-invariant.
-    Linears that a compiled kernel already serves at every row count (moe.use_expert_linear) keep it.
+    compiled GEMV, which would need a second copy of every weight. The row-major copy is released. A weight
+    another module shares (the embedding of a tied lm_head) is not prepacked, which would make a second copy:
+    that Linear keeps the shared weight (and the row-major GEMV a runner set on it for decode rows). Not for
+    batch-invariant mode: oneDNN's AMX kernels are not row-invariant. Linears that a compiled kernel already
+    serves at every row count (moe.use_expert_linear) keep it.
     """
-    shared = {id(p) for m in model.modules() if not isinstance(m, Linear) for p in m.parameters(recurse=False)}
+    shared = _shared_weights(model)
     for module in model.modules():
         if isinstance(module, Linear):
             w = module.weight
             if (module.quantized is not None or w.device.type != "cpu" or w.dtype != torch.bfloat16
-                    or module.serves_every_row()):
+                    or module.serves_every_row() or id(w) in shared):
                 continue
             with torch.no_grad():
                 module.onednn_weight = torch.ops.mkldnn._reorder_linear_weight(w.detach().contiguous(), ONEDNN_PACK_ROWS)
-                if id(w) not in shared:
-                    w.data = torch.empty(0, dtype=w.dtype)
+                w.data = torch.empty(0, dtype=w.dtype)
             module.decode_gemv, module.decode_weight = None, None
 
 

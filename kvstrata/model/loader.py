@@ -3,7 +3,8 @@
 The model is built on the meta device, then given uninitialised storage in the target dtype/device, and
 every checkpoint tensor is copied straight into its parameter (or its row range of a fused parameter, or
 its expert's slice of a stacked expert parameter): at most one checkpoint tensor is in flight, never a
-second copy of the model.
+second copy of the model. Quantized layers (AWQ, GPTQ, FP8 checkpoints; `--quantization int8`) never get
+float storage: their tensors go to quant/checkpoint.py, which builds each Linear's QuantizedWeight.
 """
 
 from __future__ import annotations
@@ -11,14 +12,23 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Callable, Iterator
+from typing import Optional
 
 import torch
-from safetensors import safe_open
 
 from kvstrata.model.config import ModelConfig, ModelLoadError
 from kvstrata.model.llama import LlamaForCausalLM
 from kvstrata.model.moe import bind_experts
 from kvstrata.model.parallel import TensorParallel
+from kvstrata.model.quant.checkpoint import QuantizedLinears, quantize_int8_in_place
+from kvstrata.model.quant.scheme import (
+    CHECKPOINT_METHODS,
+    QuantizationError,
+    checkpoint_quantization,
+    quant_spec,
+)
+
+SAFETENSORS_METHODS = (*CHECKPOINT_METHODS, "int8")   # what this loader quantizes or reads quantized
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -28,18 +38,24 @@ _IGNORED_SUFFIXES = ("rotary_emb.inv_freq", "rotary_emb.cos_cached", "rotary_emb
 
 
 def load_model(path: str, config: ModelConfig, dtype: torch.dtype, device: torch.device,
-               relayout: bool = True, tp: TensorParallel | None = None) -> torch.nn.Module:
+               relayout: bool = True, tp: TensorParallel | None = None,
+               quantization: Optional[str] = None) -> torch.nn.Module:
     """Build the model for `config` and fill it from the safetensors files in `path`.
 
     `relayout`: end with `optimize_layout()` (a caller that first sets the layer kernels calls it itself).
     `tp`: a tensor-parallel rank: each tensor is cut to the rank's shard (`model.layout.shard`) as it is read.
+    `quantization`: the method ServerArgs resolved (quant/scheme.py): awq, gptq and fp8 checkpoints' layers
+    are held in their format, int8 quantizes a float checkpoint's layers as they are read (quant/checkpoint.py);
+    None or gguf (already converted to a float folder here) load the float weights.
     """
     device = torch.device(device)
     files = checkpoint_files(path)
+    _unmap_large_buffers()
     with torch.device("meta"):
         model = LlamaForCausalLM(config, tp)
-    model = model.to(dtype=dtype).to_empty(device=device)
     targets = model.checkpoint_targets()
+    quantized = _quantized_linears(path, files, quantization, model, targets, dtype, device)
+    model = model.to(dtype=dtype).to_empty(device=device)
     params = dict(model.named_parameters(remove_duplicate=False))
     filled: set[str] = set()
     for file, name, read in _checkpoint_tensors(path, files):
@@ -47,6 +63,9 @@ def load_model(path: str, config: ModelConfig, dtype: torch.dtype, device: torch
             continue  # tied: lm_head is the embedding matrix whatever the file says
         if name.endswith(_IGNORED_SUFFIXES) or not model.layout.holds(name):
             continue     # not needed, or another tensor-parallel rank's expert
+        if quantized is not None and quantized.claims(name):
+            filled.update(quantized.add(name, read(), file))
+            continue
         target = targets.get(name)
         if target is None:
             raise ModelLoadError(f"{file}: unexpected tensor {name!r} for {config.architecture} "
@@ -56,6 +75,8 @@ def load_model(path: str, config: ModelConfig, dtype: torch.dtype, device: torch
     if config.tie_word_embeddings or LM_HEAD not in filled:
         model.tie_embeddings()
         filled.add(LM_HEAD)
+    if quantized is not None:
+        quantized.check_complete(path)
     missing = sorted(set(targets) - filled)
     if missing:
         shown = ", ".join(missing[:5]) + (f" (+{len(missing) - 5} more)" if len(missing) > 5 else "")
@@ -66,18 +87,49 @@ def load_model(path: str, config: ModelConfig, dtype: torch.dtype, device: torch
     return model.eval()
 
 
+MMAP_THRESHOLD_BYTES = 1 << 20
+
+
+def _unmap_large_buffers() -> None:
+    """Have glibc map every allocation of 1 MiB or more on its own, so a buffer freed after a tensor is read
+    or quantized goes back to the system at once. By default glibc raises its threshold to the largest buffer
+    freed so far and serves later ones from the heap, whose freed memory stays resident: a load's transients
+    then add to its peak RSS (measured: int8 at load kept ~1x its float tensors' size resident). Linux/glibc
+    only; elsewhere nothing changes."""
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6").mallopt(-3, MMAP_THRESHOLD_BYTES)   # -3: M_MMAP_THRESHOLD
+    except (OSError, AttributeError):
+        pass
+
+
+def _quantized_linears(path: str, files: list[str], quantization: Optional[str], model: torch.nn.Module,
+                       targets: dict[str, tuple], dtype: torch.dtype, device: torch.device) -> Optional[QuantizedLinears]:
+    """The quantized projections of this load (their float weights released before allocation), or None."""
+    if quantization not in SAFETENSORS_METHODS:
+        return None
+    try:
+        spec = quant_spec(quantization, checkpoint_quantization(path), path)
+    except QuantizationError as e:
+        raise ModelLoadError(str(e)) from None
+    names = [name for _, name, _ in _checkpoint_tensors(path, files)]
+    return QuantizedLinears(spec, model, targets, names, dtype, device)
+
+
 DUMMY_SEED = 0
 DUMMY_STD = 0.02     # transformers' usual initializer_range: activations stay finite through any depth
 
 
 def load_dummy_model(config: ModelConfig, dtype: torch.dtype, device: torch.device,
                      relayout: bool = True, seed: int = DUMMY_SEED,
-                     tp: TensorParallel | None = None) -> torch.nn.Module:
+                     tp: TensorParallel | None = None, quantization: Optional[str] = None) -> torch.nn.Module:
     """The model for `config` with deterministic random weights (`--load-format dummy`): no weight files.
 
     Norm weights are ones, everything else uniform with std DUMMY_STD, drawn parameter by parameter in
     declaration order from one CPU generator seeded with `seed` (the same weights on every run). A
-    tensor-parallel rank (`tp`) holds its shard of the same weights.
+    tensor-parallel rank (`tp`) holds its shard of the same weights. `quantization` int8: the layers are then
+    quantized in place (the float model is whole in memory first).
     """
     if tp is not None and tp.size > 1:
         return _shard_of_dummy(config, dtype, device, relayout, seed, tp)
@@ -97,6 +149,8 @@ def load_dummy_model(config: ModelConfig, dtype: torch.dtype, device: torch.devi
                 values = torch.rand(param.shape, generator=generator, dtype=torch.float32) * 2 - 1
                 param.copy_(values.mul_(half_width))
     bind_experts(model)
+    if quantization == "int8":
+        quantize_int8_in_place(model, dtype)
     if relayout:
         model.optimize_layout()
     return model.eval()
@@ -126,24 +180,71 @@ def checkpoint_files(path: str) -> list[str]:
 
 
 def _checkpoint_tensors(path: str, files: list[str]) -> Iterator[tuple[str, str, Callable[[], torch.Tensor]]]:
-    """(file, tensor name, reader) for every tensor; a reader returns that tensor on CPU."""
+    """(file, tensor name, reader) for every tensor; a reader returns that tensor on CPU.
+
+    Tensors are read with plain file reads, not through a memory map: the pages of a mapped file count in
+    the process's RSS while it stays mapped, which would double the peak RSS of a load (the whole file
+    mapped next to the weights copied out of it).
+    """
     for file in files:
         full = os.path.join(path, file)
+        header, data_start = _read_header(full)
+        with open(full, "rb") as fh:
+            for name, entry in header.items():
+                yield full, name, _reader(fh, full, name, entry, data_start)
+
+
+_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+           "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+           "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2}
+
+
+def _read_header(file: str) -> tuple[dict, int]:
+    """(name -> {dtype, shape, data_offsets}, offset of the data) of a safetensors file, every entry checked
+    against the file's size."""
+    def corrupt(why: str) -> ModelLoadError:
+        return ModelLoadError(f"{file}: corrupt or truncated safetensors file: {why}")
+    try:
+        size = os.path.getsize(file)
+        with open(file, "rb") as fh:
+            length = int.from_bytes(fh.read(8), "little")
+            if length <= 0 or 8 + length > size:
+                raise corrupt(f"header length {length} does not fit a {size}-byte file")
+            header = json.loads(fh.read(length))
+    except (OSError, ValueError) as e:
+        raise corrupt(str(e)) from e
+    if not isinstance(header, dict):
+        raise corrupt("the header is not a JSON object")
+    header.pop("__metadata__", None)
+    data_bytes = size - 8 - length
+    for name, entry in header.items():
         try:
-            handle = safe_open(full, framework="pt", device="cpu")
-        except Exception as e:  # safetensors raises its own error type for bad headers / short files
-            raise ModelLoadError(f"{full}: corrupt or truncated safetensors file: {e}") from e
-        with handle:
-            for name in handle.keys():
-                yield full, name, _reader(handle, full, name)
+            start, end = entry["data_offsets"]
+            count = 1
+            for dim in entry["shape"]:
+                count *= int(dim)
+            itemsize = torch.empty(0, dtype=_DTYPES[entry["dtype"]]).element_size()
+        except (KeyError, TypeError, ValueError) as e:
+            raise corrupt(f"bad entry for {name!r}: {e}") from e
+        if not 0 <= start <= end <= data_bytes or end - start != count * itemsize:
+            raise corrupt(f"tensor {name!r} lies at bytes {start}..{end} of {data_bytes}")
+    return header, 8 + length
 
 
-def _reader(handle, file: str, name: str) -> Callable[[], torch.Tensor]:
+def _reader(fh, file: str, name: str, entry: dict, data_start: int) -> Callable[[], torch.Tensor]:
     def read() -> torch.Tensor:
+        start, end = entry["data_offsets"]
+        dtype, shape = _DTYPES[entry["dtype"]], [int(d) for d in entry["shape"]]
+        if end == start:
+            return torch.empty(shape, dtype=dtype)
+        buffer = bytearray(end - start)
         try:
-            return handle.get_tensor(name)
-        except Exception as e:
+            fh.seek(data_start + start)
+            if fh.readinto(buffer) != len(buffer):
+                raise OSError("short read")
+        except OSError as e:
             raise ModelLoadError(f"{file}: cannot read tensor {name!r}: {e}") from e
+        return torch.frombuffer(buffer, dtype=dtype).view(shape)
     return read
 
 

@@ -222,7 +222,8 @@ def bind_experts(model: nn.Module) -> None:
 
 def use_expert_linear(model: nn.Module, linear: DecodeLinear) -> None:
     """Run every expert product of `model` through `linear`, a compiled kernel serving every row count
-    (paged_kernels.amx_linear_op()), keeping only the weight as it reads it.
+    (paged_kernels.amx_linear_op()), keeping only the weight as it reads it (use_decode_linear releases the
+    row-major one).
 
     For AMX CPUs in the default mode, where other products run on oneDNN's prepacked weights: an expert's
     products are small (a decode token's row; ~T*k/E rows in a prefill), where the AMX linear reads a bf16
@@ -231,9 +232,6 @@ def use_expert_linear(model: nn.Module, linear: DecodeLinear) -> None:
     for module in model.modules():
         if isinstance(module, FusedExperts):
             use_decode_linear(module, linear)
-            for expert in module.modules():
-                if isinstance(expert, Linear) and expert.serves_every_row():
-                    expert.weight.data = torch.empty(0, dtype=expert.weight.dtype)   # the packed copy serves
 
 
 def use_moe_combine(model: nn.Module, op: Optional[Callable]) -> None:

@@ -21,7 +21,7 @@ from typing import NamedTuple, Optional
 
 import torch
 
-from kvstrata.platform import cache_dir, cpu_flags_line, env
+from kvstrata.platform import cache_dir, cpu_flags_line, cpu_has_amx, cpu_has_avx2, cpu_has_avx512_bf16, env
 
 logger = logging.getLogger(__name__)
 
@@ -152,11 +152,25 @@ def _row_major(weight: torch.Tensor) -> torch.Tensor:
     return weight
 
 
+def decode_linear_variant(every_row: bool = False) -> Optional[str]:
+    """Which bf16 GEMV this CPU's build has, read from the platform probes (the library is built with
+    -march=native, so its variants follow the CPU's flags): "amx" (AMX tiles, asked for with `every_row`: every
+    row count, on a packed copy of the weight), "row_major" (AVX-512 BF16: reads the weight as it is; decode
+    rows, or every row count with `every_row`), "packed" (AVX2 + FMA: every row count, on a packed copy), or
+    None. layers.use_decode_linear keeps one copy of each weight whichever it is."""
+    if every_row and cpu_has_amx():
+        return "amx"
+    if cpu_has_avx512_bf16():
+        return "row_major"
+    return "packed" if cpu_has_avx2() else None
+
+
 def decode_linear_op(every_row: bool = False) -> Optional[DecodeLinear]:
-    """The bf16 GEMV of this CPU's build (AVX-512 BF16: decode rows, or every product with `every_row`, as
-    batch-invariant mode needs, on AMX tiles where the CPU has them (linear_amx.cpp); AVX2: every product),
-    or None."""
-    amx = amx_linear_op() if every_row else None
+    """The bf16 GEMV of this CPU's build (decode_linear_variant: AVX-512 BF16: decode rows, or every product
+    with `every_row`, as batch-invariant mode needs, on AMX tiles where the CPU has them (linear_amx.cpp);
+    AVX2: every product), or None."""
+    variant = decode_linear_variant(every_row)
+    amx = amx_linear_op() if variant == "amx" else None
     if amx is not None:
         return amx
     row_major = _bf16_op("decode_linear")

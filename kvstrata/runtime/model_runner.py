@@ -93,9 +93,11 @@ class ModelRunner:
         self.model_path = resolve_model_path(args.model_path)
         self.config = ModelConfig.from_path(self.model_path)
         if args.load_format == "dummy":
-            self.model = load_dummy_model(self.config, self.dtype, self.device, relayout=False, tp=self.tp)
+            self.model = load_dummy_model(self.config, self.dtype, self.device, relayout=False, tp=self.tp,
+                                          quantization=args.quantization)
         else:
-            self.model = load_model(self.model_path, self.config, self.dtype, self.device, relayout=False, tp=self.tp)
+            self.model = load_model(self.model_path, self.config, self.dtype, self.device, relayout=False, tp=self.tp,
+                                    quantization=args.quantization)
         if args.enable_deterministic_inference:
             make_batch_invariant(self.model)
         self.context_len = args.context_length or self.config.max_position_embeddings
@@ -164,6 +166,8 @@ class ModelRunner:
             amx = amx_linear_op()
             if amx is not None:
                 use_expert_linear(self.model, amx)   # small products: the AMX linear beats oneDNN there
+            if gemv is not None:
+                use_decode_linear(self.model, gemv)  # decode rows of what oneDNN does not take (a tied lm_head)
             use_onednn_weights(self.model)
         elif gemv is not None:
             use_decode_linear(self.model, gemv)

@@ -14,7 +14,13 @@ from torch import nn
 
 
 class QuantizedWeight(nn.Module):
-    """An `[out_features, in_features]` weight in a quantized format, with the product `x @ W.T`."""
+    """An `[out_features, in_features]` weight in a quantized format, with the product `x @ W.T`.
+
+    `batch_invariant` is set by layers.make_batch_invariant: a format whose kernel is not row-invariant by
+    construction then computes every row the same way whatever the batch (as the float Linears do).
+    """
+
+    batch_invariant: bool = False
 
     def __init__(self, in_features: int, out_features: int):
         super().__init__()
