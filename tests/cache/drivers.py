@@ -12,6 +12,10 @@ from kvstrata.runtime.req import Req
 from kvstrata.runtime.sampling_params import SamplingParams
 from tests.cache.stack import LAYERS, make_cache
 
+# Engine settings that push a short multi-turn workload through L1 evictions into L2 (tiny model).
+SMALL_TIERS = {"enable_hierarchical_cache": True, "hicache_ratio": 6, "max_total_tokens": 160,
+               "chunked_prefill_size": 32}
+
 
 def make_manager(page_size: int, device_pages: int, context: int = 128, **fields) -> KVCacheManager:
     """A cache facade over a small CPU pool; `fields`: ServerArgs fields (tiers, --kv-run-spare-tokens)."""

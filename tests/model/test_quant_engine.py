@@ -5,10 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-from tests.cache.drivers import run_conversations
+from tests.cache.drivers import SMALL_TIERS, run_conversations
 from tests.model.quant_ckpt import write_quantized
 from tests.runtime.helpers import assert_idle_integrity, make_engine
-from tests.runtime.test_moe_engine import SMALL_TIERS
 
 
 @pytest.fixture(scope="module")

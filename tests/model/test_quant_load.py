@@ -17,10 +17,9 @@ from kvstrata.model.loader import load_model
 from kvstrata.model.quant import fp8, int8
 from kvstrata.model.quant.base import QuantizedWeight
 from kvstrata.model.quant.int4 import Int4Weight
-from tests.model.forward_batch import PagedSequences
+from tests.model.forward_batch import PagedSequences, make_pool
 from tests.model.hf_ckpt import edit_checkpoint
 from tests.model.quant_ckpt import FORMATS, write_quantized
-from tests.model.test_llama_vs_hf import make_pool
 
 CPU = torch.device("cpu")
 PROMPTS = [list(range(5, 40)), [7, 8, 9, 300, 2], [1000, 3, 3, 3]]

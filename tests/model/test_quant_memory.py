@@ -15,7 +15,7 @@ from safetensors.torch import save_file
 from kvstrata import platform
 from kvstrata.model.layers import Linear, onednn_weights_apply, use_decode_linear, use_onednn_weights
 from kvstrata.model.paged_kernels import DecodeLinear, decode_linear_variant
-from tests.test_platform import KINDS
+from tests.cpu_kinds import KINDS
 
 # kind: (the GEMV variant in the default mode, in deterministic mode)
 VARIANTS = {"zen3": ("packed", "packed"), "zen4": ("row_major", "row_major"), "xeon": ("row_major", "amx")}

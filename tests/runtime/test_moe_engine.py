@@ -10,16 +10,13 @@ import pytest
 
 from kvstrata.cache.storage_io import model_identity
 from kvstrata.model.builtin import resolve_model_path
-from tests.cache.drivers import run_conversations
+from tests.cache.drivers import SMALL_TIERS, run_conversations
 from tests.cache.snapshot_turns import L2, first_round, turn
 from tests.model.hf_ckpt import write_servable_moe_checkpoint
 from tests.runtime.determinism import check_alone_equals_in_batches
 from tests.runtime.helpers import NUMERIC_DTYPES, assert_idle_integrity, make_engine
 
 # A pool the conversations overflow, so turns load their history back from L2 (or L3).
-SMALL_TIERS = {"enable_hierarchical_cache": True, "hicache_ratio": 6, "max_total_tokens": 160,
-               "chunked_prefill_size": 32}
-
 
 @pytest.fixture(scope="module")
 def moe_model(tmp_path_factory) -> str:
