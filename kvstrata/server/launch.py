@@ -89,7 +89,7 @@ def serve(args: ServerArgs) -> int:
     from kvstrata.server.scheduler_client import SchedulerClient
     from kvstrata.server.scheduler_watch import SchedulerWatch
 
-    sock = _bind(args.host, args.port)
+    sock = bind_http_socket(args.host, args.port)
     remove_stale_ipc_dirs()
     ipc_dir = tempfile.mkdtemp(prefix=f"{IPC_PREFIX}{os.getpid()}-")   # 0700: the IPC sockets carry pickles
     os.chmod(ipc_dir, 0o700)          # whatever the platform's mkdtemp did
@@ -264,8 +264,12 @@ def _die_with_parent(parent_pid: int) -> None:
         os._exit(1)
 
 
-def _bind(host: str, port: int) -> socket.socket:
-    """Bind the HTTP socket before loading the model, so that a busy port fails fast."""
+def bind_http_socket(host: str, port: int) -> socket.socket:
+    """Bind the HTTP socket before loading the model, so that a busy port fails fast; listen only later.
+
+    uvicorn listens on it once the scheduler is ready. Until then a client (a readiness probe during a
+    multi-GB L2 snapshot load) gets "connection refused" at once, not a connection that nobody answers.
+    """
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -274,7 +278,6 @@ def _bind(host: str, port: int) -> socket.socket:
     except OSError as e:
         sock.close()
         raise SystemExit(f"error: cannot listen on {host}:{port}: {e.strerror}") from None
-    sock.listen(2048)
     sock.set_inheritable(False)
     return sock
 

@@ -118,3 +118,26 @@ def test_file_l3_has_a_default_capacity_and_the_http_process_still_has_no_torch(
         assert "libtorch" not in maps and "libc10" not in maps
     finally:
         stop_server(handle)
+
+
+def test_the_http_port_is_held_but_refuses_connections_until_the_server_is_ready():
+    """Bound before the model loads (a busy port fails fast), listening only when the app serves: a probe
+    during a long load is refused at once instead of hanging on a connection nobody accepts."""
+    import socket
+
+    from kvstrata.server.launch import bind_http_socket
+
+    port = free_port()
+    held = bind_http_socket("127.0.0.1", port)
+    try:
+        with pytest.raises(ConnectionRefusedError):
+            socket.create_connection(("127.0.0.1", port), timeout=2).close()
+        rival = socket.socket()
+        rival.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        rival.bind(("127.0.0.1", port))        # SO_REUSEADDR lets a non-listening bind share the port ...
+        rival.listen(1)
+        with pytest.raises(SystemExit, match=f"cannot listen on 127.0.0.1:{port}"):
+            bind_http_socket("127.0.0.1", port)   # ... but a port someone listens on is refused
+        rival.close()
+    finally:
+        held.close()
