@@ -111,9 +111,13 @@ def make_batch_invariant(model: nn.Module) -> None:
     compiled GEMV that serves every row count (`use_decode_linear` with `decode_linear_op(every_row=True)`,
     row-invariant by construction) takes the bf16 products before that.
     """
+    from kvstrata.model.quant.base import QuantizedWeight
+
     for module in model.modules():
         if isinstance(module, Linear):
             module.min_rows = BATCH_INVARIANT_MIN_ROWS
+            module.batch_invariant = True
+        elif isinstance(module, QuantizedWeight):
             module.batch_invariant = True
 
 

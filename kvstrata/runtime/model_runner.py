@@ -17,6 +17,7 @@ from kvstrata.memory.req_slots import ReqSlotTable
 from kvstrata.model.builtin import resolve_model_path
 from kvstrata.model.config import ModelConfig
 from kvstrata.model.forward_meta import ForwardMetadata
+from kvstrata.model.gguf import gguf_file, is_gguf, load_gguf_model
 from kvstrata.model.layers import (
     make_batch_invariant,
     onednn_weights_apply,
@@ -34,12 +35,14 @@ from kvstrata.model.paged_kernels import (
     decode_attention_op,
     decode_linear_op,
     extend_attention_op,
+    gguf_ops,
     moe_combine_op,
     norm_ops,
     paged_attention_op,
     rope_op,
     silu_and_mul_op,
 )
+from kvstrata.model.quant.gguf_weight import use_gguf_kernels
 from kvstrata.model.rope import use_rope_kernel
 from kvstrata.runtime.batch import ScheduledBatch, StepResult
 from kvstrata.runtime.sampler import Sampler
@@ -67,6 +70,8 @@ class ModelRunner:
         self.config = ModelConfig.from_path(self.model_path)
         if args.load_format == "dummy":
             self.model = load_dummy_model(self.config, self.dtype, self.device, relayout=False)
+        elif is_gguf(args.model_path):
+            self.model = load_gguf_model(gguf_file(args.model_path), self.config, self.dtype, self.device)
         else:
             self.model = load_model(self.model_path, self.config, self.dtype, self.device, relayout=False)
         if args.enable_deterministic_inference:
@@ -124,6 +129,7 @@ class ModelRunner:
         use_fused_norms(self.model, norm_ops())
         use_rope_kernel(self.model, rope_op())
         use_moe_combine(self.model, moe_combine_op())
+        use_gguf_kernels(self.model, gguf_ops())
         if self.dtype == torch.bfloat16:
             use_fused_activation(self.model, silu_and_mul_op())
         deterministic = self.args.enable_deterministic_inference

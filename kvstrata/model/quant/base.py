@@ -16,6 +16,9 @@ from torch import nn
 class QuantizedWeight(nn.Module):
     """An `[out_features, in_features]` weight in a quantized format, with the product `x @ W.T`."""
 
+    # Set by layers.make_batch_invariant: a row's result must then not depend on the row count either.
+    batch_invariant = False
+
     def __init__(self, in_features: int, out_features: int):
         super().__init__()
         self.in_features = in_features
