@@ -112,6 +112,8 @@ def make_batch_invariant(model: nn.Module) -> None:
     row-invariant by construction) takes the bf16 products before that. Quantized weights are told too
     (QuantizedWeight.batch_invariant).
     """
+    from kvstrata.model.quant.base import QuantizedWeight
+
     for module in model.modules():
         if isinstance(module, Linear):
             module.min_rows = BATCH_INVARIANT_MIN_ROWS

@@ -215,6 +215,20 @@ def norm_ops():
     return NormOps(torch.ops.kvstrata.rms_norm, torch.ops.kvstrata.add_rms_norm)
 
 
+def gguf_ops():
+    """The GGUF block kernels (quant_gguf.cpp) as a quant.gguf_weight.GGUFKernels, or None (torch path)."""
+    from kvstrata.model.quant.gguf_weight import GGUFKernels
+
+    if not _loaded():
+        return None
+    return GGUFKernels(torch.ops.kvstrata.gguf_gemv, torch.ops.kvstrata.gguf_dequantize)
+
+
+def gguf_variants() -> list[int]:
+    """The instruction-set variants of the GGUF GEMV in this build (1 portable, 2 AVX2, 3 AVX-512), or []."""
+    return list(torch.ops.kvstrata.gguf_variants()) if _loaded() else []
+
+
 if __name__ == "__main__":   # `python -m kvstrata.model.paged_kernels`: build (or find) the kernel now
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     print("CPU kernels:", "ready" if _loaded() else "unavailable (torch path)")

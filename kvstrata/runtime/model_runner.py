@@ -18,6 +18,7 @@ from kvstrata.memory.req_slots import ReqSlotTable
 from kvstrata.model.builtin import resolve_model_path
 from kvstrata.model.config import ModelConfig
 from kvstrata.model.forward_meta import ForwardMetadata
+from kvstrata.model.gguf import gguf_file, is_gguf, load_gguf_model
 from kvstrata.model.layers import (
     make_batch_invariant,
     onednn_weights_apply,
@@ -35,6 +36,7 @@ from kvstrata.model.paged_kernels import (
     decode_attention_op,
     decode_linear_op,
     extend_attention_op,
+    gguf_ops,
     moe_combine_op,
     norm_ops,
     paged_attention_op,
@@ -42,6 +44,7 @@ from kvstrata.model.paged_kernels import (
     silu_and_mul_op,
 )
 from kvstrata.model.parallel import TensorParallel
+from kvstrata.model.quant.gguf_weight import use_gguf_kernels
 from kvstrata.model.rope import use_rope_kernel
 from kvstrata.runtime.batch import ScheduledBatch, StepResult
 from kvstrata.runtime.forward_plan import (
@@ -95,6 +98,8 @@ class ModelRunner:
         if args.load_format == "dummy":
             self.model = load_dummy_model(self.config, self.dtype, self.device, relayout=False, tp=self.tp,
                                           quantization=args.quantization)
+        elif is_gguf(args.model_path):
+            self.model = load_gguf_model(gguf_file(args.model_path), self.config, self.dtype, self.device)
         else:
             self.model = load_model(self.model_path, self.config, self.dtype, self.device, relayout=False, tp=self.tp,
                                     quantization=args.quantization)
@@ -158,6 +163,7 @@ class ModelRunner:
         use_fused_norms(self.model, norm_ops())
         use_rope_kernel(self.model, rope_op())
         use_moe_combine(self.model, moe_combine_op())
+        use_gguf_kernels(self.model, gguf_ops())
         if self.dtype == torch.bfloat16:
             use_fused_activation(self.model, silu_and_mul_op())
         deterministic = self.args.enable_deterministic_inference
