@@ -15,6 +15,7 @@ from kvstrata.model.gguf import load_gguf_model
 from kvstrata.model.layers import Linear
 from kvstrata.model.loader import load_model
 from kvstrata.model.quant.gguf_weight import GGUFEmbedding, GGUFWeight, use_gguf_kernels
+from tests.cache.drivers import SMALL_TIERS, run_conversations
 from tests.model.gguf_files import write_tiny_gguf
 from tests.runtime.helpers import assert_idle_integrity, make_engine
 
@@ -112,9 +113,6 @@ def test_unserved_tensor_type_is_a_load_error_naming_it(tmp_path):
 
 
 def test_greedy_identical_without_cache_and_with_l1_l2_l3_deterministic(tiny_files, tmp_path):
-    from tests.cache.test_hicache_engine import run_conversations
-    from tests.runtime.test_moe_engine import SMALL_TIERS
-
     path, _ = tiny_files["Q4_0"]
 
     def conversations(**kwargs):
