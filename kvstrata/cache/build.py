@@ -33,7 +33,7 @@ def build_kv_cache(config: CacheConfig, pool: DeviceKVPool, model_id: str, conte
     if host is not None and config.snapshot_path:
         from kvstrata.cache.host_snapshot import HostSnapshot
 
-        snapshot = HostSnapshot.for_engine(config.snapshot_path, model_id, str(pool.dtype), config.page_size)
+        snapshot = HostSnapshot.for_engine(config.snapshot_path, model_id, pool.kv_format.name, config.page_size)
     return KVCacheManager(allocator, slot_table, DeviceTier(tree, allocator, host), config, snapshot)
 
 
@@ -58,6 +58,7 @@ def _storage_builder(config: CacheConfig, tree: RadixTree, host_pool, pool: Devi
     group_pages = config.storage_group_pages
     backend = create_backend(config.storage_backend, group_pages * host_pool.page_bytes,
                              config.storage_extra_config, storage_dir=config.storage_dir)
-    # An object's bytes are its pages' in order, so the group size is part of the namespace.
-    namespace = kv_namespace(model_id, str(pool.dtype), tree.page_size, f"group_pages={group_pages}")
+    # An object's bytes are its pages' in order, so the group size is part of the namespace; the KV format
+    # (dtype, FP8 scales' digest) too, so a server storing another format never reads these objects.
+    namespace = kv_namespace(model_id, pool.kv_format.name, tree.page_size, f"group_pages={group_pages}")
     return functools.partial(StorageTier, tree, StorageIO(backend, host_pool, group_pages), namespace)

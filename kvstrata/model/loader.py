@@ -16,6 +16,7 @@ import torch
 from safetensors import safe_open
 
 from kvstrata.model.config import ModelConfig, ModelLoadError
+from kvstrata.model.kv_scales import is_kv_scale
 from kvstrata.model.llama import LlamaForCausalLM
 from kvstrata.model.moe import bind_experts
 
@@ -43,7 +44,7 @@ def load_model(path: str, config: ModelConfig, dtype: torch.dtype, device: torch
     for file, name, read in _checkpoint_tensors(path, files):
         if name == LM_HEAD and config.tie_word_embeddings:
             continue  # tied: lm_head is the embedding matrix whatever the file says
-        if name.endswith(_IGNORED_SUFFIXES):
+        if name.endswith(_IGNORED_SUFFIXES) or is_kv_scale(name):   # KV scales: model/kv_scales.py reads them
             continue
         target = targets.get(name)
         if target is None:
