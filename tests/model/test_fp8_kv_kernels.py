@@ -77,12 +77,11 @@ def test_decode_kernels_read_every_fp8_value_exactly(dtype, variant, kv_heads, d
 @requires_cpu_kernels
 @pytest.mark.parametrize("dtype", FP8, ids=IDS)
 @pytest.mark.parametrize("variant", range(len(DECODE_OPS)), ids=[o[0] for o in DECODE_OPS])
-@pytest.mark.parametrize("heads,kv_heads,dim", [(8, 2, 64), (4, 4, 128), (6, 2, 32), (4, 2, 16)],
-                         ids=["gqa-64", "mha-128", "gqa3-32", "gqa-16"])
+@pytest.mark.parametrize("heads,kv_heads,dim", [(8, 2, 64), (4, 4, 128), (6, 2, 32)], ids=["gqa-64", "mha-128", "gqa3-32"])
 def test_decode_kernels_match_the_torch_reference(dtype, variant, heads, kv_heads, dim):
     name, op, qdtype, tolerance = DECODE_OPS[variant]
     k, v = fp8_pool(dtype, 2048, kv_heads, dim)
-    lens = [1, 17, 256, 257, 700]
+    lens = [1, 17, 257, 600]
     perm = torch.randperm(2047, generator=torch.Generator().manual_seed(1)) + 1
     seq_slots = [perm[i * 300:][:n] for i, n in enumerate(lens)]
     slots = torch.nn.utils.rnn.pad_sequence(seq_slots, batch_first=True, padding_value=0)
