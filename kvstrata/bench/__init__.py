@@ -14,6 +14,7 @@ BENCHMARKS["upgrade"] = "kvstrata.bench.upgrade_bench"
 BENCHMARKS["pd"] = "kvstrata.bench.pd_bench"
 BENCHMARKS["dashboard"] = "kvstrata.bench.dashboard_overhead"
 BENCHMARKS["restart"] = "kvstrata.bench.restart_bench"
+BENCHMARKS["quality"] = "kvstrata.bench.quality"   # perplexity and greedy agreement per KV cache dtype
 
 
 def main(argv: list[str]) -> int:
