@@ -75,7 +75,7 @@ struct ExtendTileAmx {
     for (int64_t j = 0; j < count; ++j) {
       const int64_t at = slots[first + j] * row + kvh * D;
       if constexpr (std::is_same_v<KV, uint16_t>) std::memcpy(k + j * D, k_buf + at, sizeof(uint16_t) * D);
-      else for (int64_t c = 0; c < D; ++c) k[j * D + c] = as_bf16_bits(k_buf[at + c]);
+      else widen_to_bf16(k_buf + at, k + j * D, D);
       for (int64_t c = 0; c < D; ++c) v[c * KB + j] = as_bf16_bits(v_buf[at + c]);
     }
   }

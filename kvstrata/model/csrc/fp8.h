@@ -122,4 +122,14 @@ inline __m512 load16_fp8(const F* p) {
 }
 #endif
 
+#ifdef __AVX512BF16__
+// n FP8 values (n a multiple of 16) as bf16 bits at dst (exact).
+template <typename F>
+inline void widen_to_bf16(const F* src, uint16_t* dst, int64_t n) {
+  for (int64_t c = 0; c < n; c += 16)
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + c),
+                        reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(load16_fp8(src + c))));
+}
+#endif
+
 }  // namespace kvstrata_cpu

@@ -530,6 +530,35 @@ void attend_tile_bf16(const uint16_t* q, const KV* k_buf, const KV* v_buf, const
   }
 }
 
+// An FP8 tile: its K and V rows (every KV head) widened once into bf16 scratch (exact), then the bf16 tile
+// runs on the scratch rows. Each FP8 byte is read from the pool and converted once, not once per query
+// head of its group, and the bf16 tile's arithmetic is unchanged (the same bits as a bf16 pool holding the
+// widened values).
+template <typename KV>
+void widen_rows_bf16(const KV* buf, const int64_t* slots, int64_t count, int64_t W, uint16_t* out) {
+  for (int64_t j = 0; j < count; ++j) {
+    if (j + 4 < count) _mm_prefetch(reinterpret_cast<const char*>(buf + slots[j + 4] * W), _MM_HINT_T0);
+    kvstrata_cpu::widen_to_bf16(buf + slots[j] * W, out + j * W, W);   // W = kv_heads * D, a multiple of 16
+  }
+}
+
+template <int64_t D, typename KV>
+void attend_tile_fp8(const uint16_t* q, const KV* k_buf, const KV* v_buf, const int64_t* slots, int64_t first,
+                     int64_t count, float scale_log2, const Shape& s, float* partial) {
+  const int64_t W = s.kv_stride;
+  thread_local std::vector<uint16_t> keys, values;
+  thread_local std::vector<int64_t> rows;
+  if (static_cast<int64_t>(rows.size()) < count) {
+    rows.resize(count);
+    for (int64_t j = 0; j < count; ++j) rows[j] = j;
+  }
+  keys.resize(std::max<size_t>(keys.size(), count * W));
+  values.resize(keys.size());
+  widen_rows_bf16(k_buf, slots + first, count, W, keys.data());
+  widen_rows_bf16(v_buf, slots + first, count, W, values.data());
+  attend_tile_bf16<D, uint16_t>(q, keys.data(), values.data(), rows.data(), 0, count, scale_log2, s, partial);
+}
+
 template <int64_t D, typename KV>
 void run_bf16(const at::Tensor& q, const at::Tensor& k_buf, const at::Tensor& v_buf, const at::Tensor& slots,
               const at::Tensor& row_seq, const at::Tensor& lens, double scale, at::Tensor& out) {
@@ -539,8 +568,11 @@ void run_bf16(const at::Tensor& q, const at::Tensor& k_buf, const at::Tensor& v_
   const float scale_log2 = static_cast<float>(scale * 1.4426950408889634);
   run<c10::BFloat16>(q, k_buf, slots, row_seq, lens, out,
                      [&](const c10::BFloat16* qr, const int64_t* sr, int64_t first, int64_t count, float* partial) {
-                       attend_tile_bf16<D, KV>(reinterpret_cast<const uint16_t*>(qr), kp, vp, sr, first, count,
-                                               scale_log2, s, partial);
+                       const auto* qb = reinterpret_cast<const uint16_t*>(qr);
+                       if constexpr (kvstrata_cpu::is_fp8<KV>::value)
+                         attend_tile_fp8<D, KV>(qb, kp, vp, sr, first, count, scale_log2, s, partial);
+                       else
+                         attend_tile_bf16<D, KV>(qb, kp, vp, sr, first, count, scale_log2, s, partial);
                      });
 }
 
