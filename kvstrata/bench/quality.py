@@ -6,8 +6,10 @@ over the bf16 model) one engine computes, with the prefix cache off:
     log-probability given the window before it (input_token_logprobs), so every key and value it attends
     has passed through the KV cache's format;
   * greedy continuations of --prompts prompts (slices of the same text) for --tokens tokens each.
-Reported against the bf16 KV run: perplexity and its relative change, and greedy agreement, both as the
-share of positions whose token equals bf16's and as the mean share before the first difference.
+Reported against the bf16 KV run: perplexity and its relative change, and greedy agreement, as the share of
+positions whose token equals bf16's and as the mean share before the first difference (free-running: one
+differing token changes the rest of the continuation), and teacher-forced: each setting reads the prompt plus
+bf16's continuation, and its greedy choice at every position is compared with bf16's token there.
 """
 
 from __future__ import annotations
@@ -33,8 +35,9 @@ def _prompts(ids: list[int], count: int, length: int) -> list[list[int]]:
     return [ids[i * step:i * step + length] for i in range(count)]
 
 
-def measure(args, label: str) -> dict:
-    """Perplexity and greedy continuations of one KV setting."""
+def measure(args, label: str, reference: list[list[int]] | None = None) -> dict:
+    """Perplexity and greedy continuations of one KV setting; with `reference` (the bf16 run's continuations),
+    also its greedy choices with those continuations forced."""
     import kvstrata
 
     dtype, kv = SETTINGS[label]
@@ -49,8 +52,18 @@ def measure(args, label: str) -> dict:
         nll, count = -sum(logprobs), len(logprobs)
         greedy = {"max_new_tokens": args.tokens, "temperature": 0, "ignore_eos": True}
         outputs = engine.generate(input_ids=_prompts(ids, args.prompts, args.prompt_tokens), sampling_params=greedy)
+
+        prompts = _prompts(ids, args.prompts, args.prompt_tokens)
+        forced = None
+        if reference is not None:
+            scored = engine.generate(input_ids=[p + r for p, r in zip(prompts, reference)],
+                                     sampling_params={"max_new_tokens": 1, "temperature": 0}, return_logprob=True,
+                                     logprob_start_len=args.prompt_tokens - 1, top_logprobs_num=1)
+            # entry 0: the prompt's last token (no distribution); entry j: the one that chose continuation token j-1
+            forced = [[top[0][1] for top in out["meta_info"]["input_top_logprobs"][1:1 + len(r)]]
+                      for out, r in zip(scored, reference)]
         return {"perplexity": math.exp(nll / count), "scored_tokens": count,
-                "greedy": [o["output_ids"] for o in outputs]}
+                "greedy": [o["output_ids"] for o in outputs], "forced": forced}
     finally:
         engine.shutdown()
 
@@ -83,12 +96,13 @@ def main(argv: list[str] | None = None) -> int:
     unknown = [label for label in labels if label not in SETTINGS]
     if unknown:
         p.error(f"unknown --kv setting(s) {unknown}; choose from {list(SETTINGS)}")
-    results = {label: measure(args, label) for label in labels}
-    ref = results[labels[0]]
+    ref = measure(args, labels[0])
+    results = {labels[0]: ref, **{label: measure(args, label, ref["greedy"]) for label in labels[1:]}}
     report = {}
     for label, r in results.items():
         same, prefix = agreement(r["greedy"], ref["greedy"])
-        report[label] = {"perplexity": round(r["perplexity"], 4),
+        forced = agreement(r["forced"], ref["greedy"])[0] if r["forced"] is not None else 1.0
+        report[label] = {"perplexity": round(r["perplexity"], 4), "teacher_forced_agreement": round(forced, 4),
                          "perplexity_change": round(r["perplexity"] / ref["perplexity"] - 1, 5),
                          "greedy_agreement": round(same, 4), "greedy_prefix_agreement": round(prefix, 4),
                          "scored_tokens": r["scored_tokens"]}
@@ -97,10 +111,10 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     print(f"model {args.model_path}: perplexity over {ref['scored_tokens']} tokens of corpus.txt (windows of "
           f"{args.window}); greedy {args.prompts} prompts x {args.tokens} tokens, against {labels[0]} KV")
-    print(f"{'KV':>10} {'perplexity':>11} {'change':>8} {'greedy agree':>13} {'before 1st diff':>16}")
+    print(f"{'KV':>10} {'perplexity':>11} {'change':>8} {'greedy agree':>13} {'before 1st diff':>16} {'forced':>8}")
     for label, r in report.items():
         print(f"{label:>10} {r['perplexity']:>11.4f} {r['perplexity_change']:>+8.2%} {r['greedy_agreement']:>13.1%} "
-              f"{r['greedy_prefix_agreement']:>16.1%}")
+              f"{r['greedy_prefix_agreement']:>16.1%} {r['teacher_forced_agreement']:>8.1%}")
     return 0
 
 
