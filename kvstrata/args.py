@@ -49,6 +49,7 @@ MEM_LAYOUTS = ["layer_first", "page_first"]
 STORAGE_BACKENDS = ["file", "mooncake"]
 PREFETCH_POLICIES = ["best_effort", "wait_complete", "timeout"]
 DTYPES = ["auto", "bfloat16", "float32", "float16", "half", "float"]
+KV_CACHE_DTYPES = ["auto", "fp8_e4m3", "fp8_e5m2"]      # memory/kv_format.py's (SGLang's names)
 _DTYPE_ALIASES = {"half": "float16", "float": "float32"}     # SGLang's (and vLLM's) short names
 LOAD_FORMATS = ["auto", "safetensors", "gguf", "dummy"]
 TOOL_CALL_PARSERS = ["hermes", "qwen", "qwen25", "qwen3", "llama3"]
@@ -104,7 +105,12 @@ class ServerArgs:
     served_model_name: Optional[str] = field(default=None, metadata=_opt(
         "Model name reported by the API (default: model path)."))
     dtype: str = field(default="auto", metadata=_opt(
-        "Weight and KV dtype. 'auto': bfloat16 on CUDA and on CPUs with AVX-512 BF16/AMX, else float32.", DTYPES))
+        "Weight dtype, and the KV dtype unless --kv-cache-dtype says otherwise. 'auto': bfloat16 on CUDA and on CPUs "
+        "with AVX-512 BF16/AMX, else float32.", DTYPES))
+    kv_cache_dtype: str = field(default="auto", metadata=_opt(
+        "KV cache dtype in every tier (device pool, host pool, L3 objects, L2 snapshot, PD transfer): 'auto' = "
+        "--dtype; fp8_e4m3 / fp8_e5m2 store half the bytes of bf16 (twice the tokens per byte), scaled by the "
+        "checkpoint's per-layer k_scale / v_scale where it has them, else 1.0.", KV_CACHE_DTYPES))
     context_length: Optional[int] = field(default=None, metadata=_opt(
         "Maximum context length (default: the model's max_position_embeddings)."))
     device: str = field(default="auto", metadata=_opt("Device: 'auto', 'cpu' or 'cuda'.", ["auto", "cpu", "cuda"]))
@@ -291,9 +297,6 @@ class ServerArgs:
         None, "speculative decoding is not implemented", "EAGLE top-k (not supported)."))
     speculative_num_draft_tokens: Optional[int] = field(default=None, metadata=_only(
         None, "speculative decoding is not implemented", "Draft tokens (not supported)."))
-    kv_cache_dtype: str = field(default="auto", metadata=_only(
-        "auto", "an FP8 or other KV cache dtype is not supported yet: the KV cache uses the model dtype "
-        "(--dtype)", "KV cache dtype (only auto: the model dtype)."))
     lora_paths: tuple[str, ...] = field(default=(), metadata=_only(
         (), "LoRA adapters are not supported", "LoRA adapters (not supported)."))
     enable_lora: bool = field(default=False, metadata=_only(False, "LoRA adapters are not supported",

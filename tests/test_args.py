@@ -114,7 +114,7 @@ def test_every_common_sglang_flag_parses_and_is_implemented_ignored_or_refused_w
     by_flag = dict(refused)
     assert set(by_flag) == {
         "--is-embedding", "--enable-multimodal", "--skip-tokenizer-init", "--json-model-override-args",
-        "--kv-cache-dtype", "--schedule-policy", "--nnodes", "--node-rank", "--pp-size", "--dp-size", "--dp", "--ep-size", "--enable-dp-attention",
+        "--schedule-policy", "--nnodes", "--node-rank", "--pp-size", "--dp-size", "--dp", "--ep-size", "--enable-dp-attention",
         "--grammar-backend", "--cpu-offload-gb", "--enable-lora", "--lora-paths", "--enable-lmcache",
         "--speculative-algorithm", "--speculative-draft-model-path", "--speculative-num-steps",
         "--speculative-eagle-topk", "--speculative-num-draft-tokens", "--moe-runner-backend", "--moe-a2a-backend",
@@ -123,7 +123,9 @@ def test_every_common_sglang_flag_parses_and_is_implemented_ignored_or_refused_w
     assert "--node-rank must be in 0..0" in by_flag["--node-rank"]
     assert "--ep-size 8 must be 1 or --tp-size (1)" in by_flag["--ep-size"]
     # --quantization fp8 is a real choice now, checked against the checkpoint at resolve() (tests/model/test_quant_load.py)
-    assert "--kv-cache-dtype fp8_e5m2 cannot be honoured" in by_flag["--kv-cache-dtype"]
+    assert ServerArgs.from_cli_args(parser.parse_args(["--kv-cache-dtype", "fp8_e4m3"])).kv_cache_dtype == "fp8_e4m3"
+    with pytest.raises(ConfigError, match=r"--kv-cache-dtype must be one of \['auto', 'fp8_e4m3', 'fp8_e5m2'\]"):
+        ServerArgs(kv_cache_dtype="fp4_e2m1")
     assert "--schedule-policy must be one of" in by_flag["--schedule-policy"]      # dfs-weight
     assert "--hicache-storage-backend must be one of ['file', 'mooncake'], got 'hf3fs'" in by_flag[
         "--hicache-storage-backend"]

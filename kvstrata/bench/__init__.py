@@ -16,6 +16,7 @@ BENCHMARKS["dashboard"] = "kvstrata.bench.dashboard_overhead"
 BENCHMARKS["restart"] = "kvstrata.bench.restart_bench"
 BENCHMARKS["make-dataset"] = "kvstrata.bench.make_dataset"   # a ShareGPT-format file from local text
 BENCHMARKS["cache-scale"] = "kvstrata.bench.cache_scale"     # cache CPU per step: small vs seed-sized tree
+BENCHMARKS["quality"] = "kvstrata.bench.quality"   # perplexity and greedy agreement per KV cache dtype
 
 
 def main(argv: list[str]) -> int:

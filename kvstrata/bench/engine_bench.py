@@ -56,6 +56,28 @@ def _decode_seconds(eng, prompts: list[list[int]], n: int) -> tuple[float, list[
     return seconds, ids
 
 
+def _alternating_decodes(args, variants: dict[str, dict]) -> tuple[dict[str, list[float]], dict[str, list[list[int]]]]:
+    """Seconds per round and greedy outputs of --streams streams decoding --decode-tokens at --context, on one engine
+    per variant (its ServerArgs overrides), the engines alternating round by round on the same cached prompts."""
+    engines = {name: make_engine(args, radix_cache=True, **overrides) for name, overrides in variants.items()}
+    try:
+        prompt = prompt_maker(next(iter(engines.values())).scheduler.runner.vocab_size)
+        prompts = [prompt(args.context) for _ in range(args.streams)]
+        greedy1 = {"temperature": 0, "max_new_tokens": 1, "ignore_eos": True}
+        for eng in engines.values():
+            eng.generate(input_ids=prompts, sampling_params=greedy1)   # computes the prompts into the cache
+        times: dict[str, list[float]] = {name: [] for name in engines}
+        outputs: dict[str, list[list[int]]] = {}
+        for _ in range(max(1, args.repeat)):
+            for name, eng in engines.items():
+                seconds, outputs[name] = _decode_seconds(eng, prompts, args.decode_tokens)
+                times[name].append(seconds)
+    finally:
+        for eng in engines.values():
+            eng.shutdown()
+    return times, outputs
+
+
 def bench_kv_runs(args) -> dict:
     """Decode rates of --streams streams with each request's new slots kept in runs (the default
     --kv-run-spare-tokens) and slot by slot (0), two engines alternating round by round on the same prompts.
@@ -66,27 +88,22 @@ def bench_kv_runs(args) -> dict:
     from kvstrata.args import ServerArgs
 
     spares = {"runs": ServerArgs.kv_run_spare_tokens, "slot_by_slot": 0}
-    engines = {name: make_engine(args, radix_cache=True, kv_run_spare_tokens=spare) for name, spare in spares.items()}
-    n = args.decode_tokens
-    try:
-        prompt = prompt_maker(engines["runs"].scheduler.runner.vocab_size)
-        prompts = [prompt(args.context) for _ in range(args.streams)]
-        greedy1 = {"temperature": 0, "max_new_tokens": 1, "ignore_eos": True}
-        for eng in engines.values():
-            eng.generate(input_ids=prompts, sampling_params=greedy1)   # computes the prompts into the cache
-        times: dict[str, list[float]] = {name: [] for name in engines}
-        outputs: dict[str, list[list[int]]] = {}
-        for _ in range(max(1, args.repeat)):
-            for name, eng in engines.items():
-                seconds, outputs[name] = _decode_seconds(eng, prompts, n)
-                times[name].append(seconds)
-    finally:
-        for eng in engines.values():
-            eng.shutdown()
-    rates = {name: _tok_s(args.streams * n, statistics.median(ts)) for name, ts in times.items()}
+    times, outputs = _alternating_decodes(args, {name: {"kv_run_spare_tokens": s} for name, s in spares.items()})
+    rates = {name: _tok_s(args.streams * args.decode_tokens, statistics.median(ts)) for name, ts in times.items()}
     return {"kv_run_spare_tokens": spares, "decode_tok_s": rates,
             "slot_by_slot_over_runs_time": [b / a for a, b in zip(times["runs"], times["slot_by_slot"], strict=True)],
             "same_outputs": outputs["runs"] == outputs["slot_by_slot"]}
+
+
+def bench_kv_dtype(args) -> dict:
+    """Decode rates of --streams streams with the model-dtype KV (auto) and with --compare-kv-dtype's FP8 KV, two
+    engines alternating round by round on the same prompts (FP8 reads half the KV bytes per step)."""
+    variants = {"auto": {"kv_cache_dtype": "auto"}, args.compare_kv_dtype: {"kv_cache_dtype": args.compare_kv_dtype}}
+    times, _ = _alternating_decodes(args, variants)
+    rates = {name: _tok_s(args.streams * args.decode_tokens, statistics.median(ts)) for name, ts in times.items()}
+    return {"decode_tok_s": rates, "auto_over_fp8_time": [a / b for a, b in zip(times["auto"],
+                                                                                times[args.compare_kv_dtype],
+                                                                                strict=True)]}
 
 
 def bench_kvstrata(args, deterministic: bool = False, **overrides) -> dict:
@@ -214,6 +231,9 @@ def main(argv: list[str] | None = None) -> int:
                         "device pool (L1), only in the host tier (L2, loaded back layer by layer) and uncached")
     p.add_argument("--suffix", type=int, default=256,
                    help="new tokens after the prefix, for --load-back and for --profile's extend step (0: none)")
+    p.add_argument("--compare-kv-dtype", default=None, choices=["fp8_e4m3", "fp8_e5m2"],
+                   help="instead of the rates: --streams streams decoding with the model-dtype KV and with this FP8 "
+                        "KV (--kv-cache-dtype), two engines alternating")
     p.add_argument("--compare-kv-runs", action="store_true",
                    help="instead of the rates: --streams streams decoding with their new KV slots in runs (default "
                         "--kv-run-spare-tokens) and slot by slot (0), two engines alternating; try a long "
@@ -241,6 +261,14 @@ def main(argv: list[str] | None = None) -> int:
         result = bench_load_back(args)
         print(json.dumps(result, indent=2))
         print(format_load_back(result, args))
+        return 0
+    if args.compare_kv_dtype:
+        result = bench_kv_dtype(args)
+        print(json.dumps(result, indent=2))
+        rates, fp8 = result["decode_tok_s"], args.compare_kv_dtype
+        print(f"\nkvstrata: {args.streams} streams x {args.decode_tokens} tokens at context {args.context}: KV auto "
+              f"{rates['auto']:.1f} tok/s | {fp8} {rates[fp8]:.1f} tok/s | {fp8} / auto: {rates[fp8] / rates['auto']:.2f}x "
+              f"(per round: {' '.join(f'{r:.2f}' for r in result['auto_over_fp8_time'])})")
         return 0
     if args.compare_kv_runs:
         result = bench_kv_runs(args)

@@ -191,6 +191,7 @@ def run(args: argparse.Namespace, url: str) -> dict:
         "rounds": accounting.per_round(outcome.records),
         "tiers": accounting.tier_metrics(before, after),
         "cache": accounting.cache_report(before, after),
+        "kv_cache": ((after or {}).get("internal_states") or [{}])[0].get("kv_cache"),   # dtype, tokens per tier
         "errors": sorted({r.error for r in outcome.records if r.error})[:10],
     }
 

@@ -39,7 +39,7 @@ def build_kv_cache(config: CacheConfig, pool: DeviceKVPool, model_id: str, conte
     if host is not None and config.snapshot_path:
         from kvstrata.cache.host_snapshot import HostSnapshot
 
-        snapshot = HostSnapshot.for_engine(config.snapshot_path, model_id, str(pool.dtype), config.page_size,
+        snapshot = HostSnapshot.for_engine(config.snapshot_path, model_id, pool.kv_format.name, config.page_size,
                                            config.weights_namespace())
     if config.block_events:
         tree.events = _block_events(config, pool, model_id, host is not None)
@@ -51,7 +51,7 @@ def _page_group_namespace(config: CacheConfig, pool: DeviceKVPool, model_id: str
     from kvstrata.cache.storage_io import kv_namespace
 
     # An object's bytes are its pages' in order, so the group size is part of the namespace.
-    return kv_namespace(model_id, str(pool.dtype), config.page_size,
+    return kv_namespace(model_id, pool.kv_format.name, config.page_size,
                         f"group_pages={config.storage_group_pages}" + config.weights_namespace())
 
 
@@ -88,5 +88,7 @@ def _storage_builder(config: CacheConfig, tree: RadixTree, host_pool, pool: Devi
     group_pages = config.storage_group_pages
     backend = create_backend(config.storage_backend, group_pages * host_pool.page_bytes,
                              config.storage_extra_config, storage_dir=config.storage_dir)
+    # The KV format (dtype, FP8 scales' digest) is in the namespace: a server storing another format never
+    # reads these objects.
     namespace = _page_group_namespace(config, pool, model_id)
     return functools.partial(StorageTier, tree, StorageIO(backend, host_pool, group_pages), namespace)

@@ -6,7 +6,7 @@ pages; the next process on the same weights and page shape reads it back into it
 reports ready, so returning sessions hit L2 instead of re-prefilling.
 
     file    = MAGIC || frame(header) || record*            frame(x) = 4-byte little-endian length || JSON x
-    header  = {"namespace", "page_size", "page_bytes"}     the engine's KV namespace (weights, dtype, page)
+    header  = {"namespace", "page_size", "page_bytes"}     the engine's KV namespace (weights, KV format, page)
     record  = frame({"parent", "ns", "key"}) || page*      parent: an earlier record's index, or -1 (a root)
     page    = page bytes (canonical order) || checksum trailer bound to the page's key (storage/page_checksum)
 

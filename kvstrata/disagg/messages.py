@@ -51,6 +51,12 @@ class KVLayout(Struct, frozen=True):
     num_kv_heads: Annotated[int, Meta(ge=1, le=4096)]
     head_dim: Annotated[int, Meta(ge=1, le=65536)]
     dtype: Annotated[str, Meta(pattern=r"^(float32|float16|bfloat16|float8_e4m3fn|float8_e5m2)$")]
+    scales_digest: Annotated[str, Meta(pattern=r"^([0-9a-f]{16})?$")] = ""   # FP8 K/V scales (kv_format.py)
+
+    @property
+    def kv_name(self) -> str:
+        """The stored KV format in words: the dtype, and the scales' digest for FP8."""
+        return self.dtype + (f" (scales {self.scales_digest})" if self.scales_digest else "")
 
     @property
     def slot_bytes(self) -> int:

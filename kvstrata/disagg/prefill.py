@@ -159,6 +159,9 @@ class PrefillHandoff:
 
     def _mismatch(self, room: _Room) -> Optional[str]:
         dst, req = room.dst, room.req
+        if (dst.layout.dtype, dst.layout.scales_digest) != (self.layout.dtype, self.layout.scales_digest):
+            return (f"KV cache dtypes differ (--kv-cache-dtype): prefill stores {self.layout.kv_name}, decode "
+                    f"{dst.layout.kv_name}; start both with the same --kv-cache-dtype and checkpoint")
         if dst.layout != self.layout:
             return f"KV layouts differ: prefill {self.layout}, decode {dst.layout}"
         if req is not None and (dst.prompt_len != len(req.prompt_ids)

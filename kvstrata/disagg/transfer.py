@@ -98,7 +98,8 @@ def create_transfer(backend: str, hostname: str, ib_device: Optional[str] = None
 
 def pool_layout(pool) -> KVLayout:
     """The KVLayout of a DeviceKVPool."""
-    return KVLayout(pool.num_layers, pool.num_kv_heads, pool.head_dim, str(pool.dtype).removeprefix("torch."))
+    return KVLayout(pool.num_layers, pool.num_kv_heads, pool.head_dim, str(pool.dtype).removeprefix("torch."),
+                    pool.kv_format.scales_digest)
 
 
 def pool_pointers(pool) -> tuple[list[int], list[int]]:

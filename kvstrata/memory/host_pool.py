@@ -6,6 +6,10 @@ One tensor holds every page, in one of two layouts (P = page_size, H = kv heads,
     page_first   [num_pages, L, 2 (k/v), P, H, D]   a page's bytes, all layers, K and V, are contiguous
                                                     (what the storage tier wants: one page = one byte range)
 
+An FP8 device pool (--kv-cache-dtype) is mirrored byte for byte: the host buffer holds its bytes as uint8
+(torch has no CPU index_copy_ for float8), so a page takes half a bf16 page's bytes, and L3 objects and
+checksums are made of those bytes.
+
 Copies are page-granular and vectorized: per layer, one gather (`index_select`) and one scatter
 (`index_copy_`) over all the pages of a call, never a Python loop over pages. Page 0 is reserved, as in
 the device pool. The pool holds memory and copies; which pages are free is its allocator's business, and
@@ -53,6 +57,8 @@ class HostKVPool:
         self.num_kv_heads = device_pool.num_kv_heads
         self.head_dim = device_pool.head_dim
         self.dtype = device_pool.dtype
+        # What the copies move: the pool's dtype, or its bytes for FP8 (one byte an element either way).
+        self._copy_dtype = torch.uint8 if device_pool.kv_format.quantized else self.dtype
         self.page_bytes = self.page_bytes_for(device_pool)
         self.size_bytes = num_pages * self.page_bytes
         check_host_memory(self.size_bytes, what=f"host KV pool ({num_pages} pages x {self.page_bytes} bytes)")
@@ -61,7 +67,7 @@ class HostKVPool:
         self.pinned = self._cuda if pin_memory is None else pin_memory
         L, P, H, D = self.num_layers, self.page_size, self.num_kv_heads, self.head_dim
         shape = (2, L, num_pages * P, H, D) if layout == "layer_first" else (num_pages, L, 2, P, H, D)
-        self.buffer = torch.empty(shape, dtype=self.dtype)
+        self.buffer = torch.empty(shape, dtype=self._copy_dtype)
         if self.pinned:
             self.pinned = _pin_in_place(self.buffer)
             if self.pinned:
@@ -79,8 +85,8 @@ class HostKVPool:
             self._host_layers = [self.buffer[:, layer] for layer in range(L)]
             self._page_dim, self._kv_dim = 0, 1
         # The device pool's per-layer slot buffers seen as pages: [device_pages, P, H, D].
-        self._device_k = [k.view(-1, P, H, D) for k in device_pool.k_buffer]
-        self._device_v = [v.view(-1, P, H, D) for v in device_pool.v_buffer]
+        self._device_k = [k.view(self._copy_dtype).view(-1, P, H, D) for k in device_pool.k_buffer]
+        self._device_v = [v.view(self._copy_dtype).view(-1, P, H, D) for v in device_pool.v_buffer]
 
     # ----- sizing -----
 
@@ -127,7 +133,7 @@ class HostKVPool:
             for layer in layers:
                 self._host_layers[layer].index_copy_(self._page_dim, host_idx, self._gather_device(layer, dev_idx))
             return
-        staging = torch.empty((len(layers), *self._native_shape(host_idx.numel())), dtype=self.dtype,
+        staging = torch.empty((len(layers), *self._native_shape(host_idx.numel())), dtype=self._copy_dtype,
                               pin_memory=True)
         for i, layer in enumerate(layers):
             staging[i].copy_(self._gather_device(layer, dev_idx), non_blocking=True)
@@ -148,7 +154,7 @@ class HostKVPool:
         if host_idx.numel() == 0:
             return
         for layer in self._layers(layer_id):
-            staging = torch.empty(self._native_shape(host_idx.numel()), dtype=self.dtype, pin_memory=self._cuda)
+            staging = torch.empty(self._native_shape(host_idx.numel()), dtype=self._copy_dtype, pin_memory=self._cuda)
             self._gather_host(layer, host_idx, staging)
             if self._cuda:
                 staging = staging.to(self.device_pool.device, non_blocking=True)
@@ -186,7 +192,7 @@ class HostKVPool:
                              f"{len(host_pages)} page(s) of {self.page_bytes}")
         idx = self._page_index(host_pages)
         L, P, H, D = self.num_layers, self.page_size, self.num_kv_heads, self.head_dim
-        values = data.contiguous().view(-1).view(torch.uint8).view(self.dtype).view(len(host_pages), L, 2, P, H, D)
+        values = data.contiguous().view(-1).view(torch.uint8).view(self._copy_dtype).view(len(host_pages), L, 2, P, H, D)
         if self.layout == "page_first":
             self.buffer.index_copy_(0, idx, values)
         else:   # [2, L, pages, P, H, D] <- [pages, L, 2, P, H, D]

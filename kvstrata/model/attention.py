@@ -254,48 +254,60 @@ def sdpa_backends(device: torch.device) -> contextlib.AbstractContextManager:
 
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int,
                     meta: ForwardMetadata, kv_pool) -> torch.Tensor:
-    """Write the new tokens' K/V into the pool, then attend. q `[T, H, D]`, k/v `[T, KVH, D]` -> `[T, H*D]`."""
+    """Write the new tokens' K/V into the pool, then attend. q `[T, H, D]`, k/v `[T, KVH, D]` -> `[T, H*D]`.
+
+    An FP8 pool's scales are folded in on every path alike: the K scale into the softmax scale, the V scale
+    into the output (memory/kv_format.py); the stored values are read as they are.
+    """
     if meta.layer_wait is not None:
         meta.layer_wait(layer_id)
     kv_pool.set_kv(layer_id, meta.out_slots, k, v)
+    fmt = kv_pool.kv_format
+    out = _attend(q, k, v, layer_id, meta, kv_pool, q.shape[-1] ** -0.5 * fmt.k_scale(layer_id))
+    v_scale = fmt.v_scale(layer_id)
+    return out if v_scale == 1.0 else out.mul_(v_scale)
+
+
+def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int, meta: ForwardMetadata, kv_pool,
+            scale: float) -> torch.Tensor:
     plan = attention_plan(meta, q, kv_pool)
     num_tokens, num_heads, head_dim = q.shape
     if plan.kernel is not None and plan.kernel.rows is None:
-        return _in_place(q, layer_id, plan.kernel, meta, kv_pool).view(num_tokens, num_heads * head_dim)
+        return _in_place(q, layer_id, plan.kernel, meta, kv_pool, scale).view(num_tokens, num_heads * head_dim)
     if meta.batch_invariant:
-        return _invariant(q, k, v, layer_id, plan, kv_pool).view(num_tokens, num_heads * head_dim)
+        return _invariant(q, k, v, layer_id, plan, kv_pool, scale).view(num_tokens, num_heads * head_dim)
     if plan.decode is not None and plan.decode.rows is None:
-        return _decode(q, layer_id, plan.decode, kv_pool).view(num_tokens, num_heads * head_dim)
+        return _decode(q, layer_id, plan.decode, kv_pool, scale).view(num_tokens, num_heads * head_dim)
     if plan.kernel_extends is not None:   # fills the extends' rows (the others are zero)
-        out = _extend_in_place(q, layer_id, plan.kernel_extends, meta, kv_pool)
+        out = _extend_in_place(q, layer_id, plan.kernel_extends, meta, kv_pool, scale)
     else:
         out = q.new_empty(num_tokens, num_heads, head_dim)
     for span in plan.extends:
-        out[span.start:span.end] = _extend(q, k, v, layer_id, span, kv_pool)
+        out[span.start:span.end] = _extend(q, k, v, layer_id, span, kv_pool, scale)
     if plan.decode is not None:
-        out[plan.decode.rows] = _decode(q[plan.decode.rows], layer_id, plan.decode, kv_pool)
+        out[plan.decode.rows] = _decode(q[plan.decode.rows], layer_id, plan.decode, kv_pool, scale)
     if plan.kernel is not None:
-        out[plan.kernel.rows] = _in_place(q[plan.kernel.rows], layer_id, plan.kernel, meta, kv_pool)
+        out[plan.kernel.rows] = _in_place(q[plan.kernel.rows], layer_id, plan.kernel, meta, kv_pool, scale)
     return out.view(num_tokens, num_heads * head_dim)
 
 
-def _in_place(q: torch.Tensor, layer_id: int, rows: KernelRows, meta: ForwardMetadata, kv_pool) -> torch.Tensor:
+def _in_place(q: torch.Tensor, layer_id: int, rows: KernelRows, meta: ForwardMetadata, kv_pool,
+              scale: float) -> torch.Tensor:
     """The compiled kernel over `rows` (queries `q` `[R, H, D]`), reading the pool's K/V rows in place."""
     return meta.paged_kernel(q.contiguous(), kv_pool.k_buffer[layer_id], kv_pool.v_buffer[layer_id], rows.slots,
-                             rows.seq, rows.lens, q.shape[-1] ** -0.5)
+                             rows.seq, rows.lens, scale)
 
 
 def _extend_in_place(q: torch.Tensor, layer_id: int, ext: KernelExtends, meta: ForwardMetadata,
-                     kv_pool) -> torch.Tensor:
+                     kv_pool, scale: float) -> torch.Tensor:
     """The compiled extend kernel over every extend of the batch: `[T, H, D]`, other rows zero."""
     return meta.extend_kernel(q.contiguous(), kv_pool.k_buffer[layer_id], kv_pool.v_buffer[layer_id], ext.slots,
-                              ext.q_start, ext.prefix, ext.extend, q.shape[-1] ** -0.5)
+                              ext.q_start, ext.prefix, ext.extend, scale)
 
 
 def _invariant(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int, plan: AttentionPlan,
-               kv_pool) -> torch.Tensor:
+               kv_pool, scale: float) -> torch.Tensor:
     """The batch-invariant path: same plan and gathers, fixed-split attention (see invariant_attention)."""
-    scale = q.shape[-1] ** -0.5
     out = torch.empty_like(q)
     for span in plan.extends:
         if span.kv is None:
@@ -324,14 +336,15 @@ def _gather(buffer: torch.Tensor, kv: KVIndex, dtype: torch.dtype) -> torch.Tens
     """
     if kv.index is None:
         rows = buffer[kv.start:kv.start + kv.length]
-    else:
-        rows = buffer.view(buffer.shape[0] // kv.unit, -1).index_select(0, kv.index)
-        rows = rows.view(-1, *buffer.shape[1:])
-    return rows if rows.dtype == dtype else rows.to(dtype)
+    else:   # FP8 rows are picked as bytes (index_select has no float8 kernel on every device)
+        raw = buffer.view(torch.uint8) if buffer.element_size() == 1 else buffer
+        rows = raw.view(buffer.shape[0] // kv.unit, -1).index_select(0, kv.index)
+        rows = rows.view(buffer.dtype).view(-1, *buffer.shape[1:])
+    return rows if rows.dtype == dtype else rows.to(dtype)   # an FP8 pool is upcast here: these rows only
 
 
 def _extend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int, span: ExtendSpan,
-            kv_pool) -> torch.Tensor:
+            kv_pool, scale: float) -> torch.Tensor:
     """Attention output `[extend, H, D]` of one sequence's new tokens."""
     q_seq = q[span.start:span.end].transpose(0, 1).unsqueeze(0)
     if span.kv is None:
@@ -346,11 +359,16 @@ def _extend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int, sp
         k_seq, v_seq = k_seq.repeat_interleave(group, dim=1), v_seq.repeat_interleave(group, dim=1)
     out = F.scaled_dot_product_attention(
         q_seq, k_seq.transpose(0, 1).unsqueeze(0), v_seq.transpose(0, 1).unsqueeze(0),
-        attn_mask=span.mask, is_causal=span.mask is None, enable_gqa=True)
+        attn_mask=span.mask, is_causal=span.mask is None, enable_gqa=True, scale=_sdpa_scale(scale, q))
     return out[0].transpose(0, 1)
 
 
-def _decode(q: torch.Tensor, layer_id: int, group: DecodeGroup, kv_pool) -> torch.Tensor:
+def _sdpa_scale(scale: float, q: torch.Tensor) -> Optional[float]:
+    """SDPA's `scale`: None (its own 1/sqrt(D), the same bits as ever) unless a K scale changed it."""
+    return None if scale == q.shape[-1] ** -0.5 else scale
+
+
+def _decode(q: torch.Tensor, layer_id: int, group: DecodeGroup, kv_pool, scale: float) -> torch.Tensor:
     """Attention output `[B, H, D]` of B single-token queries `[B, H, D]`, one padded SDPA call."""
     batch, num_heads, head_dim = q.shape
     num_kv_heads = kv_pool.num_kv_heads
@@ -361,5 +379,5 @@ def _decode(q: torch.Tensor, layer_id: int, group: DecodeGroup, kv_pool) -> torc
     values = _gather(kv_pool.v_buffer[layer_id], group.kv, q.dtype)
     keys = keys.view(batch, group.max_len, num_kv_heads, head_dim).transpose(1, 2)
     values = values.view(batch, group.max_len, num_kv_heads, head_dim).transpose(1, 2)
-    out = F.scaled_dot_product_attention(q_grouped, keys, values, attn_mask=group.mask)
+    out = F.scaled_dot_product_attention(q_grouped, keys, values, attn_mask=group.mask, scale=_sdpa_scale(scale, q))
     return out.reshape(batch, num_heads, head_dim)

@@ -17,6 +17,7 @@ from typing import Optional
 import torch
 
 from kvstrata.model.config import ModelConfig, ModelLoadError
+from kvstrata.model.kv_scales import is_kv_scale
 from kvstrata.model.llama import LlamaForCausalLM
 from kvstrata.model.moe import bind_experts
 from kvstrata.model.parallel import TensorParallel
@@ -61,8 +62,8 @@ def load_model(path: str, config: ModelConfig, dtype: torch.dtype, device: torch
     for file, name, read in _checkpoint_tensors(path, files):
         if name == LM_HEAD and config.tie_word_embeddings:
             continue  # tied: lm_head is the embedding matrix whatever the file says
-        if name.endswith(_IGNORED_SUFFIXES) or not model.layout.holds(name):
-            continue     # not needed, or another tensor-parallel rank's expert
+        if name.endswith(_IGNORED_SUFFIXES) or is_kv_scale(name) or not model.layout.holds(name):
+            continue     # not needed, read by model/kv_scales.py, or another tensor-parallel rank's expert
         if quantized is not None and quantized.claims(name):
             filled.update(quantized.add(name, read(), file))
             continue

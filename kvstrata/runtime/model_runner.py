@@ -14,11 +14,13 @@ import torch
 
 from kvstrata.args import ServerArgs
 from kvstrata.memory.device_pool import DeviceKVPool
+from kvstrata.memory.kv_format import KVFormat
 from kvstrata.memory.req_slots import ReqSlotTable
 from kvstrata.model.builtin import resolve_model_path
 from kvstrata.model.config import ModelConfig
 from kvstrata.model.forward_meta import ForwardMetadata
 from kvstrata.model.gguf import gguf_file, is_gguf, load_gguf_model
+from kvstrata.model.kv_scales import read_kv_scales
 from kvstrata.model.layers import (
     make_batch_invariant,
     onednn_weights_apply,
@@ -27,7 +29,7 @@ from kvstrata.model.layers import (
     use_fused_norms,
     use_onednn_weights,
 )
-from kvstrata.model.loader import load_dummy_model, load_model
+from kvstrata.model.loader import checkpoint_files, load_dummy_model, load_model
 from kvstrata.model.moe import use_expert_linear, use_moe_combine
 from kvstrata.model.paged_kernels import (
     BF16_HEAD_DIMS,
@@ -107,6 +109,7 @@ class ModelRunner:
             make_batch_invariant(self.model)
         self.context_len = args.context_length or self.config.max_position_embeddings
         self.vocab_size = self.config.vocab_size
+        self.kv_format = self._kv_format()
         num_pages = self._pool_pages()
         if self.tp is not None:     # rank 0 allocates slots for every rank: all pools have its size
             num_pages = self.tp.all_min([num_pages])[0]
@@ -114,7 +117,7 @@ class ModelRunner:
                                 [list(DTYPES).index(args.dtype), args.page_size,
                                  int(args.enable_deterministic_inference), int(args.disable_cpu_kernels)])
         self.pool = DeviceKVPool(num_pages, args.page_size, self.config.num_layers, self.model.layout.kv_heads,
-                                 self.config.head_dim, self.dtype, self.device)
+                                 self.config.head_dim, self.kv_format.dtype, self.device, self.kv_format)
         self.sampler = Sampler(self.vocab_size, args.random_seed or 0, self.device, self._argmax_kernel())
         self.paged_kernel = self._paged_kernel()
         self.extend_kernel = self._extend_kernel()
@@ -123,6 +126,13 @@ class ModelRunner:
         self.grammar_backend = None   # set by the scheduler when structured output is enabled
         logger.info("KV pool: %d tokens (%d pages of %d), %.1f MB", self.max_total_tokens, num_pages - 1,
                     args.page_size, self.pool.bytes_per_token * self.pool.num_slots / 2**20)
+
+    def _kv_format(self) -> KVFormat:
+        """--kv-cache-dtype for this model, with the checkpoint's per-layer K/V scales where it has them."""
+        fp8 = self.args.kv_cache_dtype != "auto"
+        scales = (read_kv_scales(self.model_path, checkpoint_files(self.model_path), self.config.num_layers)
+                  if fp8 and self.args.load_format != "dummy" and not is_gguf(self.args.model_path) else None)
+        return KVFormat.of(self.args.kv_cache_dtype, self.dtype, self.config.num_layers, scales)
 
     def _paged_kernel(self):
         """The compiled in-place attention op for decode rows where it applies (CPU, bf16/f32, not
@@ -185,7 +195,7 @@ class ModelRunner:
 
     def _pool_pages(self) -> int:
         a, c = self.args, self.config
-        per_token = DeviceKVPool.bytes_per_token_for(c.num_layers, self.model.layout.kv_heads, c.head_dim, self.dtype)
+        per_token = DeviceKVPool.bytes_per_token_for(c.num_layers, self.model.layout.kv_heads, c.head_dim, self.kv_format.dtype)
         if a.max_total_tokens:
             tokens = a.max_total_tokens
         elif self.device.type == "cuda":

@@ -565,6 +565,14 @@ class Scheduler:
         held = self.handoff.held() if self.handoff is not None else []
         self.cache.check_integrity(self.running + held)
 
+    def _kv_cache_state(self, state: dict) -> dict:
+        """The KV format (--kv-cache-dtype) and what each tier holds of it, in tokens."""
+        pool = self.runner.pool
+        host_pages = (state.get("hicache") or {}).get("host_capacity_pages")
+        return {"dtype": str(pool.dtype).removeprefix("torch."), "scales_digest": pool.kv_format.scales_digest,
+                "bytes_per_token": pool.bytes_per_token, "device_capacity_tokens": self.runner.max_total_tokens,
+                "host_capacity_tokens": None if host_pages is None else host_pages * pool.page_size}
+
     def get_state(self, full: bool = True) -> dict:
         """Internal state and metrics for /server_info; `full=False` skips the idle check and the tree's metrics."""
         m = dict(self.metrics)
@@ -572,6 +580,7 @@ class Scheduler:
         state = {"running_requests": len(self.running), "waiting_requests": len(self.waiting),
                  "max_total_tokens": self.runner.max_total_tokens, "context_length": self.context_len,
                  "step": self.step_count, "new_token_ratio": self.new_token_ratio, **self.cache.stats(), **m}
+        state["kv_cache"] = self._kv_cache_state(state)
         state["engine_utilization"] = self.engine_meter.utilization()
         state["forward_busy_s"] = self.engine_meter.busy_s
         if self.kv_events is not None:

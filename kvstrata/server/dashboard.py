@@ -134,6 +134,7 @@ def read_counters(state: dict) -> dict[str, Any]:
         "copy_failed_ops": host(tree.get("failed_ops", 0)),
         "engine_util": state.get("engine_utilization"),
         "tiers": ["device"] + (["host"] if has_host else []) + (["storage"] if has_storage else []),
+        "kv_cache": state.get("kv_cache"),   # the KV dtype and each tier's capacity in tokens
     }
 
 
@@ -181,6 +182,7 @@ class DashboardHistory:
         model = self.client.args.served_model_name if self.client is not None else ""
         return {"columns": list(COLUMNS), "rows": [row for t, _, row in self.samples if t > since],
                 "interval_s": SAMPLE_INTERVAL_S, "model": model, "tiers": counters["tiers"],
+                "kv_cache": counters["kv_cache"],
                 "totals": {k: counters[k] for k in ("prompt_tokens", "cached_tokens", "device_hit_tokens",
                                                      "host_hit_tokens", "storage_hit_tokens", "generated_tokens")},
                 "minute": self._minute(now, counters)}

@@ -74,6 +74,29 @@ CHECK = textwrap.dedent("""
             ref = F.scaled_dot_product_attention(q[r].float()[:, None], keys.repeat_interleave(heads // kv_heads, 0),
                                                  values.repeat_interleave(heads // kv_heads, 0))[:, 0]
             assert (out[r] - ref).abs().max() < (1e-5 if dtype == torch.float32 else 1e-2), (dtype, dim, r)
+    # an FP8 pool (--kv-cache-dtype), read by the same tiles (widened in registers): every finite value exact
+    # through one key, and random rows against float32 SDPA over the widened values
+    for fp8 in (torch.float8_e4m3fn, torch.float8_e5m2):
+        every = torch.arange(256, dtype=torch.uint8).view(fp8)
+        every = every[torch.isfinite(every.float())].view(torch.uint8).repeat(2)[:256].view(fp8).view(2, 2, 64)
+        zeros = torch.zeros(2, 2, 64, dtype=torch.uint8).view(fp8)
+        for qdtype in (torch.float32, torch.bfloat16):
+            out = op(torch.randn(1, 8, 64).to(qdtype), zeros, every, torch.tensor([[1]]), torch.tensor([0]),
+                     torch.tensor([1]), 0.125)
+            assert torch.equal(out[0].float(), every[1].float().repeat_interleave(4, 0)), (fp8, qdtype)
+            extend = paged_kernels.extend_attention_op(qdtype)
+            out = extend(torch.randn(1, 8, 64).to(qdtype), zeros, every, torch.tensor([[1]]), torch.tensor([0]),
+                         torch.tensor([0]), torch.tensor([1]), 0.125)
+            assert torch.equal(out[0].float(), every[1].float().repeat_interleave(4, 0)), (fp8, qdtype)
+        for dim in (32, 64, 128, 96):
+            k, v = ((torch.randn(600, 2, dim, generator=g) * 4).clamp(-448, 448).to(fp8) for _ in range(2))
+            q = torch.randn(2, 8, dim, generator=g).bfloat16()
+            slots = torch.stack([torch.arange(1, 301), torch.randperm(599)[:300] + 1])
+            out = op(q, k, v, slots, torch.arange(2), torch.tensor([300, 77]), dim ** -0.5).float()
+            for r, n in enumerate((300, 77)):
+                keys, values = (t[slots[r, :n]].float().transpose(0, 1).repeat_interleave(4, 0) for t in (k, v))
+                ref = F.scaled_dot_product_attention(q[r].float()[:, None], keys, values)[:, 0]
+                assert (out[r] - ref).abs().max() < 2e-2 * ref.abs().max(), (fp8, dim, r)
     # the decode GEMV of CPUs without AVX-512 BF16 (decode_linear_avx2.cpp, on a packed weight): float32 sums
     # of bf16 products
     linear = paged_kernels.decode_linear_op()

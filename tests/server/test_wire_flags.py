@@ -49,7 +49,7 @@ def test_help_lists_every_sglang_flag(capsys):
     (["--enable-dp-attention"], "--enable-dp-attention"),
     (["--speculative-algorithm", "EAGLE"], "--speculative-algorithm EAGLE"),
     (["--quantization", "fp8"], "--quantization fp8"),
-    (["--kv-cache-dtype", "fp8_e5m2"], "--kv-cache-dtype fp8_e5m2"),
+    (["--kv-cache-dtype", "fp4_e2m1"], "--kv-cache-dtype"),
     (["--chat-template", "no-such-template"], "--chat-template 'no-such-template' is neither a file"),
     (["--tool-call-parser", "no-such-parser"], "--tool-call-parser"),
     (["--constrained-json-whitespace-pattern", "("], "--constrained-json-whitespace-pattern"),

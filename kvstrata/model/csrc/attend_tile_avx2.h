@@ -13,6 +13,7 @@
 #include <c10/util/BFloat16.h>
 #include <immintrin.h>
 
+#include "fp8.h"
 #include "vec_math.h"
 
 #include <algorithm>
@@ -56,6 +57,13 @@ inline void load16_split(const float* p, __m256& a, __m256& b) {
   a = _mm256_loadu_ps(p);
   b = _mm256_loadu_ps(p + 8);
 }
+template <typename F, typename = std::enable_if_t<is_fp8<F>::value>>
+inline void load16_split(const F* p, __m256& a, __m256& b) {   // FP8: in order, as float32
+  a = load8_fp8(p);
+  b = load8_fp8(p + 8);
+}
+inline __m256 load8(const Fp8E4M3* p) { return load8_fp8(p); }
+inline __m256 load8(const Fp8E5M2* p) { return load8_fp8(p); }
 inline void load16_split(const c10::BFloat16* p, __m256& a, __m256& b) {
   const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
   a = _mm256_castsi256_ps(_mm256_slli_epi32(raw, 16));
@@ -67,7 +75,7 @@ template <typename KV>
 inline void split16(const float* out, __m256& a, __m256& b) {
   a = _mm256_loadu_ps(out);
   b = _mm256_loadu_ps(out + 8);
-  if constexpr (!std::is_same_v<KV, float>) {
+  if constexpr (std::is_same_v<KV, c10::BFloat16>) {
     const __m256 even = _mm256_shuffle_ps(a, b, _MM_SHUFFLE(2, 0, 2, 0));   // 0 2 8 10 | 4 6 12 14
     const __m256 odd = _mm256_shuffle_ps(a, b, _MM_SHUFFLE(3, 1, 3, 1));
     a = _mm256_castpd_ps(_mm256_permute4x64_pd(_mm256_castps_pd(even), 0xD8));
@@ -76,7 +84,7 @@ inline void split16(const float* out, __m256& a, __m256& b) {
 }
 template <typename KV>
 inline void merge16(float* out, __m256 a, __m256 b) {
-  if constexpr (!std::is_same_v<KV, float>) {
+  if constexpr (std::is_same_v<KV, c10::BFloat16>) {
     const __m256 lo = _mm256_unpacklo_ps(a, b), hi = _mm256_unpackhi_ps(a, b);   // 0-3 | 8-11, 4-7 | 12-15
     a = _mm256_permute2f128_ps(lo, hi, 0x20);
     b = _mm256_permute2f128_ps(lo, hi, 0x31);

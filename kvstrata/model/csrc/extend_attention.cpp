@@ -5,7 +5,8 @@
 //
 // This file is the driver; the arithmetic is a tile of this CPU's instruction set: extend_tile_amx.h (AMX,
 // bf16 models; `extend_amx(False)` turns it off for the next one), extend_tile_avx512bf16.h (bf16 dot
-// products, bf16 models) or extend_tile_avx2.h (float32 arithmetic, bf16 and float32 models).
+// products, bf16 models) or extend_tile_avx2.h (float32 arithmetic, bf16 and float32 models). An FP8 pool
+// (--kv-cache-dtype) is read by the same tiles: their packing widens each element (fp8.h, exact).
 // Either computes softmax online over fixed blocks of Tile::KB keys counted from key 0, so a row's result
 // depends only on its query, its keys and the block size, not on the chunk or batch it runs in.
 //
@@ -24,6 +25,7 @@
 #include "extend_tile_amx.h"
 #include "extend_tile_avx2.h"
 #include "extend_tile_avx512bf16.h"
+#include "fp8.h"
 #include "slot_check.h"
 #include "vec_math.h"
 
@@ -81,7 +83,7 @@ void attend_wave(const std::vector<Task>& tasks, const std::vector<ExtendSeq>& s
 }
 
 // The waves of units (sequence, KV head): pack each wave's key blocks, then run its tasks.
-template <class Tile>
+template <class Tile, typename KV>
 void run_waves(const at::Tensor& q, const at::Tensor& k_buf, const at::Tensor& v_buf, const std::vector<ExtendSeq>& seqs,
                const ExtendDims& d, double scale, at::Tensor& out) {
   using Scalar = typename Tile::Scalar;
@@ -95,8 +97,8 @@ void run_waves(const at::Tensor& q, const at::Tensor& k_buf, const at::Tensor& v
   for (const ExtendSeq& s : seqs) max_blocks = std::max(max_blocks, s.blocks(KB));
   const int64_t wave_blocks = std::max(max_blocks, PACK_BUDGET / block_bytes);
   std::vector<Word> kpack, vpack;
-  const auto* kb = reinterpret_cast<const Scalar*>(k_buf.data_ptr());
-  const auto* vb = reinterpret_cast<const Scalar*>(v_buf.data_ptr());
+  const auto* kb = reinterpret_cast<const KV*>(k_buf.data_ptr());
+  const auto* vb = reinterpret_cast<const KV*>(v_buf.data_ptr());
   const auto* qp = reinterpret_cast<const Scalar*>(q.data_ptr());
   auto* op = reinterpret_cast<Scalar*>(out.data_ptr());
   for (size_t first = 0; first < units.size();) {
@@ -141,13 +143,15 @@ at::Tensor extend_attention(const at::Tensor& q, const at::Tensor& k_buf, const 
                             const at::Tensor& extend, double scale) {
   TORCH_CHECK(q.dim() == 3 && k_buf.dim() == 3 && v_buf.dim() == 3, "q/k/v must be [T, H, D] / [N, KVH, D]");
   TORCH_CHECK(q.is_contiguous() && k_buf.is_contiguous() && v_buf.is_contiguous(), "inputs must be contiguous");
+  const auto kv = k_buf.scalar_type();
+  const bool fp8 = kv == at::kFloat8_e4m3fn || kv == at::kFloat8_e5m2;
+  TORCH_CHECK(v_buf.scalar_type() == kv, "K and V differ");
 #ifdef __AVX512BF16__
-  TORCH_CHECK(q.scalar_type() == at::kBFloat16 && k_buf.scalar_type() == at::kBFloat16 &&
-              v_buf.scalar_type() == at::kBFloat16, "bfloat16 only");
+  TORCH_CHECK(q.scalar_type() == at::kBFloat16 && (kv == at::kBFloat16 || fp8),
+              "q: bfloat16; K/V: bfloat16, float8_e4m3fn or float8_e5m2");
 #else
-  TORCH_CHECK((q.scalar_type() == at::kBFloat16 || q.scalar_type() == at::kFloat) &&
-              k_buf.scalar_type() == q.scalar_type() && v_buf.scalar_type() == q.scalar_type(),
-              "q, k_buf and v_buf must all be bfloat16 or all float32");
+  TORCH_CHECK((q.scalar_type() == at::kBFloat16 || q.scalar_type() == at::kFloat) && (kv == q.scalar_type() || fp8),
+              "q, k_buf and v_buf must all be bfloat16 or all float32 (or K/V float8_e4m3fn / float8_e5m2)");
 #endif
   TORCH_CHECK(k_buf.sizes() == v_buf.sizes(), "K and V differ");
   // The tiles take a block's max of raw scores as the max of scaled ones (the AMX tile applies the scale late).
@@ -176,19 +180,26 @@ at::Tensor extend_attention(const at::Tensor& q, const at::Tensor& k_buf, const 
     seqs[s] = {qs[s], pre[s], ext[s], row};
   }
   at::Tensor out = at::zeros_like(q);
+  // The tile for this CPU and q, run over the pool's element type.
+  const auto with_kv = [&](auto tile, auto native) {
+    using Tile = decltype(tile);
+    if (kv == at::kFloat8_e4m3fn) run_waves<Tile, kvstrata_cpu::Fp8E4M3>(q, k_buf, v_buf, seqs, d, scale, out);
+    else if (kv == at::kFloat8_e5m2) run_waves<Tile, kvstrata_cpu::Fp8E5M2>(q, k_buf, v_buf, seqs, d, scale, out);
+    else run_waves<Tile, decltype(native)>(q, k_buf, v_buf, seqs, d, scale, out);
+  };
 #ifdef __AVX512BF16__
 #ifdef KVSTRATA_EXTEND_AMX
   if (use_amx()) {
-    run_waves<kvstrata_cpu::ExtendTileAmx>(q, k_buf, v_buf, seqs, d, scale, out);
+    with_kv(kvstrata_cpu::ExtendTileAmx{}, uint16_t{});
     return out;
   }
 #endif
-  run_waves<kvstrata_cpu::ExtendTileBf16Dot>(q, k_buf, v_buf, seqs, d, scale, out);
+  with_kv(kvstrata_cpu::ExtendTileBf16Dot{}, uint16_t{});
 #else
   if (q.scalar_type() == at::kFloat)
-    run_waves<kvstrata_cpu::ExtendTileAvx2<float>>(q, k_buf, v_buf, seqs, d, scale, out);
+    with_kv(kvstrata_cpu::ExtendTileAvx2<float>{}, float{});
   else
-    run_waves<kvstrata_cpu::ExtendTileAvx2<c10::BFloat16>>(q, k_buf, v_buf, seqs, d, scale, out);
+    with_kv(kvstrata_cpu::ExtendTileAvx2<c10::BFloat16>{}, c10::BFloat16{});
 #endif
   return out;
 }

@@ -29,6 +29,7 @@
 #include <limits>
 
 #include "extend_plan.h"
+#include "fp8.h"
 #include "vec_math.h"
 
 namespace kvstrata_cpu {
@@ -62,7 +63,9 @@ struct ExtendTileAmx {
 
   // K block: [KB][D] bf16 (rows of the pool, copied); V block: [D][KB] bf16 (transposed). Keys past the
   // sequence's end are zero (and masked).
-  static void pack_block(const uint16_t* k_buf, const uint16_t* v_buf, const int64_t* slots, int64_t first,
+  // KV: uint16_t (bf16 bits) or FP8, widened to bf16 here (exact).
+  template <typename KV>
+  static void pack_block(const KV* k_buf, const KV* v_buf, const int64_t* slots, int64_t first,
                          int64_t count, int64_t kvh, const ExtendDims& d, uint32_t* kp, uint32_t* vp) {
     const int64_t D = d.dim, row = d.kv_heads * D;
     auto* k = reinterpret_cast<uint16_t*>(kp);
@@ -71,8 +74,9 @@ struct ExtendTileAmx {
     if (count < KB) std::memset(v, 0, sizeof(uint16_t) * D * KB);
     for (int64_t j = 0; j < count; ++j) {
       const int64_t at = slots[first + j] * row + kvh * D;
-      std::memcpy(k + j * D, k_buf + at, sizeof(uint16_t) * D);
-      for (int64_t c = 0; c < D; ++c) v[c * KB + j] = v_buf[at + c];
+      if constexpr (std::is_same_v<KV, uint16_t>) std::memcpy(k + j * D, k_buf + at, sizeof(uint16_t) * D);
+      else widen_to_bf16(k_buf + at, k + j * D, D);
+      for (int64_t c = 0; c < D; ++c) v[c * KB + j] = as_bf16_bits(v_buf[at + c]);
     }
   }
 

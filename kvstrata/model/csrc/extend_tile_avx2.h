@@ -20,6 +20,7 @@
 
 #include "attend_tile_avx2.h"   // exp8
 #include "extend_plan.h"
+#include "fp8.h"
 #include "vec_math.h"
 
 namespace kvstrata_cpu {
@@ -35,7 +36,9 @@ struct ExtendTileAvx2 {
 
   // Keys [first, first + count) of one KV head into a K block [D][KB] and a V block [KB][D]; keys past the
   // sequence's end are zero (and masked).
-  static void pack_block(const T* k_buf, const T* v_buf, const int64_t* slots, int64_t first, int64_t count,
+  // KV: T, or FP8 (widened here, exactly).
+  template <typename KV>
+  static void pack_block(const KV* k_buf, const KV* v_buf, const int64_t* slots, int64_t first, int64_t count,
                          int64_t kvh, const ExtendDims& d, float* kp, float* vp) {
     const int64_t D = d.dim, row = d.kv_heads * D;
     if (count < KB) {
@@ -43,10 +46,10 @@ struct ExtendTileAvx2 {
       std::memset(vp, 0, sizeof(float) * KB * D);
     }
     for (int64_t j = 0; j < count; ++j) {
-      const T* k = k_buf + slots[first + j] * row + kvh * D;
-      const T* v = v_buf + slots[first + j] * row + kvh * D;
-      for (int64_t c = 0; c < D; ++c) kp[c * KB + j] = static_cast<float>(k[c]);
-      for (int64_t c = 0; c < D; ++c) vp[j * D + c] = static_cast<float>(v[c]);
+      const KV* k = k_buf + slots[first + j] * row + kvh * D;
+      const KV* v = v_buf + slots[first + j] * row + kvh * D;
+      for (int64_t c = 0; c < D; ++c) kp[c * KB + j] = as_float(k[c]);
+      for (int64_t c = 0; c < D; ++c) vp[j * D + c] = as_float(v[c]);
     }
   }
 

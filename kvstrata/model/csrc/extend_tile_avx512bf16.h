@@ -20,6 +20,7 @@
 #include <vector>
 
 #include "extend_plan.h"
+#include "fp8.h"
 #include "vec_math.h"
 
 namespace kvstrata_cpu {
@@ -33,18 +34,21 @@ struct ExtendTileBf16Dot {
   static int64_t block_words(int64_t dim) { return (dim / 2) * KB; }   // of K, and of V
 
   // K block: [D/2][KB] uint32, lane j = (K[j][2p], K[j][2p+1]); V block: [KB/2][D] uint32, lane d =
-  // (V[2q][d], V[2q+1][d]). Keys past the sequence's end are zero (and masked).
-  static void pack_block(const uint16_t* k_buf, const uint16_t* v_buf, const int64_t* slots, int64_t first,
+  // (V[2q][d], V[2q+1][d]). Keys past the sequence's end are zero (and masked). KV: uint16_t (bf16 bits) or
+  // FP8, widened to bf16 here (exact).
+  template <typename KV>
+  static void pack_block(const KV* k_buf, const KV* v_buf, const int64_t* slots, int64_t first,
                   int64_t count, int64_t kvh, const ExtendDims& d, uint32_t* kp, uint32_t* vp) {
     const int64_t D = d.dim, row = d.kv_heads * D;
     std::memset(kp, 0, sizeof(uint32_t) * (D / 2) * KB);
     std::memset(vp, 0, sizeof(uint32_t) * (KB / 2) * D);
     for (int64_t j = 0; j < count; ++j) {
-      const uint32_t* k = reinterpret_cast<const uint32_t*>(k_buf + slots[first + j] * row + kvh * D);
-      for (int64_t p = 0; p < D / 2; ++p) kp[p * KB + j] = k[p];
-      const uint16_t* v = v_buf + slots[first + j] * row + kvh * D;
+      const KV* k = k_buf + slots[first + j] * row + kvh * D;
+      for (int64_t p = 0; p < D / 2; ++p)
+        kp[p * KB + j] = as_bf16_bits(k[2 * p]) | static_cast<uint32_t>(as_bf16_bits(k[2 * p + 1])) << 16;
+      const KV* v = v_buf + slots[first + j] * row + kvh * D;
       uint16_t* dst = reinterpret_cast<uint16_t*>(vp + (j / 2) * D) + (j % 2);
-      for (int64_t c = 0; c < D; ++c) dst[2 * c] = v[c];
+      for (int64_t c = 0; c < D; ++c) dst[2 * c] = as_bf16_bits(v[c]);
     }
   }
 

@@ -13,6 +13,10 @@
 // the head dim whose 16 partial lanes are summed with those of 15 other keys in one shuffle tree, and the
 // probabilities, rounded to bf16, weight V two keys at a time. In cache a key costs ~2/3 of the float32
 // tile's cycles; streaming many decode rows' contexts from DRAM it is 1.2-1.5x faster (docs/benchmarks.md).
+//
+// Both read an FP8 pool (--kv-cache-dtype) in place too: every K/V element is widened in registers (fp8.h:
+// exact in float32 and in bf16), so a key costs half the bytes of a bf16 pool's. The caller folds the
+// per-layer scales into `scale` and the output (model/attention.py).
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -21,6 +25,7 @@
 #include <torch/library.h>
 
 #include "attend_tile_avx2.h"
+#include "fp8.h"
 #include "slot_check.h"
 #include "vec_math.h"
 
@@ -40,6 +45,7 @@ namespace {
 constexpr int64_t TILE = 256;
 constexpr int LANES = 16;
 
+using kvstrata_cpu::widen;   // FP8 (fp8.h)
 inline float widen(float x) { return x; }
 inline float widen(c10::BFloat16 x) {
   uint32_t bits = static_cast<uint32_t>(x.x) << 16;
@@ -117,6 +123,10 @@ inline __m512 load16<c10::BFloat16>(const c10::BFloat16* p) {
   const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
 }
+template <>
+inline __m512 load16<kvstrata_cpu::Fp8E4M3>(const kvstrata_cpu::Fp8E4M3* p) { return kvstrata_cpu::load16_fp8(p); }
+template <>
+inline __m512 load16<kvstrata_cpu::Fp8E5M2>(const kvstrata_cpu::Fp8E5M2* p) { return kvstrata_cpu::load16_fp8(p); }
 
 inline __m512 exp16(__m512 x) {   // exp_nonpositive, 16 lanes
   namespace c = kvstrata_cpu::exp_cephes;
@@ -325,8 +335,8 @@ template <typename T, typename KV>
 void run_float32(const at::Tensor& q, const at::Tensor& k_buf, const at::Tensor& v_buf, const at::Tensor& slots,
                  const at::Tensor& row_seq, const at::Tensor& lens, double scale, at::Tensor& out) {
   const Shape s = shape_of(q, k_buf, slots);
-  const KV* kp = k_buf.data_ptr<KV>();
-  const KV* vp = v_buf.data_ptr<KV>();
+  const KV* kp = reinterpret_cast<const KV*>(k_buf.data_ptr());
+  const KV* vp = reinterpret_cast<const KV*>(v_buf.data_ptr());
   run<T>(q, k_buf, slots, row_seq, lens, out,
          [&](const T* qr, const int64_t* sr, int64_t first, int64_t count, float* partial) {
            attend_tile<T, KV>(qr, kp, vp, sr, first, count, static_cast<float>(scale), s, partial);
@@ -338,13 +348,20 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_buf, const a
                            double scale) {
   check_plan(q, k_buf, v_buf, slots, row_seq, lens);
   at::Tensor out = at::empty_like(q);
-  const bool q16 = q.scalar_type() == at::kBFloat16, kv16 = k_buf.scalar_type() == at::kBFloat16;
-  TORCH_CHECK((q16 || q.scalar_type() == at::kFloat) && (kv16 || k_buf.scalar_type() == at::kFloat),
-              "bfloat16 or float32 only");
-  if (q16 && kv16) run_float32<c10::BFloat16, c10::BFloat16>(q, k_buf, v_buf, slots, row_seq, lens, scale, out);
-  else if (q16) run_float32<c10::BFloat16, float>(q, k_buf, v_buf, slots, row_seq, lens, scale, out);
-  else if (kv16) run_float32<float, c10::BFloat16>(q, k_buf, v_buf, slots, row_seq, lens, scale, out);
-  else run_float32<float, float>(q, k_buf, v_buf, slots, row_seq, lens, scale, out);
+  const bool q16 = q.scalar_type() == at::kBFloat16;
+  TORCH_CHECK(q16 || q.scalar_type() == at::kFloat, "q: bfloat16 or float32 only");
+  const auto with_q = [&](auto kv) {
+    using KV = decltype(kv);
+    if (q16) run_float32<c10::BFloat16, KV>(q, k_buf, v_buf, slots, row_seq, lens, scale, out);
+    else run_float32<float, KV>(q, k_buf, v_buf, slots, row_seq, lens, scale, out);
+  };
+  switch (k_buf.scalar_type()) {
+    case at::kBFloat16: with_q(c10::BFloat16{}); break;
+    case at::kFloat: with_q(float{}); break;
+    case at::kFloat8_e4m3fn: with_q(kvstrata_cpu::Fp8E4M3{}); break;
+    case at::kFloat8_e5m2: with_q(kvstrata_cpu::Fp8E5M2{}); break;
+    default: TORCH_CHECK(false, "K/V: bfloat16, float32, float8_e4m3fn or float8_e5m2 only");
+  }
   return out;
 }
 
@@ -373,24 +390,33 @@ inline __m512 sum_lanes16(const __m512* v) {
 
 alignas(64) const uint16_t kZeroRow[256] = {0};   // stands in for the keys past a tile's end
 
-// Chunk c (32 bf16) of a row of D: a head dim under 32 is loaded masked, its missing lanes zero.
-template <int64_t D>
-inline __m512i load_chunk(const uint16_t* row, int c) {
-  if constexpr (D < 32) return _mm512_maskz_loadu_epi16(static_cast<__mmask32>((1ull << D) - 1), row);
-  else return _mm512_loadu_si512(row + 32 * c);
+// Chunk c (32 bf16) of a row of D: a head dim under 32 is loaded masked, its missing lanes zero. An FP8 row
+// (KV = Fp8E4M3 / Fp8E5M2) is widened to bf16 in registers: 32 bytes, two float32 halves, one exact pack.
+template <int64_t D, typename KV>
+inline __m512i load_chunk(const KV* row, int c) {
+  if constexpr (kvstrata_cpu::is_fp8<KV>::value) {
+    const __m512 lo = kvstrata_cpu::load16_fp8(row + 32 * c);
+    const __m512 hi = D < 32 ? _mm512_setzero_ps() : kvstrata_cpu::load16_fp8(row + 32 * c + 16);
+    return reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(hi, lo));
+  } else if constexpr (D < 32) {
+    return _mm512_maskz_loadu_epi16(static_cast<__mmask32>((1ull << D) - 1), row);
+  } else {
+    return _mm512_loadu_si512(row + 32 * c);
+  }
 }
 
-// Every cache line of n rows' D bf16 each (one KV head of n pool rows).
-template <int64_t D>
-inline void prefetch_rows(const uint16_t* base, const int64_t* slots, int64_t n, int64_t W) {
+// Every cache line of n rows' D elements each (one KV head of n pool rows).
+template <int64_t D, typename KV>
+inline void prefetch_rows(const KV* base, const int64_t* slots, int64_t n, int64_t W) {
+  constexpr int64_t per_line = 64 / sizeof(KV);
   for (int64_t j = 0; j < n; ++j)
-    for (int64_t off = 0; off < D; off += 32)
+    for (int64_t off = 0; off < D; off += per_line)
       _mm_prefetch(reinterpret_cast<const char*>(base + slots[j] * W + off), _MM_HINT_T0);
 }
 
 // Scores of 16 keys (rows k[0..15]) against one head's query (chunks of 32 bf16), log2-scaled.
-template <int64_t D>
-inline __m512 score16(const __m512i* qv, const uint16_t* const* k, __m512 scale_log2) {
+template <int64_t D, typename KV>
+inline __m512 score16(const __m512i* qv, const KV* const* k, __m512 scale_log2) {
   constexpr int NQ = (D + 31) / 32;
   __m512 acc[16];
   for (int j = 0; j < 16; ++j) {
@@ -402,16 +428,16 @@ inline __m512 score16(const __m512i* qv, const uint16_t* const* k, __m512 scale_
 
 // o[r] = sum over the tile's keys of probs[r][j] * V[j] for RN heads (probability rows `stride` apart),
 // two keys per dot-product step; written to dst[r * D ..] in natural dim order.
-template <int64_t D, int RN>
-void weigh_values(const uint16_t* vbase, const int64_t* slots, int64_t first, int64_t count, int64_t W,
+template <int64_t D, int RN, typename KV>
+void weigh_values(const KV* vbase, const int64_t* slots, int64_t first, int64_t count, int64_t W,
                   const uint32_t* probs, int64_t stride, float* dst) {
   constexpr int NQ = (D + 31) / 32, NC = 2 * NQ;
   __m512 oa[RN][NC];
   for (int r = 0; r < RN; ++r)
     for (int c = 0; c < NC; ++c) oa[r][c] = _mm512_setzero_ps();
   for (int64_t j = 0; j < count; j += 2) {
-    const uint16_t* v0 = vbase + slots[first + j] * W;
-    const uint16_t* v1 = j + 1 < count ? vbase + slots[first + j + 1] * W : kZeroRow;
+    const KV* v0 = vbase + slots[first + j] * W;
+    const KV* v1 = j + 1 < count ? vbase + slots[first + j + 1] * W : reinterpret_cast<const KV*>(kZeroRow);
     __m512i vv[NC];
 #pragma GCC unroll 8
     for (int c = 0; c < NQ; ++c) {
@@ -444,8 +470,8 @@ void weigh_values(const uint16_t* vbase, const int64_t* slots, int64_t first, in
 // Scores: per head, 16 keys at a time, D/32 dot-product steps per key, then one shuffle tree. Values: the
 // rows of keys 2i and 2i+1 interleaved (16-bit unpack) pair with their two bf16 probabilities, so one
 // dot-product step adds both keys' weighted values.
-template <int64_t D>
-void attend_tile_bf16(const uint16_t* q, const uint16_t* k_buf, const uint16_t* v_buf, const int64_t* slots,
+template <int64_t D, typename KV>
+void attend_tile_bf16(const uint16_t* q, const KV* k_buf, const KV* v_buf, const int64_t* slots,
                       int64_t first, int64_t count, float scale_log2, const Shape& s, float* partial) {
   constexpr int NQ = (D + 31) / 32, NC = 2 * NQ;
   constexpr int RG = NC >= 16 ? 1 : 16 / NC;   // heads whose value accumulators fit 16 registers
@@ -455,16 +481,17 @@ void attend_tile_bf16(const uint16_t* q, const uint16_t* k_buf, const uint16_t* 
   std::vector<uint32_t> probs(G * STRIDE, 0);
   const __m512 scale = _mm512_set1_ps(scale_log2);
   for (int64_t kvh = 0; kvh < s.kv_heads; ++kvh) {
-    const uint16_t* kbase = k_buf + kvh * D;
-    const uint16_t* vbase = v_buf + kvh * D;
+    const KV* kbase = k_buf + kvh * D;
+    const KV* vbase = v_buf + kvh * D;
     for (int64_t g = 0; g < G; ++g) {
       const int64_t h = kvh * G + g;
       __m512i qv[NQ];
-      for (int c = 0; c < NQ; ++c) qv[c] = load_chunk<D>(q + h * D, c);
+      for (int c = 0; c < NQ; ++c) qv[c] = load_chunk<D>(q + h * D, c);   // q: bf16 always
       __m512 m16 = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
       for (int64_t j0 = 0; j0 < count; j0 += 16) {
-        const uint16_t* k[16];
-        for (int j = 0; j < 16; ++j) k[j] = j0 + j < count ? kbase + slots[first + j0 + j] * W : kZeroRow;
+        const KV* k[16];
+        for (int j = 0; j < 16; ++j)
+          k[j] = j0 + j < count ? kbase + slots[first + j0 + j] * W : reinterpret_cast<const KV*>(kZeroRow);
         // First head: fetch the next block's K rows while this one computes; second head (K now in cache):
         // this block's V rows, for the value pass.
         if (g == 0 && j0 + 16 < count)
@@ -494,7 +521,7 @@ void attend_tile_bf16(const uint16_t* q, const uint16_t* k_buf, const uint16_t* 
       const uint32_t* pr = probs.data() + g0 * STRIDE;
       float* dst = partial + 2 * H + (kvh * G + g0) * D;
       switch (std::min<int64_t>(RG, G - g0)) {   // the head count is a template argument: accumulators stay in registers
-#define KVSTRATA_WEIGH(n) case n: if constexpr (n <= RG) weigh_values<D, n>(vbase, slots, first, count, W, pr, STRIDE, dst); break;
+#define KVSTRATA_WEIGH(n) case n: if constexpr (n <= RG) weigh_values<D, n, KV>(vbase, slots, first, count, W, pr, STRIDE, dst); break;
         KVSTRATA_WEIGH(1) KVSTRATA_WEIGH(2) KVSTRATA_WEIGH(3) KVSTRATA_WEIGH(4)
         KVSTRATA_WEIGH(5) KVSTRATA_WEIGH(6) KVSTRATA_WEIGH(7) KVSTRATA_WEIGH(8)
 #undef KVSTRATA_WEIGH
@@ -503,17 +530,49 @@ void attend_tile_bf16(const uint16_t* q, const uint16_t* k_buf, const uint16_t* 
   }
 }
 
-template <int64_t D>
+// An FP8 tile: its K and V rows (every KV head) widened once into bf16 scratch (exact), then the bf16 tile
+// runs on the scratch rows. Each FP8 byte is read from the pool and converted once, not once per query
+// head of its group, and the bf16 tile's arithmetic is unchanged (the same bits as a bf16 pool holding the
+// widened values).
+template <typename KV>
+void widen_rows_bf16(const KV* buf, const int64_t* slots, int64_t count, int64_t W, uint16_t* out) {
+  for (int64_t j = 0; j < count; ++j) {
+    if (j + 4 < count) _mm_prefetch(reinterpret_cast<const char*>(buf + slots[j + 4] * W), _MM_HINT_T0);
+    kvstrata_cpu::widen_to_bf16(buf + slots[j] * W, out + j * W, W);   // W = kv_heads * D, a multiple of 16
+  }
+}
+
+template <int64_t D, typename KV>
+void attend_tile_fp8(const uint16_t* q, const KV* k_buf, const KV* v_buf, const int64_t* slots, int64_t first,
+                     int64_t count, float scale_log2, const Shape& s, float* partial) {
+  const int64_t W = s.kv_stride;
+  thread_local std::vector<uint16_t> keys, values;
+  thread_local std::vector<int64_t> rows;
+  if (static_cast<int64_t>(rows.size()) < count) {
+    rows.resize(count);
+    for (int64_t j = 0; j < count; ++j) rows[j] = j;
+  }
+  keys.resize(std::max<size_t>(keys.size(), count * W));
+  values.resize(keys.size());
+  widen_rows_bf16(k_buf, slots + first, count, W, keys.data());
+  widen_rows_bf16(v_buf, slots + first, count, W, values.data());
+  attend_tile_bf16<D, uint16_t>(q, keys.data(), values.data(), rows.data(), 0, count, scale_log2, s, partial);
+}
+
+template <int64_t D, typename KV>
 void run_bf16(const at::Tensor& q, const at::Tensor& k_buf, const at::Tensor& v_buf, const at::Tensor& slots,
               const at::Tensor& row_seq, const at::Tensor& lens, double scale, at::Tensor& out) {
   const Shape s = shape_of(q, k_buf, slots);
-  const auto* kp = reinterpret_cast<const uint16_t*>(k_buf.data_ptr());
-  const auto* vp = reinterpret_cast<const uint16_t*>(v_buf.data_ptr());
+  const auto* kp = reinterpret_cast<const KV*>(k_buf.data_ptr());
+  const auto* vp = reinterpret_cast<const KV*>(v_buf.data_ptr());
   const float scale_log2 = static_cast<float>(scale * 1.4426950408889634);
   run<c10::BFloat16>(q, k_buf, slots, row_seq, lens, out,
                      [&](const c10::BFloat16* qr, const int64_t* sr, int64_t first, int64_t count, float* partial) {
-                       attend_tile_bf16<D>(reinterpret_cast<const uint16_t*>(qr), kp, vp, sr, first, count,
-                                           scale_log2, s, partial);
+                       const auto* qb = reinterpret_cast<const uint16_t*>(qr);
+                       if constexpr (kvstrata_cpu::is_fp8<KV>::value)
+                         attend_tile_fp8<D, KV>(qb, kp, vp, sr, first, count, scale_log2, s, partial);
+                       else
+                         attend_tile_bf16<D, KV>(qb, kp, vp, sr, first, count, scale_log2, s, partial);
                      });
 }
 
@@ -521,10 +580,16 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_buf, const 
                             const at::Tensor& slots, const at::Tensor& row_seq, const at::Tensor& lens,
                             double scale) {
   check_plan(q, k_buf, v_buf, slots, row_seq, lens);
-  TORCH_CHECK(q.scalar_type() == at::kBFloat16 && k_buf.scalar_type() == at::kBFloat16, "bfloat16 only");
+  const auto kv = k_buf.scalar_type();
+  TORCH_CHECK(q.scalar_type() == at::kBFloat16 &&
+              (kv == at::kBFloat16 || kv == at::kFloat8_e4m3fn || kv == at::kFloat8_e5m2),
+              "q: bfloat16; K/V: bfloat16, float8_e4m3fn or float8_e5m2");
   at::Tensor out = at::empty_like(q);
   kvstrata_cpu::with_head_dim(q.size(2), [&](auto dim) {
-    run_bf16<decltype(dim)::value>(q, k_buf, v_buf, slots, row_seq, lens, scale, out);
+    constexpr int64_t D = decltype(dim)::value;
+    if (kv == at::kBFloat16) run_bf16<D, uint16_t>(q, k_buf, v_buf, slots, row_seq, lens, scale, out);
+    else if (kv == at::kFloat8_e4m3fn) run_bf16<D, kvstrata_cpu::Fp8E4M3>(q, k_buf, v_buf, slots, row_seq, lens, scale, out);
+    else run_bf16<D, kvstrata_cpu::Fp8E5M2>(q, k_buf, v_buf, slots, row_seq, lens, scale, out);
   });
   return out;
 }
