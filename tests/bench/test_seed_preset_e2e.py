@@ -29,7 +29,9 @@ def test_seed_preset_small_scale_three_tiers_beat_l1_only(mooncake_env, tmp_path
     l1, top = rows["l1"]["summary"], rows["mooncake"]["summary"]
     assert top["cache_hit_rate"] > l1["cache_hit_rate"]
     assert top["hit_rate_vs_ideal"] >= 0.95
-    assert top["mean_ttft"] < l1["mean_ttft"]
+    # No TTFT comparison: at this scale the tiers' TTFT gain (~20% on `bench`, none on `tiny`) is inside a
+    # loaded machine's noise; the hit rate above is the compute saved, and timings are the benchmark's job
+    # (docs/benchmarks.md, Issue 51).
     file_l3 = rows["l3"]["cache"]
     assert file_l3["l3_objects"] > 0 and file_l3["l3_bytes"] > 0
     assert rows["l1"]["cache"]["l1_hit_tokens"] == l1["cached_tokens"]
