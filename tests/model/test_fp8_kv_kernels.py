@@ -24,7 +24,7 @@ from kvstrata.model.paged_kernels import (
     paged_attention_op,
 )
 from tests.capabilities import requires_cpu_kernels
-from tests.model.test_paged_kernel import _reference  # float32 causal SDPA over the same keys
+from tests.model.sdpa_reference import causal_sdpa_reference as _reference  # float32 causal SDPA
 
 FP8 = list(FP8_DTYPES.values())
 IDS = ["e4m3", "e5m2"]
