@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -29,6 +30,14 @@ SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 
 class ModelLoadError(Exception):
     """A model folder that cannot be loaded; the message names the file, field or tensor at fault."""
+
+
+def check_no_missing_tensors(expected: Iterable[str], filled: set[str], source: str) -> None:
+    """Raise ModelLoadError naming (the first five of) the tensors in `expected` that were never filled."""
+    missing = sorted(set(expected) - filled)
+    if missing:
+        shown = ", ".join(missing[:5]) + (f" (+{len(missing) - 5} more)" if len(missing) > 5 else "")
+        raise ModelLoadError(f"{source} is missing tensor(s) {shown}")
 
 
 @dataclass(frozen=True)

@@ -20,7 +20,7 @@ from collections import defaultdict
 from typing import TYPE_CHECKING, NamedTuple
 
 from kvstrata.model.builtin import build_once
-from kvstrata.model.config import ModelConfig, ModelLoadError
+from kvstrata.model.config import ModelConfig, ModelLoadError, check_no_missing_tensors
 
 if TYPE_CHECKING:   # torch and numpy only where tensors are read: the HTTP process resolves names here
     import numpy as np
@@ -264,10 +264,7 @@ def load_gguf_model(path: str, config: ModelConfig, dtype: torch.dtype, device: 
         else:
             model.tie_embeddings()
         filled.add(LM_HEAD)
-    missing = sorted(set(targets) - filled)
-    if missing:
-        shown = ", ".join(missing[:5]) + (f" (+{len(missing) - 5} more)" if len(missing) > 5 else "")
-        raise ModelLoadError(f"{path}: GGUF file is missing tensor(s) {shown}")
+    check_no_missing_tensors(targets, filled, f"{path}: GGUF file")
     bind_experts(model)
     return model.eval()
 

@@ -16,7 +16,7 @@ from typing import Optional
 
 import torch
 
-from kvstrata.model.config import ModelConfig, ModelLoadError
+from kvstrata.model.config import ModelConfig, ModelLoadError, check_no_missing_tensors
 from kvstrata.model.kv_scales import is_kv_scale
 from kvstrata.model.llama import LlamaForCausalLM
 from kvstrata.model.moe import bind_experts
@@ -78,10 +78,7 @@ def load_model(path: str, config: ModelConfig, dtype: torch.dtype, device: torch
         filled.add(LM_HEAD)
     if quantized is not None:
         quantized.check_complete(path)
-    missing = sorted(set(targets) - filled)
-    if missing:
-        shown = ", ".join(missing[:5]) + (f" (+{len(missing) - 5} more)" if len(missing) > 5 else "")
-        raise ModelLoadError(f"{path}: checkpoint is missing tensor(s) {shown}")
+    check_no_missing_tensors(targets, filled, f"{path}: checkpoint")
     bind_experts(model)
     if relayout:
         model.optimize_layout()

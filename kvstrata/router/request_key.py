@@ -15,11 +15,8 @@ RouteKey = Optional[Sequence]   # tuple[int, ...] (token ids), str (text), or No
 
 def route_key(path: str, body: bytes) -> RouteKey:
     """The key of a POST to `path` with JSON `body`; for a batch, the key of its first prompt."""
-    try:
-        req = json.loads(body)
-    except (ValueError, UnicodeDecodeError):
-        return None
-    if not isinstance(req, dict):
+    req = _json_object(body)
+    if req is None:
         return None
     if path.endswith("/chat/completions"):
         return _chat_text(req.get("messages"))
@@ -36,16 +33,22 @@ def session_id(headers: Mapping[str, str], body: bytes) -> Optional[str]:
         return sid[:256]
     if b'"session_params"' not in body and b'"user"' not in body:
         return None
-    try:
-        req = json.loads(body)
-    except (ValueError, UnicodeDecodeError):
-        return None
-    if not isinstance(req, dict):
+    req = _json_object(body)
+    if req is None:
         return None
     params = req.get("session_params")
     sid = params.get("id") if isinstance(params, dict) else None
     sid = sid if isinstance(sid, str) and sid else req.get("user")
     return sid[:256] if isinstance(sid, str) and sid else None
+
+
+def _json_object(body: bytes) -> Optional[dict]:
+    """The body as a JSON object, or None (not JSON, or not an object)."""
+    try:
+        req = json.loads(body)
+    except (ValueError, UnicodeDecodeError):
+        return None
+    return req if isinstance(req, dict) else None
 
 
 def _prompt_key(prompt: Any) -> RouteKey:
