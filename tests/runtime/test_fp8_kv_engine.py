@@ -1,12 +1,14 @@
 """FP8 KV (--kv-cache-dtype) through the whole engine, tiny model: greedy output identical with no cache, L1,
-L2 and L2 + file L3; batch invariance; an FP8 and a bf16 engine sharing one L3 directory (and one L2
-snapshot path) never read each other's KV; /server_info reports the KV dtype and capacity; a pool of the
+L2 and L2 + file L3; batch invariance; an FP8 and a bf16 engine sharing one L3 (a directory, or one Mooncake
+store; and one L2 snapshot path) never read each other's KV; /server_info reports the KV dtype and capacity; a pool of the
 same byte budget holds twice the tokens."""
 
 from __future__ import annotations
 
+import json
 import random
 
+import pytest
 import torch
 
 from kvstrata import args as server_args
@@ -33,14 +35,24 @@ def _conversations(**kwargs) -> tuple[list[list[int]], dict]:
         engine.shutdown()
 
 
-def test_greedy_identical_in_every_tier_and_l3_shared_with_bf16_never_crosses(tmp_path):
+def _shared_l3(backend: str, request, tmp_path) -> dict:
+    """Engine settings for an L3 that every engine of the test shares: a file directory or one Mooncake store."""
+    if backend == "file":
+        return {"hicache_storage_backend": "file", "hicache_storage_dir": str(tmp_path / "l3")}
+    cluster = request.getfixturevalue("own_mooncake_cluster")
+    return {"hicache_storage_backend": "mooncake",
+            "hicache_storage_backend_extra_config": json.dumps(cluster.client_config())}
+
+
+@pytest.mark.parametrize("backend", ["file", pytest.param("mooncake", marks=pytest.mark.mooncake)])
+def test_greedy_identical_in_every_tier_and_l3_shared_with_bf16_never_crosses(backend, request, tmp_path):
     reference, _ = _conversations(disable_radix_cache=True, **FP8)
     assert len({tuple(o) for o in reference}) > 1, "outputs should depend on the prompt"
     l1, l1_state = _conversations(**FP8)
     assert l1 == reference and l1_state["device_hit_tokens"] > 0
     kv = l1_state["kv_cache"]
     assert kv["dtype"] == "float8_e4m3fn" and kv["device_capacity_tokens"] == 4096 and kv["host_capacity_tokens"] is None
-    l3 = {**SMALL_TIERS, "hicache_storage_backend": "file", "hicache_storage_dir": str(tmp_path / "l3")}
+    l3 = {**SMALL_TIERS, **_shared_l3(backend, request, tmp_path)}
     bf16, _ = _conversations(**l3, dtype="bfloat16")          # bf16 objects in the shared directory
     l2, l2_state = _conversations(**l3, **FP8)                # L2 hits; the bf16 objects are not read
     assert l2 == reference and l2_state["host_hit_tokens"] > 0 and l2_state["storage_hit_tokens"] == 0
