@@ -6,6 +6,7 @@ import sys
 
 import pytest
 
+from kvstrata.model.paged_kernels import extend_amx
 from tests.model.hf_ckpt import write_checkpoint
 
 
@@ -29,3 +30,11 @@ def _drop_loaded_pairs():
     pairs = sys.modules.get("tests.model.pairs")    # only a module that used pairs has any to drop
     if pairs is not None:
         pairs.Pair.drop_all()
+
+
+@pytest.fixture(params=["amx", "dot-product"] if extend_amx(True) else ["this-cpu"])
+def tile(request) -> str:
+    """Runs the test on each extend tile this build has for bf16 (AMX machines: AMX, then the dot-product tile)."""
+    extend_amx(request.param != "dot-product")
+    yield request.param
+    extend_amx(True)

@@ -15,7 +15,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvstrata.model.paged_kernels import BF16_HEAD_DIMS, extend_amx, extend_attention_op
+from kvstrata.model.paged_kernels import BF16_HEAD_DIMS, extend_attention_op
 from tests.capabilities import requires_avx2, requires_cpu_kernels
 from tests.model.hf_ckpt import CASES
 from tests.model.pairs import PROMPT_LENS, TOLERANCE, Pair, random_prompts, relative_error
@@ -27,17 +27,6 @@ BF16 = torch.bfloat16
 # The dtypes this build serves; float32 only with the AVX2 tile.
 DTYPES = [dtype for dtype in (BF16, torch.float32) if extend_attention_op(dtype) is not None]
 MAX_ERROR = {BF16: 2e-2, torch.float32: 1e-4}   # bf16: the output's rounding (and the bf16 tile's products)
-TILES = ["amx", "dot-product"] if extend_amx(True) else ["this-cpu"]
-
-
-@pytest.fixture(params=TILES)
-def tile(request) -> str:
-    """Runs the test on each tile this build has for bf16 (AMX machines: AMX, then the dot-product tile)."""
-    extend_amx(request.param != "dot-product")
-    yield request.param
-    extend_amx(True)
-
-
 def _pool(slots: int, kv_heads: int, dim: int, seed: int = 0, dtype: torch.dtype = BF16
           ) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(seed)

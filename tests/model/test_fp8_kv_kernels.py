@@ -19,11 +19,10 @@ from kvstrata.memory.kv_format import FP8_DTYPES, KVFormat
 from kvstrata.model import invariant_attention
 from kvstrata.model.paged_kernels import (
     decode_attention_op,
-    extend_amx,
     extend_attention_op,
     paged_attention_op,
 )
-from tests.capabilities import requires_cpu_kernels
+from tests.capabilities import requires_avx2, requires_cpu_kernels
 from tests.model.sdpa_reference import causal_sdpa_reference as _reference  # float32 causal SDPA
 
 FP8 = list(FP8_DTYPES.values())
@@ -94,19 +93,8 @@ def test_decode_kernels_match_the_torch_reference(dtype, variant, heads, kv_head
 
 
 EXTEND_QDTYPES = [d for d in (torch.bfloat16, torch.float32) if extend_attention_op(d) is not None]
-TILES = ["amx", "dot-product"] if extend_amx(True) else ["this-cpu"]
-
-
-@pytest.fixture(params=TILES)
-def tile(request) -> str:
-    """Each extend tile this build has for bf16 (AMX machines: AMX, then the dot-product tile)."""
-    extend_amx(request.param != "dot-product")
-    yield request.param
-    extend_amx(True)
-
-
 @requires_cpu_kernels
-@pytest.mark.skipif(not EXTEND_QDTYPES, reason="this build has no extend kernel")
+@requires_avx2   # the extend tiles: AVX2, AVX-512 BF16 or AMX
 @pytest.mark.parametrize("dtype", FP8, ids=IDS)
 @pytest.mark.parametrize("qdtype", EXTEND_QDTYPES, ids=lambda d: str(d).removeprefix("torch."))
 @pytest.mark.parametrize("heads,kv_heads,dim", [(8, 2, 64), (4, 4, 128), (4, 2, 16)], ids=["gqa-64", "mha-128", "gqa-16"])

@@ -15,14 +15,12 @@ from kvstrata import args as server_args
 from kvstrata.memory import kv_format
 from kvstrata.memory.device_pool import DeviceKVPool
 from kvstrata.memory.host_pool import HostKVPool
-from tests.cache.drivers import run_conversations
+from tests.cache.drivers import SMALL_TIERS, run_conversations
 from tests.cache.snapshot_turns import L2, first_round, turn
 from tests.runtime.determinism import check_alone_equals_in_batches
 from tests.runtime.helpers import assert_idle_integrity, make_engine
 
 FP8 = {"kv_cache_dtype": "fp8_e4m3", "dtype": "bfloat16"}
-SMALL_TIERS = {"enable_hierarchical_cache": True, "hicache_ratio": 6, "max_total_tokens": 160,
-               "chunked_prefill_size": 32}
 
 
 def _conversations(**kwargs) -> tuple[list[list[int]], dict]:

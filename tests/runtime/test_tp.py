@@ -14,6 +14,7 @@ import time
 import pytest
 import requests
 
+from tests.cache.drivers import SMALL_TIERS as CACHE_SMALL_TIERS
 from tests.cache.drivers import run_conversations
 from tests.model.hf_ckpt import write_servable_moe_checkpoint
 from tests.runtime.helpers import NUMERIC_DTYPES, PROMPTS, assert_idle_integrity, make_engine
@@ -21,8 +22,7 @@ from tests.server.conftest import launch_server, pid_alive, stop_server
 
 GREEDY = {"temperature": 0, "max_new_tokens": 10}
 # Multi-turn conversations overflowing a small device pool: cold prefills, device hits and host (L2) hits.
-SMALL_TIERS = {"enable_hierarchical_cache": True, "hicache_ratio": 6, "max_total_tokens": 160,
-               "chunked_prefill_size": 32, "num_threads": 1}
+SMALL_TIERS = {**CACHE_SMALL_TIERS, "num_threads": 1}   # one thread per rank: see README (TP equality)
 
 
 def _conversations(**kwargs) -> tuple[list[list[int]], list[int], dict]:
