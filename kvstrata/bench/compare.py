@@ -96,8 +96,12 @@ def apply_preset(args: argparse.Namespace, argv: list[str]) -> None:
     put("device_tokens", shape.device_tokens)
     put("hicache_ratio", shape.hicache_ratio)
     # Mooncake holds every conversation's KV (the L3 of the seed): the working set at the bench model's
-    # 4 KiB per token (bf16, 8 layers x 2 KV heads x 64 x K and V), with room to spare.
-    put("mooncake_segment_mb", max(256, math.ceil(1.5 * shape.working_set_tokens * 4096 / 2**20)))
+    # 4 KiB per token (8 layers x 2 KV heads x 64 x K and V in bf16; half that with an FP8 KV cache,
+    # which is what lets the full scale fit a 24 GB machine), with room to spare.
+    fp8 = any(a.startswith("--kv-cache-dtype") and "fp8" in a for a in argv) or any(
+        a == "--kv-cache-dtype" and i + 1 < len(argv) and "fp8" in argv[i + 1] for i, a in enumerate(argv))
+    kv_bytes = 2048 if fp8 else 4096
+    put("mooncake_segment_mb", max(256, math.ceil(1.5 * shape.working_set_tokens * kv_bytes / 2**20)))
     args.preset_shape = shape
 
 

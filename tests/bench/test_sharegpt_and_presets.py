@@ -107,3 +107,14 @@ def test_compare_preset_fills_the_seed_flags_and_explicit_flags_win():
     args, _ = compare.build_parser().parse_known_args(["--scale", "0.5"])
     with pytest.raises(SystemExit, match="--scale needs --preset"):
         compare.apply_preset(args, ["--scale", "0.5"])
+
+
+@pytest.mark.parametrize("kv_flags", [["--kv-cache-dtype", "fp8_e4m3"], ["--kv-cache-dtype=fp8_e5m2"]])
+def test_compare_preset_sizes_the_mooncake_segment_for_an_fp8_kv_cache(kv_flags):
+    base = ["--preset", "seed", "--scale", "0.5"]
+    sizes = []
+    for argv in (base, base + kv_flags):
+        args, _ = compare.build_parser().parse_known_args(argv)
+        compare.apply_preset(args, argv)
+        sizes.append(args.mooncake_segment_mb)
+    assert sizes[1] == pytest.approx(sizes[0] / 2, abs=1)
