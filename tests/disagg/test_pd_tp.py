@@ -109,17 +109,16 @@ def tp_pd(mooncake_env, tmp_path_factory):
         failing=ServerProcess([*pd_flags("prefill", ports[1], SECRET), *TP2], str(logs / "failing.log"),
                               env={FAULT_RANK_ENV: "1"}),
         ports=ports)
-    servers = [s.prefill, s.decode, s.decode_tp1, s.failing]
     s.router = ServerProcess(["--pd-disaggregation", "--prefill", s.prefill.url, str(ports[0]), "--decode",
                               s.decode.url, *ROUTER_FLAGS], str(logs / "router.log"), module="kvstrata.router")
+    processes = [s.prefill, s.decode, s.decode_tp1, s.failing, s.router]   # all at once: the router waits
     try:
-        with ThreadPoolExecutor(len(servers)) as pool:
-            list(pool.map(lambda p: p.start(), servers))
-        s.router.start()
+        with ThreadPoolExecutor(len(processes)) as pool:
+            list(pool.map(lambda p: p.start(), processes))
         wait_for(lambda: generate(s.router.url, greedy("warm", 1)).status_code == 200, what="router ready")
         yield s
     finally:
-        for p in (s.router, *servers):
+        for p in processes:
             p.stop()
 
 
