@@ -542,8 +542,9 @@ class ServerArgs:
             "--hicache-snapshot-path": (self.hicache_snapshot_path, "an L2 snapshot per rank"),
             "--hicache-write-policy write_back": (self.hicache_write_policy == "write_back",
                                                   "its synchronous copies do not reach the other ranks"),
-            f"--disaggregation-mode {self.disaggregation_mode}": (self.disaggregation_mode != "null",
-                                                                   "a KV transfer per rank"),
+            # Each rank's transfer engine listens on this node's --disaggregation-host: one node only.
+            f"--disaggregation-mode {self.disaggregation_mode} and --nnodes {self.nnodes}": (
+                self.disaggregation_mode != "null" and self.nnodes > 1, "a transfer host per node"),
         }
         for flag, (used, missing) in unsupported.items():
             if used:

@@ -11,7 +11,6 @@ from kvstrata.runtime.req import Req
 
 if TYPE_CHECKING:
     from kvstrata.disagg.channel import BootstrapChannel
-    from kvstrata.disagg.transfer import TransferBackend
 
 RECENT_TRANSFERS = 64        # per-request records kept for /server_info
 
@@ -39,7 +38,7 @@ class HandoffStats:
                          "transfer_seconds_total": 0.0, "bootstrap_queue_seconds_total": 0.0}
         self.recent: deque[dict] = deque(maxlen=RECENT_TRANSFERS)
 
-    def ok(self, rid: str, room: int, nbytes: int, seconds: float, queue_s: float, **extra: int) -> None:
+    def ok(self, rid: str, room: int, nbytes: int, seconds: float, queue_s: float, **extra: object) -> None:
         """Record one completed transfer."""
         c = self.counters
         c["transfers_ok"] += 1
@@ -65,8 +64,9 @@ class HandoffStats:
         return {"mode": self.mode, **queues, **c, "recent_transfers": list(self.recent)}
 
 
-def endpoint_state(channel: BootstrapChannel, transfer: TransferBackend) -> dict:
-    """Where this side listens, and the bootstrap messages it dropped (by reason), for /server_info."""
-    return {"bootstrap_address": channel.address, "transfer_session": transfer.session_id,
+def endpoint_state(channel: BootstrapChannel, session_id: str) -> dict:
+    """Where this side listens (rank 0's transfer session), and the bootstrap messages it dropped (by reason),
+    for /server_info."""
+    return {"bootstrap_address": channel.address, "transfer_session": session_id,
             "rejected_messages": dict(channel.rejected),
             "rejected_messages_total": sum(channel.rejected.values())}

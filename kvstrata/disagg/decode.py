@@ -7,6 +7,10 @@ KVTransferDone arrives, the slots hold the prompt's KV: the request joins `runni
 and decodes from there. On a failure, a timeout or an abort it is released like any request (its pages
 go back to the free list; the locked prefix is unlocked).
 
+Under --tp-size N each rank's pool holds its own KV shard: the request names every rank's pool (asked once
+at start, shard.py), prefill rank r writes into decode rank r, and the prefill answers KVTransferDone only
+once all N writes are done. Slots are rank 0's to allocate and free, for every rank at once.
+
 Who frees: this side frees its reserved slots; it tells the prefill (KVTransferAbort) when it gives up.
 A request that timed out after its KVTransferRequest went out fails at once, but its pages stay
 quarantined for QUARANTINE_S more (or until the prefill answers): a write the prefill started just before
@@ -23,11 +27,8 @@ from typing import Optional
 from kvstrata.disagg.channel import BootstrapChannel
 from kvstrata.disagg.common import HandoffStats, check_disagg_request, endpoint_state, prompt_digest
 from kvstrata.disagg.messages import KVTransferAbort, KVTransferDone, KVTransferFailed, KVTransferRequest
-from kvstrata.disagg.transfer import (
-    TransferBackend,
-    attach_pool,
-    slots_list,
-)
+from kvstrata.disagg.shard import ShardGroup, start_rank_endpoint
+from kvstrata.disagg.transfer import TransferBackend, slots_list
 from kvstrata.runtime.handoff import HandoffHost
 from kvstrata.runtime.messages import BootstrapInfo, ReqOutput
 from kvstrata.runtime.req import Req, ReqState
@@ -50,12 +51,14 @@ class DecodeHandoff:
     """Bootstrap queue, transfers in flight, and their completion for one decode scheduler."""
 
     mode = "decode"
+    rank_side = staticmethod(start_rank_endpoint)     # ranks > 0: their shard's endpoint (HandoffFactory)
 
     def __init__(self, scheduler: HandoffHost, transfer: Optional[TransferBackend] = None):
         args = scheduler.args
         self.sched = scheduler
         self.timeout_s = args.disaggregation_bootstrap_timeout
-        self.transfer, self.layout, (self.k_ptrs, self.v_ptrs) = attach_pool(args, scheduler.runner.pool, transfer)
+        self.shards = ShardGroup(scheduler, transfer)
+        self.targets = self.shards.targets()       # every rank's pool, rank order
         self.channel = BootstrapChannel(args.disaggregation_host(), secret=args.disaggregation_secret)
         self.queue: list[_Waiting] = []            # waiting for slots (the bootstrap queue)
         self.inflight: dict[int, _Waiting] = {}    # room → slots reserved, KVTransferRequest sent
@@ -125,7 +128,7 @@ class DecodeHandoff:
         """Counters and queue lengths for /server_info."""
         return {**self.stats.state(bootstrap_queue=len(self.queue), transfers_in_flight=len(self.inflight),
                                    quarantined=len(self.quarantine)),
-                **endpoint_state(self.channel, self.transfer)}
+                **endpoint_state(self.channel, self.shards.session_id)}
 
     def close(self) -> None:
         """Close the sockets."""
@@ -151,8 +154,8 @@ class DecodeHandoff:
             w.sent_at = time.monotonic()
             self.inflight[w.info.room] = w
             self.channel.send(w.info.address, KVTransferRequest(
-                room=w.info.room, reply_to=self.channel.address, session_id=self.transfer.session_id,
-                layout=self.layout, k_ptrs=self.k_ptrs, v_ptrs=self.v_ptrs, prompt_len=n,
+                room=w.info.room, reply_to=self.channel.address, layout=self.shards.layout, shards=self.targets,
+                prompt_len=n,
                 prompt_digest=prompt_digest(req.prompt_ids), start_token=req.kv_len,
                 dst_slots=slots_list(cache.slots_of(req, req.kv_len, n)),
                 deadline=time.time() + (w.deadline - w.sent_at)))

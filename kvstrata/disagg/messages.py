@@ -8,6 +8,8 @@ msgpack on the wire, signed by `wire.FrameCodec`; never pickle).
     KVTransferRequest(R, where) ──────────►  (held until its prompt is prefilled)
                                              prefill with its own tiers, sample the first token,
                                              write the KV of tokens [start_token, n) into decode's slots
+                                             (under --tp-size N: prefill rank r into decode rank r, all
+                                             N writes finished before the answer; shard.py)
                        ◄──────────────────── KVTransferDone(R, first token, logprobs)
     continue decoding, stream                answer its client (1 token), free its side
 
@@ -30,6 +32,7 @@ MAX_PROMPT_TOKENS = 1 << 22          # 4 Mi tokens: far above any context length
 MAX_LAYERS = 1024
 MAX_TOP_LOGPROBS = 1024
 MAX_TEXT = 2048                      # reasons, session ids, addresses
+MAX_TP = 512                         # tensor-parallel ranks of one server
 
 Room = Annotated[int, Meta(ge=0, le=MAX_ROOM)]
 Count = Annotated[int, Meta(ge=0, le=MAX_PROMPT_TOKENS)]
@@ -45,18 +48,26 @@ TokenId = Annotated[int, Meta(ge=0, le=2 ** 31 - 1)]
 
 
 class KVLayout(Struct, frozen=True):
-    """What the bytes of one slot mean; prefill and decode must agree on it."""
+    """What the bytes of one slot of one rank's pool mean, and how the KV heads are split over the ranks;
+    prefill and decode must agree on all of it (mismatched --tp-size is refused, never re-sharded)."""
 
     num_layers: Annotated[int, Meta(ge=1, le=MAX_LAYERS)]
-    num_kv_heads: Annotated[int, Meta(ge=1, le=4096)]
+    num_kv_heads: Annotated[int, Meta(ge=1, le=4096)]          # per rank
     head_dim: Annotated[int, Meta(ge=1, le=65536)]
     dtype: Annotated[str, Meta(pattern=r"^(float32|float16|bfloat16|float8_e4m3fn|float8_e5m2)$")]
     scales_digest: Annotated[str, Meta(pattern=r"^([0-9a-f]{16})?$")] = ""   # FP8 K/V scales (kv_format.py)
+    page_size: Annotated[int, Meta(ge=1, le=65536)] = 1
+    tp_size: Annotated[int, Meta(ge=1, le=MAX_TP)] = 1
 
     @property
     def kv_name(self) -> str:
         """The stored KV format in words: the dtype, and the scales' digest for FP8."""
         return self.dtype + (f" (scales {self.scales_digest})" if self.scales_digest else "")
+
+    def describe(self) -> str:
+        """The layout in words, for the error that names both sides' layouts."""
+        return (f"TP={self.tp_size} with {self.num_kv_heads} KV head(s) of dim {self.head_dim} per rank, "
+                f"{self.num_layers} layers, {self.kv_name}, page size {self.page_size}")
 
     @property
     def slot_bytes(self) -> int:
@@ -66,15 +77,24 @@ class KVLayout(Struct, frozen=True):
         return self.num_kv_heads * self.head_dim * getattr(torch, self.dtype).itemsize
 
 
+class ShardTarget(Struct, frozen=True):
+    """Where one tensor-parallel rank's KV shard lives: its transfer-engine session and buffer addresses."""
+
+    session_id: SessionId              # the rank's transfer-engine session ("host:rpc_port")
+    k_ptrs: Pointers                   # per layer, address of slot 0 of the rank's K buffer
+    v_ptrs: Pointers
+
+
 class KVTransferRequest(Struct, tag="request"):
-    """decode → prefill: write the KV of prompt tokens [start_token, len(prompt)) of room `room` here."""
+    """decode → prefill: write the KV of prompt tokens [start_token, len(prompt)) of room `room` here.
+
+    `shards[r]` is decode rank r's pool: prefill rank r writes its own shard there (same --tp-size both sides).
+    """
 
     room: Room
     reply_to: Address                  # decode's ZMQ address for the answer
-    session_id: SessionId              # decode's transfer-engine session ("host:rpc_port")
     layout: KVLayout
-    k_ptrs: Pointers                   # per layer, address of slot 0 of decode's K buffer
-    v_ptrs: Pointers
+    shards: Annotated[list[ShardTarget], Meta(min_length=1, max_length=MAX_TP)]
     prompt_len: Annotated[int, Meta(ge=1, le=MAX_PROMPT_TOKENS)]
     prompt_digest: Digest              # both sides must have tokenized the same prompt
     start_token: Count                 # tokens before this one decode already holds (its own cache)
@@ -112,11 +132,21 @@ class KVTransferFailed(Struct, tag="failed"):
 PDMessage = Union[KVTransferRequest, KVTransferAbort, KVTransferDone, KVTransferFailed]
 
 
+def target_problem(target: ShardTarget, num_layers: int) -> Optional[str]:
+    """Why a shard target cannot address `num_layers` layers, or None."""
+    if len(target.k_ptrs) != num_layers or len(target.v_ptrs) != num_layers:
+        return f"{len(target.k_ptrs)}/{len(target.v_ptrs)} K/V pointers for {num_layers} layers"
+    return None
+
+
 def message_problem(msg: PDMessage) -> Optional[str]:
     """What is inconsistent across a decoded message's fields, or None (types and bounds are checked already)."""
     if isinstance(msg, KVTransferRequest):
-        if len(msg.k_ptrs) != msg.layout.num_layers or len(msg.v_ptrs) != msg.layout.num_layers:
-            return f"{len(msg.k_ptrs)}/{len(msg.v_ptrs)} K/V pointers for {msg.layout.num_layers} layers"
+        if len(msg.shards) != msg.layout.tp_size:
+            return f"{len(msg.shards)} shard targets for {msg.layout.tp_size} tensor-parallel ranks"
+        problem = next(filter(None, (target_problem(t, msg.layout.num_layers) for t in msg.shards)), None)
+        if problem is not None:
+            return problem
         if msg.start_token > msg.prompt_len:
             return f"start_token {msg.start_token} is past the prompt ({msg.prompt_len} tokens)"
         if len(msg.dst_slots) != msg.prompt_len - msg.start_token:

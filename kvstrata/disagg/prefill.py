@@ -7,37 +7,44 @@ arrives). A worker thread writes the KV of tokens [start_token, n) into the deco
 transfer engine; when it is done the decode gets KVTransferDone (the first token), this side's client
 gets its one-token answer, and the request is released (its pages stay in the radix tree).
 
+Under --tp-size N every rank writes its own KV shard into the decode's rank of the same index (shard.py),
+and the room is done only when all N writes are; one failed rank fails the room (KVTransferFailed to the
+decode, an error to the client, the pages freed once on rank 0, which allocates for every rank). Those
+writes are one call to every rank, a collective: it runs on the scheduler thread between two steps (the
+step waits for it), not on the worker thread, which must never run a collective beside the plans.
+
 Who frees: this side frees its own pages, after the write finished or failed, never while it runs.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import time
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Optional
 
 from kvstrata.disagg.channel import BootstrapChannel
 from kvstrata.disagg.common import HandoffStats, check_disagg_request, endpoint_state, prompt_digest
-from kvstrata.disagg.messages import KVTransferAbort, KVTransferDone, KVTransferFailed, KVTransferRequest
-from kvstrata.disagg.transfer import (
-    TransferBackend,
-    TransferError,
-    attach_pool,
-    plan_writes,
-    slots_list,
+from kvstrata.disagg.messages import (
+    MAX_TEXT,
+    KVTransferAbort,
+    KVTransferDone,
+    KVTransferFailed,
+    KVTransferRequest,
 )
-from kvstrata.platform import env
+from kvstrata.disagg.shard import ShardGroup, ShardsWritten, start_rank_endpoint
+from kvstrata.disagg.transfer import TransferBackend, TransferError, slots_list
+from kvstrata.model.parallel import RankFailure
 from kvstrata.runtime.handoff import HandoffHost
 from kvstrata.runtime.messages import BootstrapInfo, ReqOutput
 from kvstrata.runtime.req import Req, ReqState
 
 logger = logging.getLogger(__name__)
 
-# Fault injection for tests and demos: seconds each transfer sleeps before it writes.
-FAULT_DELAY_ENV = "KVSTRATA_DISAGG_TRANSFER_DELAY_S"
 # A router sends both halves of a request at once: a decode's room whose request has not arrived after this
 # share of the timeout is unknown here, and the decode hears so before its own timeout fires.
 UNKNOWN_ROOM_SHARE = 0.5
@@ -58,18 +65,19 @@ class PrefillHandoff:
     """Rooms, held requests and KV writes for one prefill scheduler."""
 
     mode = "prefill"
+    rank_side = staticmethod(start_rank_endpoint)     # ranks > 0: their shard's endpoint (HandoffFactory)
 
     def __init__(self, scheduler: HandoffHost, transfer: Optional[TransferBackend] = None):
         args = scheduler.args
         self.sched = scheduler
         self.timeout_s = args.disaggregation_bootstrap_timeout
-        self.transfer, self.layout, self.ptrs = attach_pool(args, scheduler.runner.pool, transfer)
+        self.shards = ShardGroup(scheduler, transfer)
+        self.layout = self.shards.layout
         self.channel = BootstrapChannel(args.disaggregation_host(), args.disaggregation_bootstrap_port,
                                         args.disaggregation_secret)
         self.rooms: dict[int, _Room] = {}
         self.by_rid: dict[str, _Room] = {}
         self.writer = ThreadPoolExecutor(1, thread_name_prefix="kv-transfer")
-        self.delay_s = float(env(FAULT_DELAY_ENV, "0") or 0)
         self.stats = HandoffStats(self.mode)
 
     # ------------------------------------------------------------------ scheduler hooks
@@ -138,7 +146,7 @@ class PrefillHandoff:
             rooms_open=len(rooms), waiting_for_decode=sum(r.prefilled and r.dst is None for r in rooms),
             waiting_for_client_request=sum(r.req is None for r in rooms),
             transfers_in_flight=sum(r.future is not None for r in rooms)),
-            **endpoint_state(self.channel, self.transfer)}
+            **endpoint_state(self.channel, self.shards.session_id)}
 
     def close(self) -> None:
         """Wait for the write in flight, then close the sockets."""
@@ -159,11 +167,15 @@ class PrefillHandoff:
 
     def _mismatch(self, room: _Room) -> Optional[str]:
         dst, req = room.dst, room.req
-        if (dst.layout.dtype, dst.layout.scales_digest) != (self.layout.dtype, self.layout.scales_digest):
-            return (f"KV cache dtypes differ (--kv-cache-dtype): prefill stores {self.layout.kv_name}, decode "
-                    f"{dst.layout.kv_name}; start both with the same --kv-cache-dtype and checkpoint")
-        if dst.layout != self.layout:
-            return f"KV layouts differ: prefill {self.layout}, decode {dst.layout}"
+        mine, theirs = self.layout, dst.layout
+        if (theirs.tp_size, theirs.num_kv_heads) != (mine.tp_size, mine.num_kv_heads):
+            return (f"tensor-parallel KV layouts differ (--tp-size): prefill {mine.describe()}; decode "
+                    f"{theirs.describe()}; start both with the same --tp-size (shards are not re-sharded)")
+        if (theirs.dtype, theirs.scales_digest) != (mine.dtype, mine.scales_digest):
+            return (f"KV cache dtypes differ (--kv-cache-dtype): prefill stores {mine.kv_name}, decode "
+                    f"{theirs.kv_name}; start both with the same --kv-cache-dtype and checkpoint")
+        if theirs != mine:
+            return f"KV layouts differ: prefill {mine.describe()}; decode {theirs.describe()}"
         if req is not None and (dst.prompt_len != len(req.prompt_ids)
                                 or dst.prompt_digest != prompt_digest(req.prompt_ids)):
             return "the prefill and decode servers tokenized the prompt differently"
@@ -178,29 +190,24 @@ class PrefillHandoff:
             self._give_up(room, problem, 400 if "differ" in problem else 504)
             return
         src = slots_list(self.sched.cache.slots_of(req, dst.start_token, dst.prompt_len))
-        plan = plan_writes(src, dst.dst_slots, self.ptrs, (dst.k_ptrs, dst.v_ptrs), self.layout.slot_bytes)
-        room.future = self.writer.submit(self._write, dst.session_id, plan)
-
-    def _write(self, session_id: str, plan: tuple[list[int], list[int], list[int]]) -> tuple[int, float]:
-        """Worker thread: one batch write; returns (bytes, seconds)."""
-        if self.delay_s:
-            time.sleep(self.delay_s)
-        start = time.perf_counter()
-        self.transfer.write(session_id, *plan)
-        return sum(plan[2]), time.perf_counter() - start
+        write = functools.partial(self.shards.write, dst.shards, src, dst.dst_slots)
+        # One rank: in the background. Several: a collective, so here on the scheduler thread (module docstring).
+        room.future = self.writer.submit(write) if self.layout.tp_size == 1 else _run_now(write)
 
     def _written(self, room: _Room) -> list[ReqOutput]:
         req, dst = room.req, room.dst
         room.future, fut = None, room.future
         try:
-            nbytes, seconds = fut.result()
+            written: ShardsWritten = fut.result()
         except Exception as e:  # TransferError, or a bad plan: either way this room is lost, not the server
             level = logging.WARNING if isinstance(e, TransferError) else logging.ERROR
             logger.log(level, "KV transfer of room %d failed: %s", room.room, e)
             return self._give_up(room, f"KV transfer failed: {e}", 503)
         if room.aborted:
             return self._give_up(room, room.aborted, 499)
-        self.stats.ok(req.rid, room.room, nbytes, seconds, time.monotonic() - room.created_at)
+        nbytes, seconds = written.nbytes, written.seconds
+        self.stats.ok(req.rid, room.room, nbytes, seconds, time.monotonic() - room.created_at,
+                      rank_bytes=written.rank_bytes)
         logprob = req.output_logprobs[0][0] if req.output_logprobs else None
         top = req.output_top_logprobs[0] if req.output_top_logprobs else []
         self.channel.send(dst.reply_to, KVTransferDone(
@@ -233,7 +240,7 @@ class PrefillHandoff:
         req = room.req
         self.stats.failed(req.rid if req else "", room.room, reason, timeout)
         if notify and room.dst is not None:
-            self.channel.send(room.dst.reply_to, KVTransferFailed(room.room, reason, status))
+            self.channel.send(room.dst.reply_to, KVTransferFailed(room.room, reason[:MAX_TEXT], status))
         self._forget(room)
         if req is None:
             return []
@@ -248,3 +255,15 @@ class PrefillHandoff:
         self.rooms.pop(room.room, None)
         if room.req is not None:
             self.by_rid.pop(room.req.rid, None)
+
+
+def _run_now(work: Callable[[], ShardsWritten]) -> Future:
+    """`work()` run here, as a finished Future (its result or its exception), like the worker thread's."""
+    fut: Future = Future()
+    try:
+        fut.set_result(work())
+    except RankFailure:     # the group broke: fatal to the server (ranks.py), not one room's failure
+        raise
+    except Exception as e:  # what the worker thread's Future would hold: _written reports it
+        fut.set_exception(e)
+    return fut

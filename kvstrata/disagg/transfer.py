@@ -96,10 +96,10 @@ def create_transfer(backend: str, hostname: str, ib_device: Optional[str] = None
     raise ValueError(f"unknown transfer backend {backend!r}")
 
 
-def pool_layout(pool) -> KVLayout:
-    """The KVLayout of a DeviceKVPool."""
+def pool_layout(pool, tp_size: int = 1) -> KVLayout:
+    """The KVLayout of a DeviceKVPool (one rank's shard of `tp_size`)."""
     return KVLayout(pool.num_layers, pool.num_kv_heads, pool.head_dim, str(pool.dtype).removeprefix("torch."),
-                    pool.kv_format.scales_digest)
+                    pool.kv_format.scales_digest, page_size=pool.page_size, tp_size=tp_size)
 
 
 def pool_pointers(pool) -> tuple[list[int], list[int]]:
@@ -111,18 +111,6 @@ def register_pool(transfer: TransferBackend, pool) -> None:
     """Register every K and V buffer of a DeviceKVPool with the transfer engine."""
     for buf in (*pool.k_buffer, *pool.v_buffer):
         transfer.register(buf.data_ptr(), buf.numel() * buf.element_size())
-
-
-def attach_pool(args, pool, transfer: Optional[TransferBackend] = None
-                ) -> tuple[TransferBackend, KVLayout, tuple[list[int], list[int]]]:
-    """Make this server's KV pool reachable by its peers: (engine, pool layout, K and V buffer addresses).
-
-    `transfer` replaces the engine named by --disaggregation-transfer-backend (unit tests use a loopback one).
-    """
-    transfer = transfer or create_transfer(args.disaggregation_transfer_backend, args.disaggregation_host(),
-                                           args.disaggregation_ib_device)
-    register_pool(transfer, pool)
-    return transfer, pool_layout(pool), pool_pointers(pool)
 
 
 def slot_runs(src: list[int], dst: list[int]) -> list[tuple[int, int, int]]:

@@ -37,6 +37,7 @@ class PlanKind(IntEnum):
     IDLE = 2      # apply the copies, then a round trip (about once a second: a dead or hung rank shows)
     STOP = 3      # leave the loop and exit 0
     REPORT = 4    # all-gather every rank's PlanLedger (rank 0's /server_info)
+    HANDOFF = 5   # a PD handoff's call: its request, every rank's answer gathered (rank_call.py)
 
 
 class CopyKind(IntEnum):

@@ -8,6 +8,9 @@ prefill's first token (`hold`), on abort, in integrity checks and state reports.
 scheduler only through the HandoffHost verbs, which the Scheduler implements with its own bookkeeping (the
 same admission and finish accounting as a co-located request). runtime/ never imports disagg/: whoever starts
 a scheduler in PD mode hands it a HandoffFactory (`kvstrata.disagg.handoff_for`).
+
+Under tensor parallelism each rank holds its own KV shard, so each rank > 0 runs the factory's `rank_side`
+(a RankHandoff over its pool, started with the rank); rank 0's handoff reaches them through `call_ranks`.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ from typing import TYPE_CHECKING, Any, Optional, Protocol
 if TYPE_CHECKING:
     from kvstrata.args import ServerArgs
     from kvstrata.cache.manager import KVCacheManager
+    from kvstrata.memory.device_pool import DeviceKVPool
     from kvstrata.runtime.messages import BootstrapInfo, ReqOutput
     from kvstrata.runtime.model_runner import ModelRunner
     from kvstrata.runtime.req import Req
@@ -54,6 +58,10 @@ class HandoffHost(Protocol):
     def decode_headroom_pages(self) -> int:
         """Pages the running requests are expected to need for their remaining tokens."""
 
+    def call_ranks(self, request: bytes, local: Callable[[bytes], bytes]) -> list[bytes]:
+        """Every tensor-parallel rank's answer to `request`, in rank order: rank 0's is `local(request)`, the
+        others' their RankHandoff's (just `[local(request)]` at --tp-size 1). A collective: scheduler thread only."""
+
 
 class Handoff(Protocol):
     """A prefill or decode server's side of the KV handoff, polled by its scheduler."""
@@ -85,4 +93,20 @@ class Handoff(Protocol):
         """Stop its threads and sockets."""
 
 
-HandoffFactory = Callable[[HandoffHost], Handoff]
+class RankHandoff(Protocol):
+    """A handoff's part on a tensor-parallel rank > 0: its own KV shard, answering rank 0's calls."""
+
+    def answer(self, request: bytes) -> bytes:
+        """The answer to one call of rank 0's handoff (never raises: a failure is an answer)."""
+
+
+RankHandoffFactory = Callable[["ServerArgs", "DeviceKVPool", int], RankHandoff]   # (args, the rank's pool, rank)
+
+
+class HandoffFactory(Protocol):
+    """A handoff's constructor, which the Scheduler calls with itself, and what its ranks > 0 run."""
+
+    rank_side: RankHandoffFactory
+
+    def __call__(self, host: HandoffHost) -> Handoff:
+        """The handoff of the scheduler `host`."""

@@ -58,6 +58,8 @@ from kvstrata.runtime.forward_plan import (
     gather_ledgers,
     receive_plan,
 )
+from kvstrata.runtime.handoff import RankHandoff, RankHandoffFactory
+from kvstrata.runtime.rank_call import answer_safely, gather_answers, no_handoff, receive_request
 from kvstrata.runtime.sampler import Sampler
 
 logger = logging.getLogger(__name__)
@@ -76,7 +78,10 @@ class ModelRunner:
     forward's plan to the others before running it; theirs (`tp` given) run `follow()`.
     """
 
-    def __init__(self, args: ServerArgs, tp: Optional[TensorParallel] = None):
+    def __init__(self, args: ServerArgs, tp: Optional[TensorParallel] = None,
+                 rank_side: Optional[RankHandoffFactory] = None):
+        """`tp`: a rank > 0's group (rank 0 starts its own); `rank_side`: what the other ranks run for the PD
+        handoff (HandoffFactory.rank_side), if any."""
         from kvstrata.runtime.ranks import RankGroup
 
         self.args = args
@@ -86,7 +91,7 @@ class ModelRunner:
             torch.set_num_threads(args.num_threads)
         if self.device.type == "cuda":
             torch.cuda.set_device(args.base_gpu_id)   # "cuda" below then means cuda:base_gpu_id
-        self.ranks = RankGroup.start(args) if args.tp_size > 1 and tp is None else None   # rank 0's followers
+        self.ranks = RankGroup.start(args, rank_side) if args.tp_size > 1 and tp is None else None   # rank 0's followers
         self.tp = tp or (self.ranks.tp if self.ranks is not None else None)
         try:
             self._load(args)
@@ -264,10 +269,10 @@ class ModelRunner:
             paged_kernel=self.paged_kernel, extend_kernel=self.extend_kernel)
         return self.model(plan.ids.to(dev), positions.to(dev), meta, self.pool).float()
 
-    def follow(self) -> None:
+    def follow(self, handoff: Optional[RankHandoff] = None) -> None:
         """Ranks > 0: run rank 0's plans until it sends STOP (RankFailure if the group breaks): its page copies
         between this rank's device pool and its host pool (the host tier's shard, sized as rank 0's), then
-        its forward."""
+        its forward; a HANDOFF plan's call is answered by `handoff` (this rank's part of the PD handoff)."""
         host_pool = None
         if self.args.enable_hierarchical_cache:
             from kvstrata.memory.host_pool import HostKVPool
@@ -283,6 +288,11 @@ class ModelRunner:
             if kind == PlanKind.REPORT:
                 gather_ledgers(self.tp, ledger)
                 continue
+            if kind == PlanKind.HANDOFF:
+                request = receive_request(self.tp)
+                answer = handoff.answer if handoff is not None else no_handoff
+                gather_answers(self.tp, answer_safely(answer, request, self.tp.rank))
+                continue
             for copy in plan.copies:
                 _apply_copy(copy, host_pool, self.device)
             if kind == PlanKind.FORWARD:
@@ -294,6 +304,12 @@ class ModelRunner:
     def copy_journal(self) -> Optional[Callable[[str, torch.Tensor, torch.Tensor], None]]:
         """Rank 0 under tensor parallelism: what its cache tells each device <-> host copy (sent with the next plan)."""
         return self.ranks.record_copy if self.ranks is not None else None
+
+    def call_ranks(self, request: bytes, local: Callable[[bytes], bytes]) -> list[bytes]:
+        """Every rank's answer to a PD handoff's call, in rank order (runtime/handoff.py: HandoffHost.call_ranks)."""
+        if self.ranks is None:
+            return [answer_safely(local, request, 0)]
+        return self.ranks.call(request, local)
 
     def idle(self) -> None:
         """Called by the scheduler loop while it has nothing to run: keeps the other ranks' collectives alive."""

@@ -5,6 +5,7 @@
     the group (TCP store at --dist-init-addr)                       join the group, load its shard
     ModelRunner.forward: send_plan(FORWARD), run the shard  --->  ModelRunner.follow: receive_plan, run it
     idle: send_plan(IDLE) + a round trip about once a second --->  apply its copies, answer the round trip
+    PD handoff: send_plan(HANDOFF) + a call (rank_call.py)  --->  its RankHandoff answers (its KV shard)
     close: send_plan(STOP), join the processes              --->  exit 0
 
 Faults: a rank that dies closes its sockets, so the next collective fails at once on every other rank
@@ -23,6 +24,7 @@ import os
 import signal
 import sys
 import time
+from collections.abc import Callable
 from typing import Any, Optional
 
 import torch
@@ -42,6 +44,8 @@ from kvstrata.runtime.forward_plan import (
     gather_ledgers,
     send_plan,
 )
+from kvstrata.runtime.handoff import RankHandoffFactory
+from kvstrata.runtime.rank_call import answer_safely, gather_answers, send_request
 
 logger = logging.getLogger(__name__)
 
@@ -121,10 +125,11 @@ class RankGroup:
         self.ledger = PlanLedger()
 
     @classmethod
-    def start(cls, args: ServerArgs) -> RankGroup:
-        """Spawn this node's ranks 1..n-1, bind rank 0, and join the group with them."""
+    def start(cls, args: ServerArgs, rank_side: Optional[RankHandoffFactory] = None) -> RankGroup:
+        """Spawn this node's ranks 1..n-1 (each running `rank_side`, the PD handoff's part, if given), bind
+        rank 0, and join the group with them."""
         init_addr = args.dist_init_addr or f"127.0.0.1:{free_port()}"
-        procs = spawn_ranks(args, range(1, args.local_ranks()), init_addr)
+        procs = spawn_ranks(args, range(1, args.local_ranks()), init_addr, rank_side)
         try:
             bind_rank(args, 0)
             return cls(join_group(args, 0, init_addr), procs)
@@ -152,6 +157,13 @@ class RankGroup:
         send_plan(self.tp, kind, plan, self.ledger)
         self.last_sent = time.monotonic()
 
+    def call(self, request: bytes, local: Callable[[bytes], bytes]) -> list[bytes]:
+        """A PD handoff's call: every rank's answer to `request` in rank order, rank 0's from `local` (run while
+        the others answer theirs)."""
+        self.send(PlanKind.HANDOFF)
+        send_request(self.tp, request)
+        return gather_answers(self.tp, answer_safely(local, request, self.tp.rank))
+
     def report(self) -> list[dict]:
         """Every rank's ledger (plans, copies, pages, digest), in rank order: equal when no rank diverged."""
         self.send(PlanKind.REPORT)
@@ -178,12 +190,13 @@ class RankGroup:
             self.tp.close()
 
 
-def spawn_ranks(args: ServerArgs, ranks: Any, init_addr: str) -> dict[int, Any]:
+def spawn_ranks(args: ServerArgs, ranks: Any, init_addr: str,
+                rank_side: Optional[RankHandoffFactory] = None) -> dict[int, Any]:
     """Start a process for each of `ranks` (run_rank), children of this process, which they die with."""
     ctx = multiprocessing.get_context("spawn")
     procs = {}
     for rank in ranks:
-        proc = ctx.Process(target=run_rank, args=(args, rank, init_addr, os.getpid()),
+        proc = ctx.Process(target=run_rank, args=(args, rank, init_addr, os.getpid(), rank_side),
                            name=f"kvstrata-rank-{rank}", daemon=True)
         proc.start()
         procs[rank] = proc
@@ -204,8 +217,10 @@ def stop_processes(procs: dict[int, Any], join_s: float = STOP_JOIN_S) -> None:
             proc.join(2.0)
 
 
-def run_rank(args: ServerArgs, rank: int, init_addr: str, parent_pid: int) -> None:
-    """Entry point of a rank > 0: die with its parent, bind, join, load the shard, follow rank 0's plans."""
+def run_rank(args: ServerArgs, rank: int, init_addr: str, parent_pid: int,
+             rank_side: Optional[RankHandoffFactory] = None) -> None:
+    """Entry point of a rank > 0: die with its parent, bind, join, load the shard, start its part of the PD
+    handoff (`rank_side`), follow rank 0's plans."""
     _die_with_parent(parent_pid)
     logging.basicConfig(level=args.log_level.upper(),
                         format=f"[%(asctime)s rank {rank}] %(levelname)s %(name)s: %(message)s")
@@ -216,7 +231,8 @@ def run_rank(args: ServerArgs, rank: int, init_addr: str, parent_pid: int) -> No
 
         bind_rank(args, rank)
         tp = join_group(args, rank, init_addr)
-        ModelRunner(args, tp).follow()
+        runner = ModelRunner(args, tp)
+        runner.follow(rank_side(args, runner.pool, rank) if rank_side is not None else None)
         tp.close()
     except RankFailure as e:
         logger.error("%s; rank %d stops", e, rank)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import random
 import time
+from collections.abc import Callable
 from typing import Optional
 
 import torch
@@ -46,7 +47,7 @@ class Scheduler:
         """`handoff_factory`: the PD handoff of --disaggregation-mode prefill/decode (kvstrata.disagg.handoff_for);
         required in those modes, unused otherwise."""
         self.args = args
-        self.runner = runner or ModelRunner(args)
+        self.runner = runner or ModelRunner(args, rank_side=handoff_factory.rank_side if handoff_factory else None)
         self.page_size = args.page_size
         self.context_len = self.runner.context_len
         self.cache = build_kv_cache(args.cache_config(), self.runner.pool, self.runner.model_path, self.context_len,
@@ -398,6 +399,10 @@ class Scheduler:
         """Pages the running requests are expected to need for their remaining tokens."""
         tokens = sum(r.remaining_new_tokens() for r in self.running)
         return int(tokens * self.new_token_ratio) // self.page_size + len(self.running)
+
+    def call_ranks(self, request: bytes, local: Callable[[bytes], bytes]) -> list[bytes]:
+        """Every tensor-parallel rank's answer to a handoff's call, in rank order (HandoffHost)."""
+        return self.runner.call_ranks(request, local)
 
     def _future_pages(self, req: Req) -> int:
         return int(req.remaining_new_tokens() * self.new_token_ratio) // self.page_size

@@ -21,7 +21,7 @@ import requests
 
 from kvstrata.args import DISAGGREGATION_SECRET_ENV
 from kvstrata.bench.launcher import ServerProcess, free_port
-from kvstrata.disagg.prefill import FAULT_DELAY_ENV
+from kvstrata.disagg.shard import FAULT_DELAY_ENV
 
 TIMEOUT_S = 5.0       # --disaggregation-bootstrap-timeout of every PD server here
 SECRET = "pd-test-secret-0123456789abcdef"   # the group's --disaggregation-secret

@@ -12,16 +12,19 @@ import zmq
 
 from kvstrata.args import ConfigError, ServerArgs
 from kvstrata.disagg.channel import BootstrapChannel
-from kvstrata.disagg.messages import KVLayout, KVTransferAbort, KVTransferDone, KVTransferRequest
+from kvstrata.disagg.messages import KVLayout, KVTransferAbort, KVTransferDone, KVTransferRequest, ShardTarget
 from kvstrata.disagg.wire import MAC_BYTES, MAGIC, Envelope, FrameCodec, FrameRejected
 
 SECRET = "s3cret"
 
 
+TARGET = ShardTarget("127.0.0.1:15000", [4096, 8192], [12288, 16384])
+
+
 def request(**changes) -> KVTransferRequest:
-    fields = dict(room=7, reply_to="tcp://127.0.0.1:5555", session_id="127.0.0.1:15000",
-                  layout=KVLayout(2, 2, 4, "float32"), k_ptrs=[4096, 8192], v_ptrs=[12288, 16384], prompt_len=6,
-                  prompt_digest="0" * 32, start_token=2, dst_slots=[8, 9, 10, 11], deadline=time.time() + 5)
+    fields = dict(room=7, reply_to="tcp://127.0.0.1:5555", layout=KVLayout(2, 2, 4, "float32"), shards=[TARGET],
+                  prompt_len=6, prompt_digest="0" * 32, start_token=2, dst_slots=[8, 9, 10, 11],
+                  deadline=time.time() + 5)
     return KVTransferRequest(**{**fields, **changes})
 
 
@@ -38,7 +41,9 @@ def rejected(codec: FrameCodec, frame: bytes) -> str:
 
 def test_round_trip_keeps_every_field():
     codec = FrameCodec(SECRET)
-    for msg in (request(), KVTransferAbort(3, "timeout"),
+    tp2 = request(layout=KVLayout(2, 1, 4, "bfloat16", page_size=16, tp_size=2),
+                  shards=[TARGET, ShardTarget("127.0.0.1:15001", [1 << 40, 2 << 40], [3 << 40, 4 << 40])])
+    for msg in (request(), tp2, KVTransferAbort(3, "timeout"),
                 KVTransferDone(5, 42, -0.5, [(-0.5, 42), (-1.5, 7)], 1024, 0.01, 3)):
         assert FrameCodec(SECRET).decode(codec.encode(msg)) == msg
 
@@ -74,9 +79,13 @@ def test_replayed_and_stale_frames_are_dropped():
 
 
 @pytest.mark.parametrize("changes", [
-    {"room": -1}, {"room": 2 ** 63}, {"k_ptrs": [1]}, {"k_ptrs": [-4, 8]}, {"start_token": 7},
+    {"room": -1}, {"room": 2 ** 63}, {"shards": [ShardTarget(TARGET.session_id, [1], TARGET.v_ptrs)]},
+    {"shards": [ShardTarget(TARGET.session_id, [-4, 8], TARGET.v_ptrs)]}, {"start_token": 7},
+    {"shards": []}, {"shards": [TARGET, TARGET]}, {"layout": KVLayout(2, 2, 4, "float32", tp_size=2)},
+    {"shards": [TARGET, ShardTarget(TARGET.session_id, [1, 2, 3], TARGET.v_ptrs)],
+     "layout": KVLayout(2, 2, 4, "float32", tp_size=2)}, {"layout": KVLayout(2, 2, 4, "float32", tp_size=0)},
     {"dst_slots": [8, 9, 10]}, {"dst_slots": [8, 9, 10, -1]}, {"prompt_len": 0}, {"deadline": float("nan")},
-    {"reply_to": "ipc:///tmp/x"}, {"reply_to": "tcp://a b:1"}, {"session_id": "x" * 300 + ":1"},
+    {"reply_to": "ipc:///tmp/x"}, {"reply_to": "tcp://a b:1"}, {"shards": [ShardTarget("x" * 300 + ":1", TARGET.k_ptrs, TARGET.v_ptrs)]},
     {"prompt_digest": "zz"}, {"layout": KVLayout(2, 2, 4, "object")}, {"layout": KVLayout(0, 2, 4, "float32")},
 ])
 def test_out_of_range_or_inconsistent_fields_are_invalid(changes):
