@@ -2,7 +2,8 @@
 shards of int8, AWQ, GPTQ, FP8 and K-quant GGUF checkpoints in the format, cut on block boundaries, and give
 TP=1's logits: bitwise in deterministic mode (o_proj / down_proj split by output rows), to float32 rounding
 with the default split of their input columns (partial sums, then an all-reduce). An input split inside a
-block is refused before any weight is read, naming the tensor, its block and the TP size."""
+block is refused before any weight is read, naming the tensor, its block and the TP size. int8 shards are
+exact cuts of the one-rank int8 weights (scales of whole rows)."""
 
 from __future__ import annotations
 
@@ -167,3 +168,42 @@ def test_quantized_checkpoints_start_with_tp_size_2(jobs):
     for label in ("awq", "fp8-block"):
         kind, path, quantization = jobs[label]
         assert ServerArgs(model_path=path, tp_size=2).resolve(with_device=False).quantization == quantization
+
+
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_int8_shards_are_cuts_of_the_one_rank_int8_weights(deterministic):
+    """--load-format dummy --quantization int8: a rank quantizes only its cut, with the scales of whole rows, so
+    its int8 values and scales are exactly its cut of TP=1's (every TP size serves the same weights)."""
+    from kvstrata.model.builtin import resolve_model_path
+    from kvstrata.model.loader import load_dummy_model
+
+    config = ModelConfig.from_path(resolve_model_path("tiny"))
+    whole = load_dummy_model(config, torch.float32, CPU, quantization="int8")
+    for rank in range(2):
+        shard = load_dummy_model(config, torch.float32, CPU, quantization="int8",
+                                 tp=TensorParallel(rank, 2, deterministic))
+        for module in ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj"):
+            mine = shard.get_submodule(f"model.layers.1.{module}").quantized
+            one = whole.get_submodule(f"model.layers.1.{module}").quantized
+            rows, cols = _expected_cut(shard.layout, module, one.weight.shape)
+            assert torch.equal(mine.weight, one.weight[rows, cols]), module
+            assert torch.equal(mine.scales, one.scales[rows]), module
+
+
+def _expected_cut(layout, module: str, shape: torch.Size) -> tuple[torch.Tensor, slice]:
+    """This rank's rows (of a fused projection: of each part) and columns of a one-rank weight."""
+    n, k = shape
+    size, rank = layout.size, layout.rank
+    if module.endswith(("o_proj", "down_proj")):
+        if layout.deterministic:
+            return torch.arange(rank * n // size, (rank + 1) * n // size), slice(None)
+        return torch.arange(n), slice(rank * k // size, (rank + 1) * k // size)
+    if module.endswith("qkv_proj"):
+        q = layout.q_heads * layout.head_dim * size
+        kv = (n - q) // 2
+        mine_q = torch.arange(rank * q // size, (rank + 1) * q // size)
+        mine_kv = torch.arange(layout.kv_head0 * layout.head_dim, (layout.kv_head0 + layout.kv_heads) * layout.head_dim)
+        return torch.cat([mine_q, q + mine_kv, q + kv + mine_kv]), slice(None)
+    half = n // 2      # gate | up
+    mine = torch.arange(rank * half // size, (rank + 1) * half // size)
+    return torch.cat([mine, half + mine]), slice(None)
