@@ -586,9 +586,6 @@ class ServerArgs:
             quantization = effective_quantization(self.quantization, model_path, self.load_format, is_gguf(model_path))
         except QuantizationError as e:
             raise ConfigError(str(e)) from None
-        if quantization is not None and self.tp_size > 1:
-            raise ConfigError(f"--tp-size {self.tp_size} with {quantization} weights is not implemented yet (quantized "
-                              f"weights are not sharded along their blocks); use --tp-size 1")
         args = dataclasses.replace(
             self,
             model_path=model_path,

@@ -26,6 +26,7 @@ if TYPE_CHECKING:   # torch and numpy only where tensors are read: the HTTP proc
     import numpy as np
     import torch
 
+    from kvstrata.model.parallel import Cut, TensorParallel
     from kvstrata.model.quant.gguf_blocks import BlockFormat
 
 # Built-in names for GGUF files that PyPI packages ship: name -> (distribution, file name).
@@ -182,13 +183,16 @@ def _unpermute_rows(rows: int, heads: int) -> torch.Tensor:
     return torch.arange(rows).reshape(heads, dim, 2).transpose(1, 2).reshape(-1)
 
 
-def load_gguf_model(path: str, config: ModelConfig, dtype: torch.dtype, device: torch.device) -> torch.nn.Module:
+def load_gguf_model(path: str, config: ModelConfig, dtype: torch.dtype, device: torch.device,
+                    tp: TensorParallel | None = None) -> torch.nn.Module:
     """Build the model for `config` from GGUF file `path`, every quantized tensor kept in its block format.
 
     Tensors are read one at a time from the memory-mapped file: quantized ones are copied once into their
     GGUFWeight's blocks, float ones into their parameter (converted to `dtype`). A tensor whose type is not
     served, whose size disagrees with the config, whose bytes run past the end of the file or whose block
-    scales are not finite is a ModelLoadError naming it.
+    scales are not finite is a ModelLoadError naming it. `tp`: a tensor-parallel rank copies only its rows
+    and whole blocks of input columns of each quantized tensor (`model.layout.cut`; an input split inside a
+    block is refused before any block is copied).
     """
     import numpy as np
     import torch
@@ -196,6 +200,7 @@ def load_gguf_model(path: str, config: ModelConfig, dtype: torch.dtype, device: 
     from kvstrata.model.layers import Linear
     from kvstrata.model.llama import LlamaForCausalLM
     from kvstrata.model.moe import bind_experts
+    from kvstrata.model.parallel import vocab_parallel
     from kvstrata.model.quant.gguf_blocks import FLOAT_TYPES, block_format
     from kvstrata.model.quant.gguf_weight import GGUFEmbedding
 
@@ -203,8 +208,11 @@ def load_gguf_model(path: str, config: ModelConfig, dtype: torch.dtype, device: 
     reader = _open(path)
     arch = str(_field(reader, "general.architecture") or "")
     with torch.device("meta"):
-        model = LlamaForCausalLM(config)
+        model = LlamaForCausalLM(config, tp)
+        whole = model if model.layout.size == 1 else LlamaForCausalLM(config)
+    shapes = _checkpoint_shapes(whole)
     model = model.to(dtype=dtype).to_empty(device=device)
+    layout = model.layout
     targets = model.checkpoint_targets()
     params = dict(model.named_parameters(remove_duplicate=False))
     quantized: dict[str, list[_Part]] = defaultdict(list)
@@ -224,8 +232,7 @@ def load_gguf_model(path: str, config: ModelConfig, dtype: torch.dtype, device: 
             raise ModelLoadError(f"{path}: tensor {t.name!r} has GGUF type {t.tensor_type.name}, which is not "
                                  f"served (F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K)")
         param_name, start, end = target[:3]
-        dest = params[param_name]
-        shape = (end - start, *dest.shape[1:])
+        shape = shapes[name]
         values = int(np.prod(shape))
         if [int(v) for v in reversed(t.shape)] != list(shape) or t.n_bytes != fmt.row_bytes(values):
             raise ModelLoadError(f"{path}: tensor {t.name!r} has shape {list(reversed(t.shape.tolist()))} "
@@ -236,31 +243,34 @@ def load_gguf_model(path: str, config: ModelConfig, dtype: torch.dtype, device: 
         if fmt.type_id in FLOAT_TYPES:
             floats.add(param_name)
             raw = _rows(t, shape[0], heads)
+            whole_tensor = fmt.dequantize(raw.reshape(-1, fmt.type_size)).reshape(shape)
             with torch.no_grad():
-                dest.data[start:end].copy_(fmt.dequantize(raw.reshape(-1, fmt.type_size)).reshape(shape))
+                params[param_name].data[start:end].copy_(layout.shard(name, whole_tensor))
         else:
-            quantized[param_name].append(_Part(start, end, fmt, t, heads))
+            layout.check_block_split(name, fmt.block_size)
+            quantized[param_name].append(_Part(start, end, fmt, t, shape[0], heads, layout.cut(name)))
         filled.add(name)
     mixed = sorted(floats & quantized.keys())
     if mixed:
         raise ModelLoadError(f"{path}: the GGUF tensors of {mixed[0]!r} mix float and quantized types: a fused "
                              f"projection is served all float or all quantized")
     modules = dict(model.named_modules())
+    table = None      # the input embedding held quantized (a tied lm_head shares it)
     for param_name, parts in quantized.items():
         weight = _quantized_weight(sorted(parts, key=lambda p: p.start), params[param_name].shape[1], path, device)
         owner = modules[param_name.rsplit(".", 1)[0]]
         if param_name == EMBED:
-            model.model.embed_tokens = GGUFEmbedding(weight, dtype)
+            table = weight
+            model.model.embed_tokens = vocab_parallel(GGUFEmbedding(weight, dtype), layout, tp)
         elif isinstance(owner, Linear):
             owner.set_quantized(weight)
         else:
             raise ModelLoadError(f"{path}: tensor for {param_name!r} must be a float type, not {weight}")
-    embed_quantized = EMBED in quantized
     del reader, t, quantized
     gc.collect()   # the reader's memory map (cyclic references): unmapped now, not at some later collection
     if LM_HEAD not in filled:      # no output.weight: the head is the embedding (tied)
-        if embed_quantized:
-            model.lm_head.set_quantized(model.model.embed_tokens.table)
+        if table is not None:
+            model.lm_head.set_quantized(table)
         else:
             model.tie_embeddings()
         filled.add(LM_HEAD)
@@ -269,29 +279,47 @@ def load_gguf_model(path: str, config: ModelConfig, dtype: torch.dtype, device: 
     return model.eval()
 
 
+def _checkpoint_shapes(model: torch.nn.Module) -> dict[str, tuple[int, ...]]:
+    """Hugging Face tensor name -> its whole shape, from a (meta) model built without tensor parallelism."""
+    params = dict(model.named_parameters(remove_duplicate=False))
+    return {name: (end - start, *params[param].shape[1:])
+            for name, (param, start, end, *_) in model.checkpoint_targets().items()}
+
+
 class _Part(NamedTuple):
-    """A GGUF tensor that fills rows [start, end) of a (fused) parameter; `heads`: undo llama.cpp's q/k order."""
+    """A GGUF tensor of `rows` rows that fills rows [start, end) of a (fused) parameter; `heads`: undo llama.cpp's
+    q/k order; `cut`: the tensor-parallel rank's rows and columns of it (None: all)."""
 
     start: int
     end: int
     fmt: BlockFormat
     tensor: object     # gguf.ReaderTensor (its data a view of the memory-mapped file)
+    rows: int
     heads: int | None
+    cut: Cut | None
 
 
-def _rows(t, rows: int, heads: int | None, out: np.ndarray | None = None) -> torch.Tensor:
-    """The bytes of GGUF tensor `t` as `[rows, row_bytes]` uint8 (rows reordered when `heads`), copied once from
-    the mapped file (into `out` when given)."""
+def _rows(t, rows: int, heads: int | None, out: np.ndarray | None = None, cut: Cut | None = None,
+          fmt: BlockFormat | None = None) -> torch.Tensor:
+    """The bytes of GGUF tensor `t` (`rows` rows) as `[rows, row_bytes]` uint8 (rows reordered when `heads`), copied
+    once from the mapped file (into `out` when given). `cut` (with `fmt`): only those rows and whole blocks of
+    those input columns are copied; rows of `out` past the tensor's last row (vocabulary padding) are zeroed."""
     import numpy as np
     import torch
 
     src = np.asarray(t.data).view(np.uint8).reshape(rows, -1)
+    order = _unpermute_rows(rows, heads).numpy() if heads is not None else None
+    if cut is not None:
+        order = (np.arange(rows) if order is None else order)[cut.rows]
+        if cut.splits_input:
+            src = src[:, fmt.row_bytes(cut.cols.start):fmt.row_bytes(cut.cols.stop)]
     if out is None:
-        out = np.empty_like(src)
-    if heads is None:
+        out = np.empty((rows if order is None else len(order), src.shape[1]), dtype=np.uint8)
+    if order is None:
         np.copyto(out, src)
     else:
-        np.take(src, _unpermute_rows(rows, heads).numpy(), axis=0, out=out)
+        np.take(src, order, axis=0, out=out[:len(order)])
+        out[len(order):] = 0
     return torch.from_numpy(out)
 
 
@@ -305,9 +333,10 @@ def _quantized_weight(parts: list[_Part], in_features: int, path: str, device: t
 
     def weight(group: list[_Part]) -> GGUFWeight:
         fmt = group[0].fmt
-        blocks = np.empty((group[-1].end - group[0].start, fmt.row_bytes(in_features)), dtype=np.uint8)
+        first = group[0].start
+        blocks = np.empty((group[-1].end - first, fmt.row_bytes(in_features)), dtype=np.uint8)
         for p in group:
-            rows = _rows(p.tensor, p.end - p.start, p.heads, blocks[p.start - group[0].start:p.end - group[0].start])
+            rows = _rows(p.tensor, p.rows, p.heads, blocks[p.start - first:p.end - first], p.cut, fmt)
             _check_scales(rows, fmt, path, p.tensor.name)
         return GGUFWeight(torch.from_numpy(blocks).to(device), fmt, in_features)
 

@@ -127,10 +127,10 @@ def load_dummy_model(config: ModelConfig, dtype: torch.dtype, device: torch.devi
     Norm weights are ones, everything else uniform with std DUMMY_STD, drawn parameter by parameter in
     declaration order from one CPU generator seeded with `seed` (the same weights on every run). A
     tensor-parallel rank (`tp`) holds its shard of the same weights. `quantization` int8: the layers are then
-    quantized in place (the float model is whole in memory first).
+    quantized in place (the float model is whole in memory first; a rank quantizes its shard as it is cut).
     """
     if tp is not None and tp.size > 1:
-        return _shard_of_dummy(config, dtype, device, relayout, seed, tp)
+        return _shard_of_dummy(config, dtype, device, relayout, seed, tp, quantization)
     device = torch.device(device)
     with torch.device("meta"):
         model = LlamaForCausalLM(config)
@@ -259,21 +259,28 @@ def _copy_into(params: dict[str, torch.nn.Parameter], name: str, target: tuple,
 
 
 def _shard_of_dummy(config: ModelConfig, dtype: torch.dtype, device: torch.device, relayout: bool, seed: int,
-                    tp: TensorParallel) -> torch.nn.Module:
+                    tp: TensorParallel, quantization: Optional[str]) -> torch.nn.Module:
     """A rank's shard of the one-rank dummy model: that model is drawn whole on CPU, then read back tensor by
-    tensor under its checkpoint names and cut like a checkpoint (so every TP size serves the same weights)."""
+    tensor under its checkpoint names and cut like a checkpoint (so every TP size serves the same weights;
+    int8 layers are quantized as a checkpoint's are)."""
     whole = load_dummy_model(config, dtype, torch.device("cpu"), relayout=False, seed=seed)
     whole_params = dict(whole.named_parameters(remove_duplicate=False))
+    whole_targets = whole.checkpoint_targets()
     with torch.device("meta"):
         model = LlamaForCausalLM(config, tp)
-    model = model.to(dtype=dtype).to_empty(device=torch.device(device))
     targets = model.checkpoint_targets()
+    quantized = (QuantizedLinears(quant_spec("int8", None, "dummy weights"), model, targets, whole_targets, dtype,
+                                  device) if quantization == "int8" else None)
+    model = model.to(dtype=dtype).to_empty(device=torch.device(device))
     params = dict(model.named_parameters(remove_duplicate=False))
-    for name, (param_name, start, end, *expert) in whole.checkpoint_targets().items():
+    for name, (param_name, start, end, *expert) in whole_targets.items():
         if (name == LM_HEAD and config.tie_word_embeddings) or not model.layout.holds(name):
             continue
         tensor = whole_params[param_name].data
         tensor = (tensor[expert[0]] if expert else tensor)[start:end]
+        if quantized is not None and quantized.claims(name):
+            quantized.add(name, tensor, "dummy weights")
+            continue
         _copy_into(params, name, targets[name], model.layout.shard(name, tensor), "dummy weights")
     if config.tie_word_embeddings:
         model.tie_embeddings()

@@ -23,6 +23,11 @@ summed over the whole input in one GEMM, as at TP=1: the batch-invariant Linear'
 column-invariant, tests/model/test_tensor_parallel.py checks it) and the outputs are gathered in rank
 order. Weight memory stays sharded; the communication is two all-gathers per layer instead of one
 all-reduce.
+
+Quantized weights are cut the same way (`ShardLayout.cut`), in their format, with their scales and zero
+points: output rows split anywhere (every format's blocks run along the input); an input split must fall on
+a block boundary (`check_block_split`: GGUF blocks of 32 or 256 values, AWQ/GPTQ groups, FP8 blocks), and a
+checkpoint whose blocks would straddle it is refused at load, naming the tensor, the block and the TP size.
 """
 
 from __future__ import annotations
@@ -30,7 +35,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import torch
 import torch.distributed as dist
@@ -128,8 +133,24 @@ class TensorParallel:
                               f"explicitly and identically on every node")
 
 
+VOCAB_MODULES = ("embed_tokens", "lm_head")
+WHOLE = slice(None)
+
+
+class Cut(NamedTuple):
+    """A rank's rows and columns of a `[out, in]` checkpoint weight (WHOLE: all of them)."""
+
+    rows: slice
+    cols: slice
+
+    @property
+    def splits_input(self) -> bool:
+        """Whether the input columns are split (row-parallel by input: partial sums, then an all-reduce)."""
+        return self.cols != WHOLE
+
+
 class ShardError(ValueError):
-    """The model cannot be split `size` ways (a dimension that does not divide)."""
+    """The model cannot be split `size` ways (a dimension that does not divide, a quantization block cut)."""
 
 
 @dataclass(frozen=True)
@@ -196,38 +217,62 @@ class ShardLayout:
         """Whether o_proj / down_proj are split by output features (deterministic mode) rather than input."""
         return self.size > 1 and self.deterministic
 
-    def shard(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
-        """This rank's part of checkpoint tensor `name` (a Hugging Face name), shaped as its parameter holds it."""
+    def cut(self, name: str) -> Optional[Cut]:
+        """This rank's output rows and input columns of checkpoint tensor `name` (a `[out, in]` weight; a bias:
+        its rows), or None where every rank holds it whole. Vocabulary rows may run past the vocabulary (the
+        last rank's tail): `shard` pads them with zeros."""
         if self.size == 1:
-            return tensor
+            return None
         parts = name.split(".")
         if "experts" in parts or "shared_expert" in parts or "block_sparse_moe" in parts:
-            return tensor     # MoE: routed experts are whole on their rank; the shared expert is replicated
-        module, kind = (parts[-2], parts[-1]) if len(parts) >= 2 else ("", "")
+            return None     # MoE: routed experts are whole on their rank; the shared expert is replicated
+        module = parts[-2] if len(parts) >= 2 else ""
         hd = self.head_dim
         if module == "q_proj":
-            return tensor[self.q_head0 * hd:(self.q_head0 + self.q_heads) * hd]
-        if module in ("k_proj", "v_proj"):
-            return tensor[self.kv_head0 * hd:(self.kv_head0 + self.kv_heads) * hd]
-        if module in ("gate_proj", "up_proj"):
-            return _rows(tensor, self.rank, self.intermediate)
-        if module in ("o_proj", "down_proj"):
-            return self._row_parallel(tensor, kind, self.q_heads * hd if module == "o_proj" else self.intermediate)
-        if module in ("embed_tokens", "lm_head"):
-            part = _rows(tensor, self.rank, self.vocab_rows)
-            return F.pad(part, (0, 0, 0, self.vocab_rows - part.shape[0]))
-        return tensor
+            rows = _span(self.q_head0 * hd, self.q_heads * hd)
+        elif module in ("k_proj", "v_proj"):
+            rows = _span(self.kv_head0 * hd, self.kv_heads * hd)
+        elif module in ("gate_proj", "up_proj"):
+            rows = _span(self.rank * self.intermediate, self.intermediate)
+        elif module in VOCAB_MODULES:
+            rows = _span(self.rank * self.vocab_rows, self.vocab_rows)
+        elif module in ("o_proj", "down_proj") and self.row_parallel_by_output:
+            rows = _span(self.rank * (self.hidden // self.size), self.hidden // self.size)
+        elif module in ("o_proj", "down_proj"):
+            width = self.q_heads * hd if module == "o_proj" else self.intermediate
+            return Cut(WHOLE, _span(self.rank * width, width))
+        else:
+            return None
+        return Cut(rows, WHOLE)
 
-    def _row_parallel(self, tensor: torch.Tensor, kind: str, in_per_rank: int) -> torch.Tensor:
-        if self.row_parallel_by_output:
-            return _rows(tensor, self.rank, self.hidden // self.size)
-        if kind == "bias":     # added once, after the sum: rank 0 holds it, the others add zeros
+    def shard(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
+        """This rank's part of checkpoint tensor `name` (a Hugging Face name), shaped as its parameter holds it."""
+        cut = self.cut(name)
+        if cut is None:
+            return tensor
+        if tensor.dim() == 1 and cut.splits_input:   # a row-parallel bias, added once after the sum: rank 0's
             return tensor if self.rank == 0 else torch.zeros_like(tensor)
-        return tensor[:, self.rank * in_per_rank:(self.rank + 1) * in_per_rank]
+        part = tensor[cut.rows] if tensor.dim() == 1 else tensor[cut.rows, cut.cols]
+        if name.split(".")[-2] in VOCAB_MODULES:
+            part = F.pad(part, (0, 0, 0, self.vocab_rows - part.shape[0]))
+        return part
+
+    def check_block_split(self, name: str, block: int) -> None:
+        """Raise ShardError when the cut of `name`, a weight held in blocks of `block` consecutive input values
+        sharing their scales (GGUF blocks, AWQ/GPTQ groups, FP8 blocks), would fall inside a block: only
+        row-parallel layers split by input (o_proj, down_proj outside deterministic mode) can."""
+        cut = self.cut(name)
+        if cut is None or not cut.splits_input or (cut.cols.stop - cut.cols.start) % block == 0:
+            return
+        width = cut.cols.stop - cut.cols.start
+        raise ShardError(f"--tp-size {self.size} cannot split {name}: each rank takes {width} of its input "
+                         f"columns, not a multiple of its quantization block of {block} values; use another "
+                         f"--tp-size, or --enable-deterministic-inference (which splits o_proj/down_proj by "
+                         f"output rows, where blocks never straddle a cut)")
 
 
-def _rows(tensor: torch.Tensor, rank: int, per_rank: int) -> torch.Tensor:
-    return tensor[rank * per_rank:(rank + 1) * per_rank]
+def _span(start: int, count: int) -> slice:
+    return slice(start, start + count)
 
 
 class RowParallelLinear(Linear):
@@ -267,10 +312,30 @@ class VocabParallelEmbedding(nn.Embedding):
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         """Embeddings `[T, hidden]` of token ids `[T]`."""
-        local = ids - self.first
-        outside = (local < 0) | (local >= self.num_embeddings)
-        out = super().forward(local.masked_fill(outside, 0))
-        return self.tp.all_reduce(out.masked_fill_(outside.unsqueeze(-1), 0))
+        return _vocab_parallel_lookup(ids, self.first, self.num_embeddings, super().forward, self.tp)
+
+
+class VocabParallelLookup(nn.Module):
+    """VocabParallelEmbedding's rule over another lookup of this rank's vocabulary rows (a table held
+    quantized: quant/gguf_weight.GGUFEmbedding)."""
+
+    def __init__(self, lookup: nn.Module, vocab_rows: int, tp: TensorParallel):
+        super().__init__()
+        self.lookup = lookup
+        self.rows = vocab_rows
+        self.first = tp.rank * vocab_rows
+        self.tp = tp
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        """Embeddings `[T, hidden]` of token ids `[T]`."""
+        return _vocab_parallel_lookup(ids, self.first, self.rows, self.lookup, self.tp)
+
+
+def _vocab_parallel_lookup(ids: torch.Tensor, first: int, rows: int, lookup, tp: TensorParallel) -> torch.Tensor:
+    local = ids - first
+    outside = (local < 0) | (local >= rows)
+    out = lookup(local.masked_fill(outside, 0))
+    return tp.all_reduce(out.masked_fill_(outside.unsqueeze(-1), 0))
 
 
 def embedding(layout: ShardLayout, tp: Optional[TensorParallel]) -> nn.Embedding:
@@ -278,6 +343,13 @@ def embedding(layout: ShardLayout, tp: Optional[TensorParallel]) -> nn.Embedding
     if tp is None or tp.size == 1:
         return nn.Embedding(layout.vocab, layout.hidden)
     return VocabParallelEmbedding(layout.vocab_rows, layout.hidden, tp)
+
+
+def vocab_parallel(lookup: nn.Module, layout: ShardLayout, tp: Optional[TensorParallel]) -> nn.Module:
+    """`lookup` (over this rank's vocabulary rows) as the model's input embedding: itself on one rank."""
+    if tp is None or tp.size == 1:
+        return lookup
+    return VocabParallelLookup(lookup, layout.vocab_rows, tp)
 
 
 def gather_logits(logits: torch.Tensor, layout: ShardLayout, tp: Optional[TensorParallel]) -> torch.Tensor:

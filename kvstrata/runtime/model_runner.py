@@ -106,7 +106,7 @@ class ModelRunner:
             self.model = load_dummy_model(self.config, self.dtype, self.device, relayout=False, tp=self.tp,
                                           quantization=args.quantization)
         elif is_gguf(args.model_path):
-            self.model = load_gguf_model(gguf_file(args.model_path), self.config, self.dtype, self.device)
+            self.model = load_gguf_model(gguf_file(args.model_path), self.config, self.dtype, self.device, tp=self.tp)
         else:
             self.model = load_model(self.model_path, self.config, self.dtype, self.device, relayout=False, tp=self.tp,
                                     quantization=args.quantization)

@@ -76,3 +76,49 @@ def write_tiny_gguf(out_dir: str, type_name: str) -> tuple[str, str]:
             shutil.copy(os.path.join(tiny, f), folder)
     save_file(dense, os.path.join(folder, "model.safetensors"), metadata={"format": "pt"})
     return path, folder
+
+
+# A Q4_K_M-like mix of K-quant types per GGUF tensor role (the rest Q4_K): what llama.cpp's Q4_K_M writes,
+# plus a Q5_K embedding table.
+K_MIX = {"token_embd.weight": "Q5_K", "attn_v.weight": "Q6_K", "ffn_down.weight": "Q6_K"}
+
+
+def write_kquant_gguf(path: str, config: dict, seed: int = 0) -> str:
+    """A Llama GGUF file of `config` (a config.json dict, tied embeddings) whose matrices are valid random
+    K-quant blocks (gguf_blocks_gen; K_MIX types) and whose norms are F32 ones; no tokenizer."""
+    from tests.model.gguf_blocks_gen import random_rows
+
+    hidden, inter = config["hidden_size"], config["intermediate_size"]
+    q = config["num_attention_heads"] * config["head_dim"]
+    kv = config["num_key_value_heads"] * config["head_dim"]
+    shapes = {"attn_q.weight": (q, hidden), "attn_k.weight": (kv, hidden), "attn_v.weight": (kv, hidden),
+              "attn_output.weight": (hidden, q), "ffn_gate.weight": (inter, hidden),
+              "ffn_up.weight": (inter, hidden), "ffn_down.weight": (hidden, inter)}
+    writer = gguf.GGUFWriter(path, "llama")
+    writer.add_block_count(config["num_hidden_layers"])
+    writer.add_context_length(config["max_position_embeddings"])
+    writer.add_embedding_length(hidden)
+    writer.add_feed_forward_length(inter)
+    writer.add_head_count(config["num_attention_heads"])
+    writer.add_head_count_kv(config["num_key_value_heads"])
+    writer.add_rope_freq_base(float(config["rope_theta"]))
+    writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
+    writer.add_vocab_size(config["vocab_size"])
+
+    def quantized(name: str, rows: int, values: int, salt: int) -> None:
+        kind = K_MIX.get(name.split(".", 2)[-1] if name.startswith("blk.") else name, "Q4_K")
+        writer.add_tensor(name, random_rows(kind, rows, values, seed=seed * 1000 + salt),
+                          raw_dtype=gguf.GGMLQuantizationType[kind])
+
+    quantized("token_embd.weight", config["vocab_size"], hidden, 0)
+    writer.add_tensor("output_norm.weight", torch.ones(hidden).numpy())
+    for i in range(config["num_hidden_layers"]):
+        for j, (name, (rows, values)) in enumerate(shapes.items()):
+            quantized(f"blk.{i}.{name}", rows, values, 1 + 10 * i + j)
+        for norm in ("attn_norm.weight", "ffn_norm.weight"):
+            writer.add_tensor(f"blk.{i}.{norm}", torch.ones(hidden).numpy())
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path

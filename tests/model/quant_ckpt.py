@@ -88,9 +88,10 @@ def _fp8(w, block: bool):
             q.float() * scale)
 
 
-def write_quantized(fmt: str, folder: Path) -> tuple[Path, Path]:
-    """(quantized checkpoint, de-quantized float32 reference) of the tiny model, written under `folder`."""
-    tiny = Path(resolve_model_path("tiny"))
+def write_quantized(fmt: str, folder: Path, source: Path | None = None) -> tuple[Path, Path]:
+    """(quantized checkpoint, de-quantized float32 reference) of the tiny model (or of the float checkpoint
+    folder `source`), written under `folder`."""
+    tiny = Path(source or resolve_model_path("tiny"))
     quant_dir, dense_dir = folder / fmt, folder / f"{fmt}-dense"
     for d in (quant_dir, dense_dir):
         shutil.copytree(tiny, d)
@@ -117,3 +118,26 @@ def write_quantized(fmt: str, folder: Path) -> tuple[Path, Path]:
     config["quantization_config"] = CONFIGS[fmt]
     (quant_dir / "config.json").write_text(json.dumps(config))
     return quant_dir, dense_dir
+
+
+def write_float_llama(folder: Path, config: dict, seed: int = 0) -> Path:
+    """A float32 Llama checkpoint of `config` (a config.json dict) with random weights (norms ones; layer outputs
+    large enough that the logits depend on the whole context), written into `folder`."""
+    torch.manual_seed(seed)
+    hidden, inter, vocab = config["hidden_size"], config["intermediate_size"], config["vocab_size"]
+    q = config["num_attention_heads"] * config["head_dim"]
+    kv = config["num_key_value_heads"] * config["head_dim"]
+    shapes = {"self_attn.q_proj": (q, hidden), "self_attn.k_proj": (kv, hidden), "self_attn.v_proj": (kv, hidden),
+              "self_attn.o_proj": (hidden, q), "mlp.gate_proj": (inter, hidden), "mlp.up_proj": (inter, hidden),
+              "mlp.down_proj": (hidden, inter)}
+    weights = {"model.embed_tokens.weight": torch.randn(vocab, hidden) * 0.1,
+               "model.norm.weight": torch.ones(hidden), "lm_head.weight": torch.randn(vocab, hidden) * 0.1}
+    for i in range(config["num_hidden_layers"]):
+        for name, shape in shapes.items():
+            weights[f"model.layers.{i}.{name}.weight"] = torch.randn(shape) * shape[1] ** -0.5
+        for norm in ("input_layernorm", "post_attention_layernorm"):
+            weights[f"model.layers.{i}.{norm}.weight"] = torch.ones(hidden)
+    folder.mkdir(parents=True)
+    save_file(weights, folder / "model.safetensors")
+    (folder / "config.json").write_text(json.dumps(config))
+    return folder

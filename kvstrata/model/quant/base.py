@@ -39,3 +39,8 @@ class QuantizedWeight(nn.Module):
     def weight_bytes(self) -> int:
         """Bytes this weight holds in memory (all of its buffers)."""
         return sum(b.numel() * b.element_size() for b in self.buffers())
+
+
+def owned(part: torch.Tensor) -> torch.Tensor:
+    """A contiguous copy of a slice (a shard must not keep the whole tensor it was cut from alive)."""
+    return part.clone(memory_format=torch.contiguous_format)

@@ -4,25 +4,31 @@
              quantized, which fused Linear (and row range of it) each fills; those Linears' float weights
              are released on the meta device, so they are never allocated
     add      a projection's tensors are gathered as they stream past, decoded into the format's parts
-             (int4 values + group scales and zero points, e4m3 + row scales, int8 + row scales)
+             (int4 values + group scales and zero points, e4m3 + row scales, int8 + row scales), and cut
+             to a tensor-parallel rank's rows or input columns (model.layout.cut) with their scales
     build    once every projection of a Linear has arrived, the parts are concatenated along the output
              dimension (q|k|v, gate|up: groups run along the input dimension, so any split of the output
              rows concatenates) into its one QuantizedWeight, and the parts are dropped
 
-At most the parts of the Linears still being assembled are in flight. Quantized MoE experts are refused
-(the stacked expert weights have no quantized layout yet); `--quantization int8` leaves them in --dtype.
+Under tensor parallelism an input split (o_proj, down_proj) must fall on a block boundary of the format
+(`QuantSpec.input_block`): the plan refuses, before any weight is read, a checkpoint whose groups it would
+cut. At most the parts of the Linears still being assembled are in flight (a rank reads each projection
+whole, then keeps its cut). Quantized MoE experts are refused (the stacked expert weights have no quantized
+layout yet); `--quantization int8` leaves them in --dtype.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import Optional
 
 import torch
 from torch import nn
 
 from kvstrata.model.config import ModelLoadError
 from kvstrata.model.layers import Linear
-from kvstrata.model.quant import awq, fp8, gptq, int8
+from kvstrata.model.parallel import Cut
+from kvstrata.model.quant import awq, fp8, gptq, int4, int8
 from kvstrata.model.quant.base import QuantizedWeight
 from kvstrata.model.quant.int4 import Int4Weight
 from kvstrata.model.quant.scheme import QuantSpec
@@ -44,6 +50,7 @@ class QuantizedLinears:
     def __init__(self, spec: QuantSpec, model: nn.Module, targets: dict[str, tuple], names: Iterable[str],
                  dtype: torch.dtype, device: torch.device):
         self.spec, self.dtype, self.device = spec, dtype, torch.device(device)
+        self.layout = model.layout
         marker, self.kinds, required = _KINDS[spec.method]
         names = list(names)
         prefixes = (self._int8_prefixes(model, targets) if spec.method == "int8"
@@ -65,6 +72,7 @@ class QuantizedLinears:
             if len(target) > 3:
                 raise ModelLoadError(f"{prefix}: quantized MoE expert weights ({spec.method}) are not supported")
             self.projections[prefix] = (target[0].rsplit(".", 1)[0], target[1], target[2])
+            self.layout.check_block_split(f"{prefix}.weight", spec.input_block())
         self.linears: dict[str, Linear] = {}
         self.parts: dict[str, dict[int, tuple]] = {}       # Linear path -> {first row: decoded part}
         self.pending: dict[str, dict[str, torch.Tensor]] = {}
@@ -119,21 +127,24 @@ class QuantizedLinears:
             return []
         del self.pending[prefix]
         path, start, end = self.projections[prefix]
-        part = self._decode(tensors, prefix)
+        part = self._decode(tensors, prefix, self.layout.cut(f"{prefix}.weight"))
         if part[0].shape[0] != end - start:
             raise ModelLoadError(f"{file}: {prefix} has {part[0].shape[0]} output rows, expected {end - start}")
         self.parts[path][start] = part
         return self._build_if_complete(path)
 
-    def _decode(self, tensors: dict[str, torch.Tensor], prefix: str) -> tuple[torch.Tensor, ...]:
+    def _decode(self, tensors: dict[str, torch.Tensor], prefix: str, cut: Optional[Cut]) -> tuple[torch.Tensor, ...]:
+        """The format's parts of one projection; `cut`: this tensor-parallel rank's rows or columns of them."""
         spec = self.spec
+        if spec.method == "int8":
+            return int8.quantize(tensors["weight"], cut)
         if spec.method == "awq":
-            return awq.decode(tensors, prefix, spec.group_size)
-        if spec.method == "gptq":
-            return gptq.decode(tensors, prefix, spec.group_size, spec.zero_offset)
-        if spec.method == "fp8":
-            return fp8.decode(tensors, prefix, spec.block)
-        return int8.quantize(tensors["weight"])
+            parts, shard = awq.decode(tensors, prefix, spec.group_size), int4.shard
+        elif spec.method == "gptq":
+            parts, shard = gptq.decode(tensors, prefix, spec.group_size, spec.zero_offset), int4.shard
+        else:
+            parts, shard = fp8.decode(tensors, prefix, spec.block), fp8.shard
+        return parts if cut is None else shard(parts, cut)
 
     def _build_if_complete(self, path: str) -> list[str]:
         mine = sorted((start, end, prefix) for prefix, (p, start, end) in self.projections.items() if p == path)

@@ -33,7 +33,8 @@ from kvstrata.model.layers import (
     UPCAST_MIN_ROWS,
     upcasts_on_cpu,
 )
-from kvstrata.model.quant.base import QuantizedWeight
+from kvstrata.model.parallel import WHOLE, Cut
+from kvstrata.model.quant.base import QuantizedWeight, owned
 
 E4M3 = torch.float8_e4m3fn
 E4M3_MAX = 448.0
@@ -65,6 +66,18 @@ def decode(tensors: dict[str, torch.Tensor], name: str, block: Optional[tuple[in
     return weight, scale.float().reshape(1, 1).expand(out_features, 1).contiguous()
 
 
+def shard(parts: tuple[torch.Tensor, ...], cut: Cut) -> tuple[torch.Tensor, ...]:
+    """A tensor-parallel rank's part of a projection's (weight `[N, K]`, row scales `[N, ceil(K/bk)]`): its output
+    rows, or its input columns with their blocks' scales (a cut on a block boundary: check_block_split; one
+    scale per row serves any columns)."""
+    weight, scales = parts
+    block_in = -(-weight.shape[1] // scales.shape[1])
+    blocks = WHOLE
+    if cut.splits_input and scales.shape[1] > 1:
+        blocks = slice(cut.cols.start // block_in, -(-cut.cols.stop // block_in))
+    return owned(weight[cut.rows, cut.cols]), owned(scales[cut.rows, blocks])
+
+
 class Fp8Weight(QuantizedWeight):
     """`[N, K]` e4m3 weight with float32 scales per output row and input block; see the module docstring."""
 
@@ -86,20 +99,29 @@ class Fp8Weight(QuantizedWeight):
         upcast = x.device.type == "cpu" and x.shape[0] >= UPCAST_MIN_ROWS and upcasts_on_cpu(x.dtype)
         return self._forward_tiles(x, torch.float32 if upcast else x.dtype)
 
-    def _forward_tiles(self, x: torch.Tensor, compute: torch.dtype) -> torch.Tensor:
+    def _forward_tiles(self, x: torch.Tensor, compute: torch.dtype, whole_tiles: bool = False) -> torch.Tensor:
+        """`whole_tiles`: a last tile of fewer rows is zero-padded to TILE_ROWS, so every GEMM has one shape and an
+        output feature's bits do not depend on how many features the weight has (a tensor-parallel shard)."""
         xc = x.to(compute)
-        out = torch.cat([F.linear(xc, self._tile(r, min(r + TILE_ROWS, self.out_features), compute))
-                         for r in range(0, self.out_features, TILE_ROWS)], dim=-1)
-        return out.to(x.dtype)
+        parts = []
+        for r in range(0, self.out_features, TILE_ROWS):
+            tile = self._tile(r, min(r + TILE_ROWS, self.out_features), compute)
+            if whole_tiles and tile.shape[0] < TILE_ROWS:
+                parts.append(F.linear(xc, F.pad(tile, (0, 0, 0, TILE_ROWS - tile.shape[0])))[:, :tile.shape[0]])
+            else:
+                parts.append(F.linear(xc, tile))
+        return torch.cat(parts, dim=-1).to(x.dtype)
 
     def _forward_invariant(self, x: torch.Tensor) -> torch.Tensor:
-        """Float32 tiles over a fixed number of rows per GEMM, so a row's bits never depend on the batch."""
+        """Float32 tiles over a fixed number of rows per GEMM, so a row's bits never depend on the batch (nor an
+        output feature's on the shard it is in: whole tiles)."""
         rows = x.shape[0]
         if x.device.type == "cpu":
             padded = F.pad(x, (0, 0, 0, max(0, BATCH_INVARIANT_MIN_ROWS - rows)))
-            return self._forward_tiles(padded, torch.float32)[:rows]
+            return self._forward_tiles(padded, torch.float32, whole_tiles=True)[:rows]
         block = DEVICE_INVARIANT_BLOCK_ROWS
-        parts = [self._forward_tiles(part, torch.float32) for part in F.pad(x, (0, 0, 0, -rows % block)).split(block)]
+        parts = [self._forward_tiles(part, torch.float32, whole_tiles=True)
+                 for part in F.pad(x, (0, 0, 0, -rows % block)).split(block)]
         return torch.cat(parts)[:rows]
 
     def _tile(self, start: int, end: int, dtype: torch.dtype) -> torch.Tensor:

@@ -14,7 +14,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from kvstrata.model.quant.base import QuantizedWeight
+from kvstrata.model.parallel import WHOLE, Cut
+from kvstrata.model.quant.base import QuantizedWeight, owned
 
 CPU_PACK_ROWS = 16        # the CPU int4 kernel packs output rows in blocks of this many
 TILE_ROWS = 512           # output rows de-quantized per tile on devices without the CPU kernel
@@ -65,6 +66,15 @@ class Int4Weight(QuantizedWeight):
             return self._tile(0, self.out_features, dtype)
         eye = torch.eye(self.in_features, dtype=torch.float32)
         return self(eye).t().contiguous().to(dtype)
+
+
+def shard(parts: tuple[torch.Tensor, ...], cut: Cut) -> tuple[torch.Tensor, ...]:
+    """A tensor-parallel rank's part of a projection's (q `[N, K]`, scales `[K/g, N]`, zeros `[K/g, N]`): its
+    output rows, or its input columns with their groups (a cut on a group boundary: check_block_split)."""
+    q, scales, zeros = parts
+    group = q.shape[1] // scales.shape[0]
+    groups = slice(cut.cols.start // group, cut.cols.stop // group) if cut.splits_input else WHOLE
+    return owned(q[cut.rows, cut.cols]), owned(scales[groups, cut.rows]), owned(zeros[groups, cut.rows])
 
 
 def unpack_int32(packed: torch.Tensor, order: tuple[int, ...] = tuple(range(8))) -> torch.Tensor:

@@ -10,9 +10,12 @@ never all in memory. Other devices de-quantize tiles of output rows per product.
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 import torch.nn.functional as F
 
+from kvstrata.model.parallel import WHOLE, Cut
 from kvstrata.model.quant.base import QuantizedWeight
 
 TILE_ROWS = 512
@@ -20,14 +23,18 @@ KERNEL_MAX_ROWS = 32      # rows up to which the int8 kernel beats de-quantized 
 QUANTIZE_ROWS = 256       # rows converted to float32 at a time while quantizing (bounds the transient copies)
 
 
-def quantize(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(q `[N, K]` int8, scales `[N]` float32) of a float weight `[N, K]`, QUANTIZE_ROWS rows at a time."""
-    q = torch.empty(weight.shape, dtype=torch.int8)
-    scales = torch.empty(weight.shape[0], dtype=torch.float32)
-    for start in range(0, weight.shape[0], QUANTIZE_ROWS):
-        rows = weight[start:start + QUANTIZE_ROWS].float()
-        scale = rows.abs().amax(dim=1).clamp(min=1e-12) / 127.0
-        q[start:start + QUANTIZE_ROWS] = torch.round(rows / scale[:, None]).clamp_(-127, 127).to(torch.int8)
+def quantize(weight: torch.Tensor, cut: Optional[Cut] = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(q `[N, K]` int8, scales `[N]` float32) of a float weight `[N, K]`, QUANTIZE_ROWS rows at a time.
+
+    `cut`: only a tensor-parallel rank's rows and columns are quantized, with the scales of the whole rows
+    (every TP size then serves the same int8 weights)."""
+    rows, cols = (weight, WHOLE) if cut is None else (weight[cut.rows], cut.cols)
+    q = torch.empty(rows[:, cols].shape, dtype=torch.int8)
+    scales = torch.empty(rows.shape[0], dtype=torch.float32)
+    for start in range(0, rows.shape[0], QUANTIZE_ROWS):
+        chunk = rows[start:start + QUANTIZE_ROWS].float()
+        scale = chunk.abs().amax(dim=1).clamp(min=1e-12) / 127.0
+        q[start:start + QUANTIZE_ROWS] = torch.round(chunk[:, cols] / scale[:, None]).clamp_(-127, 127).to(torch.int8)
         scales[start:start + QUANTIZE_ROWS] = scale
     return q, scales
 

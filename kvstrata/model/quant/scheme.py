@@ -40,6 +40,14 @@ class QuantSpec:
     zero_offset: int = 0
     block: Optional[tuple[int, int]] = None
 
+    def input_block(self) -> int:
+        """Consecutive input values sharing a scale: where a tensor-parallel split of the input may fall."""
+        if self.method in ("awq", "gptq"):
+            return self.group_size
+        if self.method == "fp8" and self.block is not None:
+            return self.block[1]
+        return 1      # int8 and per-tensor FP8: one scale per output row
+
 
 def checkpoint_quantization(model_path: str) -> Optional[dict]:
     """The `quantization_config` of a checkpoint folder's config.json (None: none, or not a folder)."""
