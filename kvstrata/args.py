@@ -538,10 +538,6 @@ class ServerArgs:
         if self.tp_size == 1:
             return
         unsupported = {  # flag -> what does not shard its KV per rank yet
-            "--hicache-storage-backend": (self.hicache_storage_backend, "L3 objects per rank"),
-            "--hicache-snapshot-path": (self.hicache_snapshot_path, "an L2 snapshot per rank"),
-            "--hicache-write-policy write_back": (self.hicache_write_policy == "write_back",
-                                                  "its synchronous copies do not reach the other ranks"),
             # Each rank's transfer engine listens on this node's --disaggregation-host: one node only.
             f"--disaggregation-mode {self.disaggregation_mode} and --nnodes {self.nnodes}": (
                 self.disaggregation_mode != "null" and self.nnodes > 1, "a transfer host per node"),
@@ -665,7 +661,7 @@ class ServerArgs:
             storage_backend=self.hicache_storage_backend, storage_dir=self.hicache_storage_dir,
             storage_group_pages=self.storage_group_pages(), prefetch_policy=self.hicache_storage_prefetch_policy,
             storage_extra_config=self.storage_extra_config() if self.hicache_storage_backend else {},
-            block_events=self.kv_events() is not None)
+            block_events=self.kv_events() is not None, tp_size=self.tp_size)
 
     def kv_events(self):
         """The parsed --kv-events-config (a KVEventsConfig), None when unset or off."""

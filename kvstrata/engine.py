@@ -50,6 +50,7 @@ Prompt = Union[str, list[str], None]
 TokenIds = Union[list[int], list[list[int]], None]
 SamplingArg = Union[dict, list[dict], None]
 POLL_S = 0.5          # how often a waiting caller checks that the scheduler thread is still alive
+SHUTDOWN_JOIN_S = 180.0   # the scheduler thread's close: in-flight copies, the L2 snapshot, the other ranks' stop
 
 
 class Engine:
@@ -62,6 +63,8 @@ class Engine:
         self._sequences = SequenceRegistry(lambda rid: self._inbox.put(AbortReq(rid)))
         self._error: Optional[BaseException] = None
         self._built = threading.Event()
+        self._close_on_stop = False     # shutdown(): the scheduler thread closes the scheduler as it ends
+        self._closed = False
         self._thread = threading.Thread(target=self._run, name="kvstrata-scheduler", daemon=True)
         self._thread.start()
         self._built.wait()
@@ -156,8 +159,14 @@ class Engine:
         return self.scheduler
 
     def shutdown(self) -> None:
-        """Stop the scheduler thread and close the scheduler."""
-        self.detach_scheduler().close()
+        """Stop the scheduler thread, which closes the scheduler on its way out: under tensor parallelism the
+        other ranks die with the thread that started them, so they are stopped (their L3 writes and snapshot
+        shares finished) from it. A thread that already ended (a failed loop) leaves the close to this one."""
+        self._close_on_stop = True
+        self._inbox.put(None)
+        self._thread.join(timeout=SHUTDOWN_JOIN_S)
+        if not self._closed and not self._thread.is_alive():
+            self.scheduler.close()
 
     def __enter__(self) -> Engine:
         return self
@@ -237,6 +246,10 @@ class Engine:
         except BaseException as e:  # surface to callers instead of hanging them
             self._error = e
             raise
+        finally:
+            if self._close_on_stop:
+                self._closed = True
+                self.scheduler.close()
 
     def _recv(self, block: bool) -> list:
         msgs = []

@@ -175,6 +175,14 @@ class CacheController:
         self._submit(op, None)
         return op.op_id
 
+    def copy_now(self, device_pages: torch.Tensor, host_pages: torch.Tensor) -> None:
+        """Copy device pages to reserved host pages synchronously, on the caller's thread (write_back, as a
+        node leaves the device); told to the journal like a submitted backup, so every rank copies it."""
+        device_pages, host_pages = self._check_pages(device_pages, host_pages)
+        if self._journal is not None:
+            self._journal(BACKUP, device_pages, host_pages)
+        self.host_pool.backup_from_device(device_pages, host_pages)
+
     def submit_load_back(self, host_pages: torch.Tensor, device_pages: torch.Tensor,
                          node: Any = None) -> LayerLoadHandle:
         """Queue a host->device copy, layer by layer; the forward waits per layer on the returned handle.

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from kvstrata.cache.shards import Shard
+
 
 @dataclass(frozen=True)
 class CacheConfig:
@@ -35,12 +37,17 @@ class CacheConfig:
     storage_extra_config: dict = field(default_factory=dict, hash=False)   # parsed extra-config JSON
     prefetch_policy: str = "best_effort"   # --hicache-storage-prefetch-policy
     block_events: bool = False             # --kv-events-config: residency changes as block events (events.py)
+    tp_size: int = 1                       # --tp-size: every rank holds a share of each page (shards.py)
 
     def __post_init__(self) -> None:
         if self.host_tier and not self.prefix_cache:
             raise ValueError("a host tier needs the prefix cache")
         if self.storage_backend and not self.host_tier:
             raise ValueError("a storage tier needs the host tier")
+
+    def shard(self, rank: int = 0) -> Shard:
+        """Rank `rank`'s share of every page (rank 0: the one whose cache decides)."""
+        return Shard(self.tp_size, rank)
 
     def weights_namespace(self) -> str:
         """What the L2 snapshot's and L3's namespace add for weights the files do not name (empty: the files')."""

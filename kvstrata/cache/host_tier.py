@@ -183,7 +183,7 @@ class HostTier:
             self.stats["backup_skipped_host_full"] += num_pages
             return
         host_pages = torch.tensor(pages, dtype=torch.long)
-        self.host_pool.backup_from_device(self._device_pages(node), host_pages)
+        self.controller.copy_now(self._device_pages(node), host_pages)
         node.host = HostCopy(host_pages, ready=True)
         self.tree.mark_changed(node)
         self.tree.touch(node)

@@ -96,7 +96,8 @@ class KVCacheManager:
         self.events = self.tree.events
         self.publish_events: Callable[[list], None] | None = None
         if self.host_snapshot is not None and self.host is not None:
-            self.host_snapshot.load(self.host)
+            if self.host_snapshot.load(self.host).other_ranks_failed:
+                self.flush()            # tensor parallelism: a rank lacks its share, so every rank starts cold
 
     @staticmethod
     def _handle(req: CacheRequest) -> KVHandle:

@@ -13,6 +13,11 @@ An L3 object is a page group: `group_pages` consecutive host pages of one sequen
 concatenation of their bytes under one key, so object counts follow the data, not --page-size. An op's
 `keys[i]` names host_pages[i*group_pages : (i+1)*group_pages].
 
+Tensor parallelism (cache/shards.py): each rank's objects are named for its shard (`Shard.object_key`, at the
+backend boundary: the tree's keys stay the engine's). On rank 0 a RankLink is told every op as it is
+submitted (the other ranks repeat it on their shards), and a prefetch's `done` becomes, at its ack, the
+groups every rank read and verified.
+
 Zero copy: with the page_first host layout and one page per object, every object is one contiguous
 byte range, registered with the backend once and read/written in place; otherwise objects are gathered
 into (and scattered from) staging copies.
@@ -32,6 +37,7 @@ from typing import Any
 import torch
 
 from kvstrata.cache.page_hash import storage_namespace
+from kvstrata.cache.shards import RankLink, Shard
 from kvstrata.memory.host_pool import HostKVPool
 from kvstrata.storage.base import StorageBackend
 from kvstrata.threads import run_ops_on_this_thread_only
@@ -60,13 +66,17 @@ class StorageOp:
 class StorageIO:
     """Two worker threads, one for prefetches and one for backups, against one backend."""
 
-    def __init__(self, backend: StorageBackend, host_pool: HostKVPool, group_pages: int = 1):
+    def __init__(self, backend: StorageBackend, host_pool: HostKVPool, group_pages: int = 1,
+                 shard: Shard = Shard(), ranks: RankLink | None = None):
+        """`shard`: this rank's share (its objects' names); `ranks`: rank 0's link to the other ranks."""
         if backend.page_bytes != group_pages * host_pool.page_bytes:
             raise ValueError(f"backend objects of {backend.page_bytes} bytes for groups of {group_pages} pages "
                              f"of {host_pool.page_bytes} bytes")
         self.backend = backend
         self.host_pool = host_pool
         self.group_pages = group_pages
+        self.shard = shard
+        self._ranks = ranks
         self.zero_copy = host_pool.layout == "page_first" and group_pages == 1
         if self.zero_copy:
             backend.register_buffer(host_pool.whole_buffer())
@@ -77,7 +87,7 @@ class StorageIO:
         self._idle = threading.Condition()     # also guards `counters` (both workers count)
         self.counters = {"prefetch_ops": 0, "prefetched_pages": 0, "prefetch_bytes": 0, "prefetch_s": 0.0,
                          "backup_ops": 0, "backed_up_pages": 0, "backed_up_objects": 0, "backup_bytes": 0,
-                         "backup_s": 0.0}
+                         "backup_s": 0.0, "prefetch_groups_missing_on_other_ranks": 0}
         self._threads = [threading.Thread(target=self._work, args=(kind,), name=f"kvstrata-storage-{name}",
                                           daemon=True)
                          for kind, name in ((PREFETCH, "prefetch"), (STORAGE_BACKUP, "backup"))]
@@ -99,19 +109,37 @@ class StorageIO:
             raise ValueError(f"{len(host_pages)} host pages for {len(keys)} objects of {self.group_pages} pages")
         op = StorageOp(self._next_id, kind, list(keys), list(host_pages), tag, time.monotonic())
         self._next_id += 1
+        if self._ranks is not None:     # before the worker may finish it: the other ranks learn it first
+            self._ranks.storage_op(kind, op.op_id, op.keys, op.host_pages)
         with self._idle:
             self._inflight += 1
         self._todo[kind].put(op)
         return op
 
     def poll_acks(self) -> list[StorageOp]:
-        """Completed ops since the last call (non-blocking)."""
+        """Completed ops since the last call (non-blocking on one rank; under tensor parallelism a finished
+        prefetch's `done` is agreed with the other ranks first, a collective)."""
         acks = []
         while True:
             try:
                 acks.append(self._acks.get_nowait())
             except queue.Empty:
-                return acks
+                break
+        prefetches = [op for op in acks if op.kind == PREFETCH]
+        if self._ranks is not None and prefetches:
+            agreed = self._ranks.agree_prefetches([(op.op_id, op.done) for op in prefetches])
+            for op, done in zip(prefetches, agreed):
+                with self._idle:
+                    self.counters["prefetch_groups_missing_on_other_ranks"] += op.done - done
+                op.done = done
+        return acks
+
+    def stored_leading(self, keys: list[str]) -> int:
+        """How many leading objects of `keys` this rank's shard has (a backend lookup, on the caller's thread)."""
+        return self.backend.batch_exists(self._object_keys(keys))
+
+    def _object_keys(self, keys: list[str]) -> list[str]:
+        return [self.shard.object_key(k) for k in keys] if self.shard.tp_size > 1 else keys
 
     def wait_for_ack(self, timeout: float) -> bool:
         """Block until an acknowledgement is waiting to be polled, at most `timeout` seconds."""
@@ -164,22 +192,24 @@ class StorageIO:
                 self._idle.notify_all()
 
     def _prefetch(self, op: StorageOp) -> int:
-        n = self.backend.batch_exists(op.keys)
+        keys = self._object_keys(op.keys)
+        n = self.backend.batch_exists(keys)
         if n == 0:
             return 0
         if self.zero_copy:
-            return self.backend.batch_get(op.keys[:n], [self.host_pool.page_buffer(p) for p in op.host_pages[:n]])
+            return self.backend.batch_get(keys[:n], [self.host_pool.page_buffer(p) for p in op.host_pages[:n]])
         staging = [torch.empty(self.backend.page_bytes, dtype=torch.uint8) for _ in range(n)]
-        got = self.backend.batch_get(op.keys[:n], staging)
+        got = self.backend.batch_get(keys[:n], staging)
         for i, buf in enumerate(staging[:got]):
             self.host_pool.write_pages_bytes(self._group(op, i), buf)
         return got
 
     def _backup(self, op: StorageOp) -> int:
+        keys = self._object_keys(op.keys)
         if self.zero_copy:
-            return self.backend.batch_set(op.keys, [self.host_pool.page_buffer(p) for p in op.host_pages])
+            return self.backend.batch_set(keys, [self.host_pool.page_buffer(p) for p in op.host_pages])
         objects = [self.host_pool.pages_bytes(self._group(op, i)) for i in range(len(op.keys))]
-        return self.backend.batch_set(op.keys, objects)
+        return self.backend.batch_set(keys, objects)
 
     def _group(self, op: StorageOp, i: int) -> list[int]:
         """The host pages of object i of `op`."""

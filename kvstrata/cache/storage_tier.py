@@ -199,8 +199,7 @@ class StorageTier:
         _, holder, holder_end = _tokens_before(anchor, match.cached_tokens - first * gt, match.cached_tokens)
         prior = self._key_before(first, holder, holder_end, namespace, lambda: tokens)
         keys = page_keys(tokens[first * gt:], gt, self._namespace_key(namespace), prior)
-        backend = self.io.backend
-        if backend.local_lookup and not backend.batch_exists(keys[:1]):
+        if self.io.backend.local_lookup and not self.io.stored_leading(keys[:1]):
             return self._skip("not_stored")     # a new turn's question: nothing in L3 to wait for
         # The cached path the pages will hang under stays locked until the ack: making room in the host
         # pool must not evict it, nor may anything else before the pages are attached.

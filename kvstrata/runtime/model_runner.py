@@ -13,6 +13,7 @@ from typing import Optional
 import torch
 
 from kvstrata.args import ServerArgs
+from kvstrata.cache.shards import RankLink
 from kvstrata.memory.device_pool import DeviceKVPool
 from kvstrata.memory.kv_format import KVFormat
 from kvstrata.memory.req_slots import ReqSlotTable
@@ -49,15 +50,7 @@ from kvstrata.model.parallel import TensorParallel
 from kvstrata.model.quant.gguf_weight import use_gguf_kernels
 from kvstrata.model.rope import use_rope_kernel
 from kvstrata.runtime.batch import ScheduledBatch, StepResult
-from kvstrata.runtime.forward_plan import (
-    CopyKind,
-    ForwardPlan,
-    PageCopy,
-    PlanKind,
-    PlanLedger,
-    gather_ledgers,
-    receive_plan,
-)
+from kvstrata.runtime.forward_plan import ForwardPlan, PlanKind, PlanLedger, gather_ledgers, receive_plan
 from kvstrata.runtime.handoff import RankHandoff, RankHandoffFactory
 from kvstrata.runtime.rank_call import answer_safely, gather_answers, no_handoff, receive_request
 from kvstrata.runtime.sampler import Sampler
@@ -270,35 +263,33 @@ class ModelRunner:
         return self.model(plan.ids.to(dev), positions.to(dev), meta, self.pool).float()
 
     def follow(self, handoff: Optional[RankHandoff] = None) -> None:
-        """Ranks > 0: run rank 0's plans until it sends STOP (RankFailure if the group breaks): its page copies
-        between this rank's device pool and its host pool (the host tier's shard, sized as rank 0's), then
-        its forward; a HANDOFF plan's call is answered by `handoff` (this rank's part of the PD handoff)."""
-        host_pool = None
-        if self.args.enable_hierarchical_cache:
-            from kvstrata.memory.host_pool import HostKVPool
+        """Ranks > 0: run rank 0's plans until it sends STOP (RankFailure if the group breaks): their copies and
+        ops on this rank's share of the cache tiers (runtime/rank_cache.py), then the forward, the round trip
+        or the agreement; a HANDOFF plan's call is answered by `handoff` (this rank's part of the PD handoff)."""
+        from kvstrata.runtime.rank_cache import RankCache
 
-            a = self.args
-            host_pool = HostKVPool(self.pool, HostKVPool.size_pages(self.pool, a.hicache_ratio, a.hicache_size),
-                                   layout=a.hicache_mem_layout)
+        cache = RankCache(self.args, self.pool, self.model_path, self.tp.rank)
         ledger = PlanLedger()
         while True:
             kind, plan = receive_plan(self.tp, ledger)
-            if kind == PlanKind.STOP:
-                return
             if kind == PlanKind.REPORT:
-                gather_ledgers(self.tp, ledger)
+                gather_ledgers(self.tp, ledger, cache.state())
                 continue
             if kind == PlanKind.HANDOFF:
                 request = receive_request(self.tp)
                 answer = handoff.answer if handoff is not None else no_handoff
                 gather_answers(self.tp, answer_safely(answer, request, self.tp.rank))
                 continue
-            for copy in plan.copies:
-                _apply_copy(copy, host_pool, self.device)
+            answers = cache.apply(plan.copies)
+            if kind == PlanKind.STOP:
+                cache.close()            # this rank's last L3 writes
+                return
             if kind == PlanKind.FORWARD:
                 self._run(plan)
             elif kind == PlanKind.IDLE:
                 self.tp.all_min([1])     # the round trip that tells rank 0 this rank is alive
+            elif kind == PlanKind.AGREE:
+                self.tp.all_min(answers)
 
     @property
     def copy_journal(self) -> Optional[Callable[[str, torch.Tensor, torch.Tensor], None]]:
@@ -311,6 +302,11 @@ class ModelRunner:
             return [answer_safely(local, request, 0)]
         return self.ranks.call(request, local)
 
+    @property
+    def rank_link(self) -> Optional[RankLink]:
+        """Rank 0 under tensor parallelism: how its cache's L3 ops and snapshots reach the other ranks."""
+        return self.ranks
+
     def idle(self) -> None:
         """Called by the scheduler loop while it has nothing to run: keeps the other ranks' collectives alive."""
         if self.ranks is not None:
@@ -322,10 +318,10 @@ class ModelRunner:
         if self.ranks is None:
             return {"tp_size": 1}
         tp = self.ranks.tp
-        ranks = self.ranks.report()
+        ranks, caches = self.ranks.report()
         return {"tp_size": tp.size, "tp_rank_pids": [os.getpid(), *(p.pid for p in self.ranks.procs.values())],
                 "tp_comm_s": tp.comm_s, "tp_comm_calls": tp.comm_calls, "tp_ranks": ranks,
-                "tp_ranks_agree": all(r == ranks[0] for r in ranks)}
+                "tp_ranks_agree": all(r == ranks[0] for r in ranks), "tp_rank_caches": caches}
 
     def close(self) -> None:
         """Stop the other ranks (rank 0; nothing to do otherwise)."""
@@ -341,17 +337,6 @@ class ModelRunner:
         for k in rows:
             reqs[k].grammar.fill_bitmask(mask, k)
         return mask, torch.tensor(rows, dtype=torch.long)
-
-
-def _apply_copy(copy: PageCopy, host_pool, device: torch.device) -> None:
-    """Repeat one of rank 0's page copies on this rank's pools (synchronously: before the plan's forward)."""
-    if host_pool is None:
-        raise RuntimeError("rank 0 sent a page copy but this rank has no host pool")
-    device_pages = copy.device_pages.to(device)
-    if copy.kind == CopyKind.BACKUP:
-        host_pool.backup_from_device(device_pages, copy.host_pages)
-    else:
-        host_pool.load_to_device(copy.host_pages, device_pages)
 
 
 def _tokens(req, start: int, end: int) -> list[int]:

@@ -6,7 +6,9 @@
     ModelRunner.forward: send_plan(FORWARD), run the shard  --->  ModelRunner.follow: receive_plan, run it
     idle: send_plan(IDLE) + a round trip about once a second --->  apply its copies, answer the round trip
     PD handoff: send_plan(HANDOFF) + a call (rank_call.py)  --->  its RankHandoff answers (its KV shard)
-    close: send_plan(STOP), join the processes              --->  exit 0
+    the cache's agreements (RankLink): send_plan(AGREE)     --->  apply its copies and ops (rank_cache.py),
+      + an all-reduce (min) of the answers                        answer (L3 groups verified, snapshot done)
+    close: send_plan(STOP), join the processes              --->  finish its L3 writes, exit 0
 
 Faults: a rank that dies closes its sockets, so the next collective fails at once on every other rank
 (RankFailure); one that hangs makes its peers' collectives time out after --dist-timeout. Rank 0 also
@@ -31,16 +33,19 @@ import torch
 
 from kvstrata.args import ServerArgs
 from kvstrata.cache.cache_controller import BACKUP, LOAD_BACK
+from kvstrata.cache.storage_io import PREFETCH, STORAGE_BACKUP
 from kvstrata.model.parallel import RankFailure, TensorParallel
 from kvstrata.net import free_port
 from kvstrata.platform import env
 from kvstrata.runtime.forward_plan import (
     EMPTY_PLAN,
+    Copy,
     CopyKind,
     ForwardPlan,
     PageCopy,
     PlanKind,
     PlanLedger,
+    ShardOp,
     gather_ledgers,
     send_plan,
 )
@@ -54,7 +59,10 @@ DEFAULT_TIMEOUT_S = 60
 IDLE_PLAN_S = 1.0
 STOP_JOIN_S = 10.0
 RANK_FAILED_EXIT_CODE = 4
+NO_PAGES = torch.empty(0, dtype=torch.long)
 COPY_KINDS = {BACKUP: CopyKind.BACKUP, LOAD_BACK: CopyKind.LOAD_BACK}
+STORAGE_KINDS = {STORAGE_BACKUP: CopyKind.STORAGE_BACKUP, PREFETCH: CopyKind.STORAGE_PREFETCH}
+CARRY_COPIES = (PlanKind.FORWARD, PlanKind.IDLE, PlanKind.AGREE, PlanKind.STOP)   # the kinds that apply copies
 
 
 def cpu_sets(local_ranks: int, spec: Optional[str] = None, available: Optional[list[int]] = None) -> list[list[int]]:
@@ -115,14 +123,16 @@ def join_group(args: ServerArgs, rank: int, init_addr: str) -> TensorParallel:
 
 
 class RankGroup:
-    """Rank 0's side: the group, the processes of this node's other ranks, the plans sent to them."""
+    """Rank 0's side: the group, the processes of this node's other ranks, the plans sent to them; its cache's
+    CopyJournal (record_copy) and RankLink (cache/shards.py)."""
 
     def __init__(self, tp: TensorParallel, procs: dict[int, Any]):
         self.tp = tp
         self.procs = procs       # rank -> multiprocessing.Process (this node's ranks > 0)
         self.last_sent = time.monotonic()
-        self.pending_copies: list[PageCopy] = []   # submitted by rank 0's cache since the last plan
+        self.pending_copies: list[Copy] = []   # submitted by rank 0's cache since the last plan
         self.ledger = PlanLedger()
+        self.broken = False     # a plan or agreement failed: the cache's later agreements (at close) get 0s
 
     @classmethod
     def start(cls, args: ServerArgs, rank_side: Optional[RankHandoffFactory] = None) -> RankGroup:
@@ -147,14 +157,52 @@ class RankGroup:
         """The cache's CopyJournal (on the scheduler thread): the copy goes out with the next plan."""
         self.pending_copies.append(PageCopy(COPY_KINDS[kind], device_pages.cpu(), host_pages.cpu()))
 
+    def storage_op(self, kind: str, op_id: int, keys: list[str], host_pages: list[int]) -> None:
+        """RankLink: an L3 backup or prefetch of rank 0's; each rank does it on its own shard (next plan)."""
+        self.pending_copies.append(ShardOp(STORAGE_KINDS[kind], op_id, list(keys),
+                                           torch.tensor(host_pages, dtype=torch.long)))
+
+    def agree_prefetches(self, done: list[tuple[int, int]]) -> list[int]:
+        """RankLink: per finished prefetch, the leading groups every rank read and verified (min over ranks)."""
+        asks = [ShardOp(CopyKind.PREFETCH_DONE, op_id, [], NO_PAGES) for op_id, _ in done]
+        return self._agree(asks, [groups for _, groups in done])
+
+    def snapshot_saved(self, keys: list[str], host_pages: list[int]) -> bool:
+        """RankLink: every rank saves its L2 snapshot share of these pages; whether all did."""
+        return self._agree([ShardOp(CopyKind.SNAPSHOT_SAVE, -1, keys, torch.tensor(host_pages, dtype=torch.long))],
+                           [1]) == [1]
+
+    def snapshot_restored(self, keys: list[str], host_pages: list[int]) -> bool:
+        """RankLink: every rank restores its share of the pages rank 0 restored; whether all did."""
+        return self._agree([ShardOp(CopyKind.SNAPSHOT_LOAD, -1, keys, torch.tensor(host_pages, dtype=torch.long))],
+                           [1]) == [1]
+
+    def _agree(self, asks: list[ShardOp], answers: list[int]) -> list[int]:
+        """Send `asks` after the pending copies in an AGREE plan; per ask, the minimum over the ranks of its
+        answer (rank 0's: `answers`). A group that already failed agrees on nothing (0s): rank 0 is stopping,
+        and its cache closes without asking the ranks again."""
+        if self.broken or self.tp.failed:
+            return [0] * len(answers)
+        self.pending_copies.extend(asks)
+        self.send(PlanKind.AGREE)
+        try:
+            return self.tp.all_min(answers)
+        except RankFailure:
+            self.broken = True
+            raise
+
     def send(self, kind: PlanKind, plan: ForwardPlan = EMPTY_PLAN) -> None:
         """Broadcast the next plan, with the copies submitted since the last one, to the ranks (after checking
         they are alive)."""
-        self.check_alive()
-        if self.pending_copies and kind in (PlanKind.FORWARD, PlanKind.IDLE):   # the kinds that apply copies
+        if self.pending_copies and kind in CARRY_COPIES:
             plan = dataclasses.replace(plan, copies=self.pending_copies)
             self.pending_copies = []
-        send_plan(self.tp, kind, plan, self.ledger)
+        try:
+            self.check_alive()
+            send_plan(self.tp, kind, plan, self.ledger)
+        except RankFailure:
+            self.broken = True
+            raise
         self.last_sent = time.monotonic()
 
     def call(self, request: bytes, local: Callable[[bytes], bytes]) -> list[bytes]:
@@ -164,11 +212,19 @@ class RankGroup:
         send_request(self.tp, request)
         return gather_answers(self.tp, answer_safely(local, request, self.tp.rank))
 
-    def report(self) -> list[dict]:
-        """Every rank's ledger (plans, copies, pages, digest), in rank order: equal when no rank diverged."""
+    def report(self) -> tuple[list[dict], list[dict]]:
+        """Every rank's ledger (plans, copies, pages, digest), in rank order: equal when no rank diverged; and
+        the cache share of each rank > 0 (rank_cache.STATE_KEYS)."""
+        from kvstrata.runtime.rank_cache import STATE_KEYS
+
+        if self.pending_copies:     # what the cache submitted reaches the ranks first (REPORT carries nothing)
+            self.send(PlanKind.IDLE)
+            self.tp.all_min([1])
         self.send(PlanKind.REPORT)
         keys = ("plans", "copies", "pages", "digest")
-        return [dict(zip(keys, values)) for values in gather_ledgers(self.tp, self.ledger)]
+        rows = gather_ledgers(self.tp, self.ledger, [0] * len(STATE_KEYS))
+        return ([dict(zip(keys, row)) for row in rows],
+                [dict(zip(STATE_KEYS, row[len(keys):])) for row in rows[1:]])
 
     def beat(self) -> None:
         """While idle, about once a second: an IDLE plan and a round trip (an all-reduce), so that a rank that

@@ -51,7 +51,7 @@ class Scheduler:
         self.page_size = args.page_size
         self.context_len = self.runner.context_len
         self.cache = build_kv_cache(args.cache_config(), self.runner.pool, self.runner.model_path, self.context_len,
-                                    copy_journal=self.runner.copy_journal)
+                                    copy_journal=self.runner.copy_journal, ranks=self.runner.rank_link)
         self.kv_events = self._kv_event_publisher()   # --kv-events-config (None: off)
         # The scheduler process's tokenizer: stop strings, grammars, and the fingerprint the HTTP process checks.
         self.tokenizer = load_tokenizer(resolve_model_path(args.tokenizer_path))

@@ -38,8 +38,6 @@ def test_help_lists_every_sglang_flag(capsys):
 
 
 @pytest.mark.parametrize("argv,named", [
-    (["--tp", "2", "--enable-hierarchical-cache", "--hicache-storage-backend", "file"],
-     "--tp-size 2 with --hicache-storage-backend is not implemented yet (L3 objects per rank)"),
     (["--tensor-parallel-size", "4", "--nnodes", "2", "--dist-init-addr", "h:1", "--disaggregation-mode", "prefill"],
      "--tp-size 4 with --disaggregation-mode prefill and --nnodes 2"),
     (["--tp", "3", "--nnodes", "2", "--dist-init-addr", "h:1"], "--tp-size 3 must be a multiple of --nnodes 2"),
