@@ -11,7 +11,7 @@ import torch
 
 from kvstrata.model.builtin import resolve_model_path
 from kvstrata.model.config import ModelConfig, ModelLoadError
-from kvstrata.model.gguf import load_gguf_model
+from kvstrata.model.gguf_loader import load_gguf_model
 from kvstrata.model.layers import Linear
 from kvstrata.model.loader import load_model
 from kvstrata.model.quant.gguf_weight import GGUFEmbedding, GGUFWeight, use_gguf_kernels
