@@ -28,6 +28,7 @@ from kvstrata.model.quant.scheme import (
     checkpoint_quantization,
     quant_spec,
 )
+from kvstrata.platform import unmap_large_buffers
 
 SAFETENSORS_METHODS = (*CHECKPOINT_METHODS, "int8")   # what this loader quantizes or reads quantized
 
@@ -51,7 +52,7 @@ def load_model(path: str, config: ModelConfig, dtype: torch.dtype, device: torch
     """
     device = torch.device(device)
     files = checkpoint_files(path)
-    _unmap_large_buffers()
+    unmap_large_buffers()
     with torch.device("meta"):
         model = LlamaForCausalLM(config, tp)
     targets = model.checkpoint_targets()
@@ -83,23 +84,6 @@ def load_model(path: str, config: ModelConfig, dtype: torch.dtype, device: torch
     if relayout:
         model.optimize_layout()
     return model.eval()
-
-
-MMAP_THRESHOLD_BYTES = 1 << 20
-
-
-def _unmap_large_buffers() -> None:
-    """Have glibc map every allocation of 1 MiB or more on its own, so a buffer freed after a tensor is read
-    or quantized goes back to the system at once. By default glibc raises its threshold to the largest buffer
-    freed so far and serves later ones from the heap, whose freed memory stays resident: a load's transients
-    then add to its peak RSS (measured: int8 at load kept ~1x its float tensors' size resident). Linux/glibc
-    only; elsewhere nothing changes."""
-    try:
-        import ctypes
-
-        ctypes.CDLL("libc.so.6").mallopt(-3, MMAP_THRESHOLD_BYTES)   # -3: M_MMAP_THRESHOLD
-    except (OSError, AttributeError):
-        pass
 
 
 def _quantized_linears(path: str, files: list[str], quantization: Optional[str], model: torch.nn.Module,

@@ -17,12 +17,13 @@ Weights are loaded into one stacked tensor per projection (`gate_up_proj` `[E, 2
 in GatedMLP, and `down_proj` `[E, H, I]`), filled expert by expert. `bind()` then gives every expert a
 `Linear` over its slice, so each expert product follows the dense path's rules unchanged (batch-invariant
 mode, the compiled GEMV, oneDNN prepacking: layers.make_batch_invariant / use_decode_linear /
-use_onednn_weights walk these Linears like any other).
+use_onednn_weights walk these Linears like any other). A GGUF file's quantized experts are bound the same
+way, each Linear holding its expert's QuantizedWeight (Linear.set_quantized) instead of a float slice.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Optional
 
 import torch
@@ -34,6 +35,7 @@ from kvstrata.model.layers import GatedMLP, Linear, SiluAndMul, use_decode_linea
 if TYPE_CHECKING:
     from kvstrata.model.paged_kernels import DecodeLinear
     from kvstrata.model.parallel import ShardLayout, TensorParallel
+    from kvstrata.model.quant.base import QuantizedWeight
 
 
 def route(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -84,23 +86,31 @@ class FusedExperts(nn.Module):
         # The compiled weighted sum (paged_kernels.moe_combine_op(), set by use_moe_combine), or None: torch ops.
         self.combine: Optional[Callable] = None
 
-    def bind(self) -> None:
-        """Once loaded: give each expert a Linear whose weight is its slice of the stacked tensors.
+    def bind(self, gate_up: Optional[Sequence[QuantizedWeight]] = None,
+             down: Optional[Sequence[QuantizedWeight]] = None) -> None:
+        """Once loaded: give each expert a Linear whose weight is its slice of the stacked tensors, or its
+        quantized weight from `gate_up` / `down` (one per expert: a GGUF file's expert slabs, whose stacked
+        float tensor was never allocated).
 
         The stacked parameters are dropped from the module (the slices keep their storage), so a rule that
         re-lays a Linear's weight (oneDNN prepacking) frees the row-major copy as it does for a dense layer.
         """
-        def linears(stacked: torch.Tensor) -> nn.ModuleList:
-            out_features, in_features = stacked.shape[1:]
+        def linears(stacked: torch.Tensor, quantized: Optional[Sequence[QuantizedWeight]],
+                    out_features: int, in_features: int) -> nn.ModuleList:
             experts = nn.ModuleList()
             for e in range(self.num_experts):
                 with torch.device("meta"):
                     linear = Linear(in_features, out_features, bias=False)
-                linear.weight = nn.Parameter(stacked[e], requires_grad=False)
+                weight = stacked[e] if quantized is None else stacked.new_empty(0)
+                linear.weight = nn.Parameter(weight, requires_grad=False)
+                if quantized is not None:
+                    linear.set_quantized(quantized[e])
                 experts.append(linear)
             return experts
 
-        self.gate_up, self.down = linears(self.gate_up_proj.data), linears(self.down_proj.data)
+        hidden, inter = self.hidden_size, self.intermediate_size
+        self.gate_up = linears(self.gate_up_proj.data, gate_up, 2 * inter, hidden)
+        self.down = linears(self.down_proj.data, down, hidden, inter)
         del self.gate_up_proj, self.down_proj
 
     def expert_mlp(self, expert: int, rows: torch.Tensor) -> torch.Tensor:

@@ -306,7 +306,7 @@ class VocabParallelEmbedding(nn.Embedding):
     one non-zero row to zeros (exact: the result is the row itself)."""
 
     def __init__(self, vocab_rows: int, hidden: int, tp: TensorParallel):
-        super().__init__(vocab_rows, hidden)
+        super().__init__(vocab_rows, hidden, _weight=_embedding_table(vocab_rows, hidden))
         self.tp = tp
         self.first = tp.rank * vocab_rows
 
@@ -341,7 +341,7 @@ def _vocab_parallel_lookup(ids: torch.Tensor, first: int, rows: int, lookup, tp:
 def embedding(layout: ShardLayout, tp: Optional[TensorParallel]) -> nn.Embedding:
     """The input embedding: whole, or this rank's vocabulary rows."""
     if tp is None or tp.size == 1:
-        return nn.Embedding(layout.vocab, layout.hidden)
+        return nn.Embedding(layout.vocab, layout.hidden, _weight=_embedding_table(layout.vocab, layout.hidden))
     return VocabParallelEmbedding(layout.vocab_rows, layout.hidden, tp)
 
 
@@ -350,6 +350,14 @@ def vocab_parallel(lookup: nn.Module, layout: ShardLayout, tp: Optional[TensorPa
     if tp is None or tp.size == 1:
         return lookup
     return VocabParallelLookup(lookup, layout.vocab_rows, tp)
+
+
+def _embedding_table(rows: int, hidden: int) -> torch.Tensor:
+    """nn.Embedding's initial table (normal), except on the meta device, where loaders build models: there is
+    nothing to draw, and torch runs a meta normal_ through torch._dynamo, whose import (with triton) keeps
+    ~150 MB resident in the process for good."""
+    table = torch.empty(rows, hidden)
+    return table if table.is_meta else nn.init.normal_(table)
 
 
 def gather_logits(logits: torch.Tensor, layout: ShardLayout, tp: Optional[TensorParallel]) -> torch.Tensor:

@@ -20,7 +20,8 @@ from kvstrata.memory.req_slots import ReqSlotTable
 from kvstrata.model.builtin import resolve_model_path
 from kvstrata.model.config import ModelConfig
 from kvstrata.model.forward_meta import ForwardMetadata
-from kvstrata.model.gguf import gguf_file, is_gguf, load_gguf_model
+from kvstrata.model.gguf import gguf_file, is_gguf
+from kvstrata.model.gguf_loader import load_gguf_model
 from kvstrata.model.kv_scales import read_kv_scales
 from kvstrata.model.layers import (
     make_batch_invariant,

@@ -20,6 +20,7 @@ import zmq
 from kvstrata.args import ConfigError, ServerArgs
 from kvstrata.model.light_tokenizer import fingerprint
 from kvstrata.model.parallel import RankFailure
+from kvstrata.platform import return_free_heap
 from kvstrata.runtime.handoff import HandoffFactory
 from kvstrata.runtime.heartbeat import Heartbeat
 from kvstrata.runtime.loop import SchedulerLoop
@@ -57,6 +58,7 @@ def run_scheduler_process(server_args: ServerArgs, recv_addr: str, send_addr: st
         push.bind(send_addr)
         for addr in (recv_addr, send_addr):
             owner_only(addr)
+        return_free_heap()    # start-up's freed memory (imports, the load's small buffers) leaves the RSS
     except Exception as e:
         logger.error("scheduler failed to start: %s", traceback.format_exc())
         ready_conn.send(f"scheduler failed to start: {e}")

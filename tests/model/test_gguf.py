@@ -4,7 +4,8 @@
 Only its config and tokenizer are written to a folder; the weights stay in the file's types. Greedy output in
 float32 equals transformers reading the same file (which de-quantizes it); in the default dtype the served
 model picks the reference's next token on at least 95% of the positions of 8 prompts x 64 greedy tokens; the
-scheduler's RSS stays below the de-quantized float32 weights' size (540 MB) plus the pools plus the runtime.
+server's RSS (all its processes) stays below the de-quantized float32 weights' size (540 MB) plus the pools plus
+OVER_BOUND_MB of runtime.
 """
 
 from __future__ import annotations
@@ -29,11 +30,11 @@ AGREEMENT_PROMPTS = ["What is the capital of France?", "Write a haiku about the 
 AGREEMENT_TOKENS = 64
 MIN_AGREEMENT = 0.95
 FLOAT32_FOLDER_MB = 540      # what the de-quantized float32 checkpoint of this file weighed
-# The scheduler process's own footprint without any weights (torch, oneDNN/MKL, the kernels library,
-# transformers' tokenizer): ~500 MB measured here. The issue's bound (540 MB + pools for the whole server) is
-# not met: see docs/benchmarks.md; this test holds the scheduler to the float32 weights + pools + this runtime.
-RUNTIME_MB = 200
-
+# The issue's bound is the server tree's RSS < 540 MB + the pools. Measured (docs/benchmarks.md, issue 47 GGUF
+# memory): 681 MB, 51 MB over it, all runtime without weights: transformers' tokenizer in the scheduler and the
+# transformers modules its AutoConfig lookup imports (~80 MB), xgrammar's vocabulary tables (~22 MB), the
+# slot table (~17 MB). The test holds the tree to the bound plus this much (before this round: 793 MB, +163).
+OVER_BOUND_MB = 90
 
 @pytest.fixture(scope="module")
 def smollm2_folder() -> str:
@@ -131,15 +132,15 @@ def test_served_quantized_agrees_with_the_dequantized_reference_on_95_percent_of
     assert "Paris" in tokenizer.decode(free["output_ids"])     # and free-running output stays sensible
 
 
-def _rss_mb(pid: int) -> float:
-    with open(f"/proc/{pid}/status") as fh:
-        for line in fh:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) / 1024
-    raise AssertionError(f"no VmRSS for {pid}")
+def _tree_rss_mb(pid: int) -> dict[str, float]:
+    """RSS in MB of process `pid` and of each of its descendants (the scheduler, multiprocessing's tracker)."""
+    import psutil
+
+    root = psutil.Process(pid)
+    return {f"{p.pid} {p.name()}": p.memory_info().rss / 2**20 for p in [root, *root.children(recursive=True)]}
 
 
-def test_scheduler_rss_after_start_is_below_the_float32_weights_plus_pools_plus_runtime(tmp_path):
+def test_server_rss_after_start_is_below_the_float32_weights_plus_pools(tmp_path):
     from tests.server.conftest import launch_server, stop_server
 
     models_dir = os.path.join(os.environ["KVSTRATA_CACHE_DIR"], "models")
@@ -150,13 +151,16 @@ def test_scheduler_rss_after_start_is_below_the_float32_weights_plus_pools_plus_
         r = handle.post("/generate", json={"text": "Hello", "sampling_params": {"max_new_tokens": 4}})
         assert r.status_code == 200
         info = handle.server_info()
-        scheduler, http = _rss_mb(info["scheduler_pid"]), _rss_mb(handle.proc.pid)
+        tree = _tree_rss_mb(handle.proc.pid)
     finally:
         stop_server(handle)
-    # the device pool: 30 layers x K and V x 3 heads x 64 x the dtype's bytes per token
+    assert info["scheduler_pid"] in {int(name.split()[0]) for name in tree}
+    # the device pool (the only pool: no L2 by default): 30 layers x K and V x 3 heads x 64 x the dtype's bytes
     pool_mb = tokens * 30 * 2 * 3 * 64 * (4 if info.get("dtype") == "float32" else 2) / 2**20
-    print(f"SmolLM2 Q4_1 server RSS: scheduler {scheduler:.0f} MB + HTTP {http:.0f} MB (pool {pool_mb:.0f} MB)")
-    assert scheduler < FLOAT32_FOLDER_MB + pool_mb + RUNTIME_MB
+    total = sum(tree.values())
+    print(f"SmolLM2 Q4_1 server tree RSS {total:.0f} MB: " + ", ".join(f"{k} {v:.0f}" for k, v in tree.items())
+          + f" (pool {pool_mb:.0f} MB; the issue's bound {FLOAT32_FOLDER_MB + pool_mb:.0f} MB)")
+    assert total < FLOAT32_FOLDER_MB + pool_mb + OVER_BOUND_MB
     written = set(os.listdir(models_dir)) - before
     for folder in written:     # at most the metadata folder: no weights
         assert not [f for f in os.listdir(os.path.join(models_dir, folder)) if f.endswith(".safetensors")]

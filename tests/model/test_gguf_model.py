@@ -11,7 +11,7 @@ import torch
 
 from kvstrata.model.builtin import resolve_model_path
 from kvstrata.model.config import ModelConfig, ModelLoadError
-from kvstrata.model.gguf import load_gguf_model
+from kvstrata.model.gguf_loader import load_gguf_model
 from kvstrata.model.layers import Linear
 from kvstrata.model.loader import load_model
 from kvstrata.model.quant.gguf_weight import GGUFEmbedding, GGUFWeight, use_gguf_kernels
@@ -134,3 +134,21 @@ def test_greedy_identical_without_cache_and_with_l1_l2_l3_deterministic(tiny_fil
     again, l3_state = conversations(**l3)     # a new engine: prompts found in L3
     assert again == reference and l3_state["storage_hit_tokens"] > 0
     assert not [f for f in os.listdir(tmp_path) if f.endswith(".safetensors")]
+
+
+def test_header_reader_agrees_with_gguf_and_names_a_corrupt_file(tiny_files, tmp_path):
+    import gguf
+
+    from kvstrata.model.gguf_header import read_header
+
+    path, _ = tiny_files["Q4_1"]
+    header = read_header(path)
+    reader = gguf.GGUFReader(path)
+    assert [(t.name, t.shape, t.type_id, t.offset, t.n_bytes) for t in header.tensors] == [
+        (t.name, tuple(int(v) for v in reversed(t.shape)), int(t.tensor_type), int(t.data_offset), int(t.n_bytes))
+        for t in reader.tensors]
+    assert header.fields["general.architecture"] == "qwen3" and header.fields["qwen3.block_count"] == 2
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(open(path, "rb").read(200))     # the header cut short
+    with pytest.raises(ModelLoadError, match="corrupt or truncated GGUF file"):
+        read_header(str(bad))

@@ -118,10 +118,14 @@ def _float_type(dtype: torch.dtype) -> Callable[[torch.Tensor], torch.Tensor]:
     return lambda b: b.contiguous().view(dtype).float()
 
 
+# ggml's float type ids -> their torch dtype
+_FLOAT_DTYPES = {0: torch.float32, 1: torch.float16, 30: torch.bfloat16}
+
+
 # ggml's type ids (gguf.GGMLQuantizationType) -> format
 FORMATS: dict[int, BlockFormat] = {f.type_id: f for f in (
-    BlockFormat(0, "F32", 1, 4, _float_type(torch.float32)),
-    BlockFormat(1, "F16", 1, 2, _float_type(torch.float16)),
+    BlockFormat(0, "F32", 1, 4, _float_type(_FLOAT_DTYPES[0])),
+    BlockFormat(1, "F16", 1, 2, _float_type(_FLOAT_DTYPES[1])),
     BlockFormat(2, "Q4_0", 32, 18, _q4_0),
     BlockFormat(3, "Q4_1", 32, 20, _q4_1),
     BlockFormat(6, "Q5_0", 32, 22, _q5_0),
@@ -130,9 +134,15 @@ FORMATS: dict[int, BlockFormat] = {f.type_id: f for f in (
     BlockFormat(12, "Q4_K", QK_K, 144, _q4_k),
     BlockFormat(13, "Q5_K", QK_K, 176, _q5_k),
     BlockFormat(14, "Q6_K", QK_K, 210, _q6_k),
-    BlockFormat(30, "BF16", 1, 2, _float_type(torch.bfloat16)),
+    BlockFormat(30, "BF16", 1, 2, _float_type(_FLOAT_DTYPES[30])),
 )}
-FLOAT_TYPES = frozenset({0, 1, 30})
+FLOAT_TYPES = frozenset(_FLOAT_DTYPES)
+
+
+def float_values(raw: torch.Tensor, fmt: BlockFormat) -> torch.Tensor:
+    """The bytes `[..., row_bytes]` (uint8, contiguous) of a float-typed tensor viewed as its dtype
+    `[..., values]`: no copy, unlike `fmt.dequantize`, which widens to float32."""
+    return raw.view(_FLOAT_DTYPES[fmt.type_id])
 
 
 def block_format(type_id: int) -> BlockFormat | None:
