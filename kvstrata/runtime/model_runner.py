@@ -301,14 +301,16 @@ class ModelRunner:
             self.ranks.beat()
 
     def parallel_state(self) -> dict:
-        """Tensor parallelism for /server_info: size, this node's rank pids (rank order), rank 0's time in
-        collectives, and what every rank has executed (`tp_ranks`; `tp_ranks_agree`: all equal)."""
+        """Tensor parallelism for /server_info: size, this node's rank pids (rank order), the collectives' path
+        (shm, gloo or nccl), rank 0's time in collectives, and what every rank has executed (`tp_ranks`;
+        `tp_ranks_agree`: all equal)."""
         if self.ranks is None:
             return {"tp_size": 1}
         tp = self.ranks.tp
         ranks = self.ranks.report()
         return {"tp_size": tp.size, "tp_rank_pids": [os.getpid(), *(p.pid for p in self.ranks.procs.values())],
-                "tp_comm_s": tp.comm_s, "tp_comm_calls": tp.comm_calls, "tp_ranks": ranks,
+                "tp_collectives": tp.collectives, "tp_comm_s": tp.comm_s, "tp_comm_calls": tp.comm_calls,
+                "tp_ranks": ranks,
                 "tp_ranks_agree": all(r == ranks[0] for r in ranks)}
 
     def close(self) -> None:
