@@ -277,6 +277,10 @@ class ServerArgs:
     dist_timeout: Optional[int] = field(default=None, metadata=_opt(
         "Seconds a rank waits in a collective (or for its peers at start) before it declares the group failed "
         "and the server stops (default 60)."))
+    disable_custom_all_reduce: bool = field(default=False, metadata=_opt(
+        "Run the model's all-reduce and all-gather through torch.distributed (gloo) even when every rank is a "
+        "CPU process on this machine; by default those use a shared-memory segment between the ranks "
+        "(kvstrata/model/shm_collectives.py). Multi-node groups and CUDA (NCCL) always use torch.distributed."))
 
     # --- SGLang settings with only one value here: any other is a start-up error that says why ---
     dp_size: int = field(default=1, metadata=_only(
@@ -342,7 +346,6 @@ class ServerArgs:
     enable_torch_compile: bool = field(default=False, metadata=_no_effect("torch.compile is not used"))
     enable_mixed_chunk: bool = field(default=False, metadata=_no_effect(
         "prefill chunks and decodes are always mixed in one batch"))
-    disable_custom_all_reduce: bool = field(default=False, metadata=_no_effect("there is one device"))
     skip_server_warmup: bool = field(default=False, metadata=_no_effect("the server does no warm-up request"))
     tokenizer_mode: str = field(default="auto", metadata=_no_effect("the fast tokenizer is always used"))
     model_impl: str = field(default="auto", metadata=_no_effect(

@@ -13,7 +13,8 @@ commands:
                 cache benchmark against a server), compare (L1 vs L1+L2 vs L1+L2+L3), grammar
                 (structured-output overhead), grammar-steps (the mask fill and apply per step), pd (prefill/decode disaggregation vs co-located),
                 upgrade (in-place upgrade of a local role group under load), restart (a server restart
-                with and without the L2 snapshot), dashboard, router; `kvstrata bench NAME --help`
+                with and without the L2 snapshot), dashboard, router, tp-collectives (all-reduce and
+                all-gather between TP ranks: gloo vs shared memory); `kvstrata bench NAME --help`
   cluster CMD   role-based deployment: spec, render (Kubernetes RoleBasedGroup), up, status, down, logs,
                 upgrade; `kvstrata cluster --help` for details
 """

@@ -17,6 +17,7 @@ BENCHMARKS["restart"] = "kvstrata.bench.restart_bench"
 BENCHMARKS["make-dataset"] = "kvstrata.bench.make_dataset"   # a ShareGPT-format file from local text
 BENCHMARKS["cache-scale"] = "kvstrata.bench.cache_scale"     # cache CPU per step: small vs seed-sized tree
 BENCHMARKS["quality"] = "kvstrata.bench.quality"   # perplexity and greedy agreement per KV cache dtype
+BENCHMARKS["tp-collectives"] = "kvstrata.bench.tp_collectives"   # all-reduce / all-gather: gloo vs shm
 
 
 def main(argv: list[str]) -> int:

@@ -151,9 +151,10 @@ def bench_kvstrata(args, deterministic: bool = False, **overrides) -> dict:
     return out
 
 
-def bench_tp(args, deterministic: bool) -> dict:
+def bench_tp(args, deterministic: bool, **overrides) -> dict:
     """--tp-size N with --threads / N threads per rank, against TP=1 with --threads (measured just before)."""
-    return bench_kvstrata(args, deterministic, tp_size=args.tp_size, num_threads=max(1, args.threads // args.tp_size))
+    return bench_kvstrata(args, deterministic, tp_size=args.tp_size, num_threads=max(1, args.threads // args.tp_size),
+                          **overrides)
 
 
 def tp_ratios(tp: dict, one: dict) -> dict:
@@ -292,8 +293,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.tp_size > 1:
         from kvstrata.bench.tp_collectives import measure_collectives
 
-        result["kvstrata_tp"] = bench_tp(args, deterministic=False)
+        result["kvstrata_tp"] = bench_tp(args, deterministic=False)      # collectives through shared memory
         result["tp_over_tp1"] = tp_ratios(result["kvstrata_tp"], ours)
+        result["kvstrata_tp_gloo"] = bench_tp(args, deterministic=False, disable_custom_all_reduce=True)
+        result["tp_over_tp1_gloo"] = tp_ratios(result["kvstrata_tp_gloo"], ours)
         result["tp_collectives"] = measure_collectives(args.tp_size, 512 if args.model_path == "bench" else 128,
                                                        getattr(torch, args.dtype))
     if args.enable_deterministic_inference:
@@ -321,7 +324,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"deterministic: TTFT({args.context}) {det['ttft_s'] * 1000:.0f} ms ({cost['ttft_ratio']:.2f}x) | "
               f"decode 1 stream {det['decode_tok_s_1']:.1f} tok/s ({cost['decode_1_ratio']:.2f}x) | "
               f"{args.streams} streams {det['decode_tok_s_multi']:.1f} tok/s ({cost['decode_multi_ratio']:.2f}x)")
-    for key, ratios in (("kvstrata_tp", "tp_over_tp1"), ("kvstrata_tp_deterministic", "tp_over_tp1_deterministic")):
+    for key, ratios in (("kvstrata_tp", "tp_over_tp1"), ("kvstrata_tp_gloo", "tp_over_tp1_gloo"),
+                        ("kvstrata_tp_deterministic", "tp_over_tp1_deterministic")):
         if key in result:
             tp, r, comm = result[key], result[ratios], result[key]["tp_comm"]
             print(f"{key} ({args.tp_size} ranks x {max(1, args.threads // args.tp_size)} threads): TTFT "
@@ -331,9 +335,9 @@ def main(argv: list[str] | None = None) -> int:
                   f"{comm['ms_per_step']:.2f} ms/step, {comm['ms_per_layer_step']:.3f} ms/layer, "
                   f"{100 * comm['share_of_forward']:.0f}% of forward time")
     if "tp_collectives" in result:
-        c = result["tp_collectives"]
-        print("gloo, one layer's activations (rows: all-reduce / all-gather us): " + " | ".join(
-            f"{rows}: {c['all_reduce_us'][rows]:.0f} / {c['all_gather_us'][rows]:.0f}" for rows in c["all_reduce_us"]))
+        from kvstrata.bench.tp_collectives import format_collectives
+
+        print("one layer's activations, alone:\n" + format_collectives(result["tp_collectives"]))
     if "transformers" in result:
         hf = result["transformers"]
         print(f"transformers: forward({args.context}) {hf['forward_s'] * 1000:.0f} ms | decode 1 stream "

@@ -10,7 +10,9 @@ PD roles read $KVSTRATA_DISAGGREGATION_SECRET from the Secret `<group>-pd-secret
 or taken from that variable when it is set, so that a re-render keeps it). The NetworkPolicy admits only
 the group's own pods to their bootstrap port and to the transfer engine's port range (plan.TRANSFER_PORTS);
 their HTTP port stays open to the router, probes and scrapers. A server pod's
-terminationGracePeriodSeconds covers its drain and L2 snapshot (plan.server_stop_grace_s).
+terminationGracePeriodSeconds covers its drain and L2 snapshot (plan.server_stop_grace_s). A server role's
+tensor-parallel group (`--tp-size N`) is one member, one pod: the pod asks for N GPUs (`device: cuda`) or N x
+`resources.threads` CPUs, and the server starts its N rank processes inside it.
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ from kvstrata.cluster.plan import (
     Probe,
     member_command,
 )
-from kvstrata.cluster.spec import SERVER_KINDS, GroupSpec, RoleSpec
+from kvstrata.cluster.spec import GPU_RESOURCE, SERVER_KINDS, GroupSpec, RoleSpec, tp_group_resources
 
 API_VERSION = "workloads.x-k8s.io/v1alpha1"
 LABEL_GROUP = "rolebasedgroup.workloads.x-k8s.io/name"
@@ -118,11 +120,20 @@ def _container(spec: GroupSpec, role: RoleSpec, cmd: MemberCommand, image: str) 
         container["ports"] = [{"name": name, "containerPort": port, "protocol": "TCP"}
                               for name, port in cmd.ports.items()]
     container["readinessProbe"] = _probe(cmd.probe, cmd.ports, role)
-    resources = {k: dict(v) for k, v in (("requests", role.resources.requests),
-                                         ("limits", role.resources.limits)) if v}
+    resources = _resources(role) if role.kind in SERVER_KINDS else {
+        k: dict(v) for k, v in (("requests", role.resources.requests), ("limits", role.resources.limits)) if v}
     if resources:
         container["resources"] = resources
     return container
+
+
+def _resources(role: RoleSpec) -> dict:
+    """A server's requests and limits: the spec's, with its tensor-parallel group's needs filled in where the
+    spec leaves them out (GPUs as a limit, Kubernetes' rule for devices; CPUs as a request)."""
+    requests, limits = dict(role.resources.requests), dict(role.resources.limits)
+    for name, needed in tp_group_resources(role).items():
+        (limits if name == GPU_RESOURCE else requests).setdefault(name, f"{needed:g}")
+    return {k: v for k, v in (("requests", requests), ("limits", limits)) if v}
 
 
 def _probe(probe: Probe, ports: dict[str, int], role: RoleSpec) -> dict:

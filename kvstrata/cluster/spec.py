@@ -18,6 +18,7 @@ SERVER_KINDS = ("worker", "prefill", "decode")           # kvstrata servers (Ser
 CACHE_KINDS = ("worker", "prefill", "decode", "mooncake-store")   # hold KV: updated in place
 STORE_ARGS = {"segment-size"}      # the store's memory; mooncake-master args go to mooncake_master as flags
 DNS_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
+GPU_RESOURCE = "nvidia.com/gpu"    # Kubernetes' name for a GPU (NVIDIA's device plugin)
 ArgValue = Any    # str | int | float | bool | list of those
 
 
@@ -267,6 +268,8 @@ def check_spec(spec: GroupSpec) -> None:
                 raise SpecError(f"{where}.dependencies[{j}]: role {role.name!r} depends on itself")
         if role.kind in SERVER_KINDS or role.kind == "router":
             _check_role_args(role, where)
+        if role.kind in SERVER_KINDS:
+            _check_tp_group(role, where)
         unknown = sorted(set(role.args) - STORE_ARGS) if role.kind == "mooncake-store" else []
         if unknown:
             raise SpecError(f"{where}.args.{unknown[0]}: unknown mooncake-store argument; allowed: "
@@ -296,14 +299,21 @@ def to_flags(args: dict[str, ArgValue]) -> list[str]:
 def _check_role_args(role: RoleSpec, where: str) -> None:
     """Parse a server's or router's args as `kvstrata serve` / `kvstrata router` would, so that a bad flag
     fails here rather than at start."""
+    from kvstrata.args import ServerArgs
+
+    if role.kind in ("prefill", "decode") and "disaggregation_mode" not in ServerArgs.__dataclass_fields__:
+        raise SpecError(f"{where}.kind: {role.kind!r} roles need prefill/decode disaggregation, which this "
+                        f"build of kvstrata does not have yet; use kind 'worker'")
+    _parse_role_args(role, where)
+
+
+def _parse_role_args(role: RoleSpec, where: str) -> Any:
+    """The ServerArgs (a server kind) or RouterArgs (the router) that the role's args parse to."""
     import argparse
 
     from kvstrata.args import ConfigError, ServerArgs
     from kvstrata.router.args import RouterArgs
 
-    if role.kind in ("prefill", "decode") and "disaggregation_mode" not in ServerArgs.__dataclass_fields__:
-        raise SpecError(f"{where}.kind: {role.kind!r} roles need prefill/decode disaggregation, which this "
-                        f"build of kvstrata does not have yet; use kind 'worker'")
     args_cls = RouterArgs if role.kind == "router" else ServerArgs
     parser = argparse.ArgumentParser(add_help=False, exit_on_error=False)
     args_cls.add_cli_args(parser)
@@ -311,9 +321,42 @@ def _check_role_args(role: RoleSpec, where: str) -> None:
         ns, unknown = parser.parse_known_args(to_flags(role.args))
         if unknown:
             raise SpecError(f"{where}.args: unknown {role.kind} argument {unknown[0]!r}")
-        args_cls.from_cli_args(ns)
+        return args_cls.from_cli_args(ns)
     except (argparse.ArgumentError, ConfigError) as e:
         raise SpecError(f"{where}.args: {e}") from None
+
+
+def tp_group_resources(role: RoleSpec) -> dict[str, float]:
+    """What one member of a server role needs for its tensor-parallel group (--tp-size N ranks, all in the
+    member: one pod): N GPUs with `device: cuda`, else N x `resources.threads` CPUs (nothing without threads)."""
+    args = _parse_role_args(role, role.name)
+    if args.device == "cuda":
+        return {GPU_RESOURCE: float(args.tp_size)}
+    if role.resources.threads:
+        return {"cpu": float(args.tp_size * role.resources.threads)}
+    return {}
+
+
+def _check_tp_group(role: RoleSpec, where: str) -> None:
+    """A TP group is one member: no ranks on other machines, and requests or limits the spec sets itself
+    that cover every rank."""
+    if _parse_role_args(role, where).nnodes > 1:
+        raise SpecError(f"{where}.args.nnodes: a role's tensor-parallel group runs in one member (one pod); "
+                        f"a group spread over machines is not deployed by kvstrata cluster")
+    for name, needed in tp_group_resources(role).items():
+        for kind, given in (("requests", role.resources.requests), ("limits", role.resources.limits)):
+            if name in given and parse_quantity(given[name], f"{where}.resources.{kind}.{name}") < needed:
+                raise SpecError(f"{where}.resources.{kind}.{name}: {given[name]} is less than the {needed:g} its "
+                                f"tensor-parallel group needs ({'one GPU' if name == GPU_RESOURCE else 'threads'} "
+                                f"per rank)")
+
+
+def parse_quantity(text: str, where: str) -> float:
+    """A Kubernetes CPU or count quantity: "2", "1.5", "500m"."""
+    try:
+        return float(text[:-1]) / 1000 if text.endswith("m") else float(text)
+    except ValueError:
+        raise SpecError(f"{where}: must be a quantity such as '2' or '500m', got {text!r}") from None
 
 
 def _check_discovery(spec: GroupSpec) -> None:

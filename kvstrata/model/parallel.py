@@ -33,9 +33,10 @@ checkpoint whose blocks would straddle it is refused at load, naming the tensor,
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import NamedTuple, Optional
+from typing import NamedTuple, Optional, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -44,6 +45,9 @@ from torch import nn
 
 from kvstrata.model.config import ModelConfig
 from kvstrata.model.layers import Linear
+from kvstrata.model.shm_collectives import ShmCollectives
+
+T = TypeVar("T")
 
 # How long a rank waits for the others to join, and ranks > 0 for rank 0's next plan: rank 0 may spend long
 # between two plans while starting (tokenizer, grammar tables, cache). A hung rank 0 is the HTTP process's
@@ -59,7 +63,9 @@ class TensorParallel:
     """One rank's view of its tensor-parallel group: rank, size, and the collectives the model runs.
 
     Every collective is timed (`comm_s`, `comm_calls`: the benchmark's communication cost) and turns a
-    torch.distributed error into RankFailure naming this rank and the operation.
+    torch.distributed error into RankFailure naming this rank and the operation. The model's all-reduce and
+    all-gather go through `shm` (shared memory, ranks of one machine) when the group has it, else through
+    torch.distributed; plans and checks always go through torch.distributed.
     """
 
     def __init__(self, rank: int, size: int, deterministic: bool = False,
@@ -73,57 +79,80 @@ class TensorParallel:
         self.comm_s = 0.0
         self.comm_calls = 0
         self.failed = False      # a collective failed: the group is unusable (no STOP plan can be sent)
+        self.shm: Optional[ShmCollectives] = None
+
+    @property
+    def collectives(self) -> str:
+        """Which path the model's all-reduce and all-gather take: "shm", or torch.distributed's backend."""
+        if self.shm is not None:
+            return "shm"
+        return str(dist.get_backend(self.group)) if self.group is not None else "none"
 
     @classmethod
     def init(cls, rank: int, size: int, init_addr: str, backend: str, timeout_s: float,
-             deterministic: bool, expert_parallel: bool = False) -> TensorParallel:
+             deterministic: bool, expert_parallel: bool = False, shm: bool = False) -> TensorParallel:
         """Join the group at `init_addr` (host:port of rank 0's TCP store) as `rank`, waiting up to
         JOIN_TIMEOUT_S for the others (a process that imports torch on a busy machine takes a while);
-        collectives then time out after `timeout_s`."""
+        collectives then time out after `timeout_s`. `shm`: all ranks are on this machine, so map a
+        shared-memory segment for the model's collectives (gloo stays when any rank cannot)."""
         try:
             dist.init_process_group(backend, init_method=f"tcp://{init_addr}", rank=rank, world_size=size,
                                     timeout=timedelta(seconds=max(timeout_s, JOIN_TIMEOUT_S)))
             group = dist.new_group(list(range(size)), timeout=timedelta(seconds=timeout_s), backend=backend)
+            tp = cls(rank, size, deterministic, group, expert_parallel, plan_group=dist.group.WORLD)
+            if shm:
+                tp.shm = ShmCollectives.join(rank, size, group, timeout_s)
         except Exception as e:   # a rank that never came up: the store's wait timed out, or the address is wrong
             raise RankFailure(f"rank {rank}: joining the tensor-parallel group at {init_addr} failed: {e}") from e
-        return cls(rank, size, deterministic, group, expert_parallel, plan_group=dist.group.WORLD)
+        return tp
 
     def close(self) -> None:
         """Leave the group (this process can join no other afterwards)."""
+        if self.shm is not None:
+            self.shm.close()
+            self.shm = None
         if dist.is_initialized():
             dist.destroy_process_group()
 
-    def _run(self, what: str, op, *args, group: Optional[dist.ProcessGroup] = None) -> None:
+    def _run(self, what: str, call: Callable[[], T]) -> T:
         start = time.perf_counter()
         try:
-            op(*args, group=group or self.group)
-        except Exception as e:   # gloo: connection closed / timed out; NCCL: an error or watchdog abort
+            result = call()
+        except Exception as e:   # gloo: connection closed / timed out; NCCL: an error or watchdog abort; shm
             self.failed = True
             raise RankFailure(f"rank {self.rank}: {what} failed (a peer rank died or timed out): {e}") from e
         self.comm_s += time.perf_counter() - start
         self.comm_calls += 1
+        return result
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """Sum `x` over the ranks (in place); returns it."""
-        self._run("all-reduce", dist.all_reduce, x)
+        shm = self.shm
+        if shm is not None:
+            self._run("all-reduce", lambda: shm.all_reduce(x))
+        else:
+            self._run("all-reduce", lambda: dist.all_reduce(x, group=self.group))
         return x
 
     def all_gather(self, x: torch.Tensor) -> torch.Tensor:
         """Concatenate every rank's `x` `[T, n]` along the last dimension, in rank order -> `[T, size * n]`."""
         x = x.contiguous()
+        shm = self.shm
+        if shm is not None:
+            return self._run("all-gather", lambda: shm.all_gather(x))
         parts = [torch.empty_like(x) for _ in range(self.size)]
-        self._run("all-gather", dist.all_gather, parts, x)
+        self._run("all-gather", lambda: dist.all_gather(parts, x, group=self.group))
         return torch.cat(parts, dim=-1)
 
     def broadcast(self, x: torch.Tensor, src: int = 0) -> torch.Tensor:
         """Rank `src`'s `x` on every rank (in place; a plan: waits up to JOIN_TIMEOUT_S); returns it."""
-        self._run("broadcast", dist.broadcast, x, src, group=self.plan_group)
+        self._run("broadcast", lambda: dist.broadcast(x, src, group=self.plan_group))
         return x
 
     def all_min(self, values: list[int]) -> list[int]:
         """The element-wise minimum of `values` over the ranks (flags: 1 on every rank, else 0)."""
         t = torch.tensor(values, dtype=torch.long)
-        self._run("all-reduce (min)", dist.all_reduce, t, dist.ReduceOp.MIN)
+        self._run("all-reduce (min)", lambda: dist.all_reduce(t, dist.ReduceOp.MIN, group=self.group))
         return t.tolist()
 
     def check_agree(self, what: str, values: list[int]) -> None:

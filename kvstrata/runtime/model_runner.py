@@ -314,15 +314,16 @@ class ModelRunner:
             self.ranks.beat()
 
     def parallel_state(self) -> dict:
-        """Tensor parallelism for /server_info: size, this node's rank pids (rank order), rank 0's time in
-        collectives, and what every rank has executed (`tp_ranks`; `tp_ranks_agree`: all equal)."""
+        """Tensor parallelism for /server_info: size, this node's rank pids (rank order), the collectives' path
+        (shm, gloo or nccl), rank 0's time in collectives, and what every rank has executed (`tp_ranks`;
+        `tp_ranks_agree`: all equal)."""
         if self.ranks is None:
             return {"tp_size": 1}
         tp = self.ranks.tp
         ranks, caches = self.ranks.report()
         return {"tp_size": tp.size, "tp_rank_pids": [os.getpid(), *(p.pid for p in self.ranks.procs.values())],
-                "tp_comm_s": tp.comm_s, "tp_comm_calls": tp.comm_calls, "tp_ranks": ranks,
-                "tp_ranks_agree": all(r == ranks[0] for r in ranks), "tp_rank_caches": caches}
+                "tp_collectives": tp.collectives, "tp_comm_s": tp.comm_s, "tp_comm_calls": tp.comm_calls,
+                "tp_ranks": ranks, "tp_ranks_agree": all(r == ranks[0] for r in ranks), "tp_rank_caches": caches}
 
     def close(self) -> None:
         """Stop the other ranks (rank 0; nothing to do otherwise)."""

@@ -116,10 +116,18 @@ def _ranges(cores: list[int]) -> str:
 
 
 def join_group(args: ServerArgs, rank: int, init_addr: str) -> TensorParallel:
-    """Join the tensor-parallel group as `rank` (gloo on CPU, NCCL on CUDA)."""
+    """Join the tensor-parallel group as `rank` (gloo on CPU, NCCL on CUDA; the model's collectives through
+    shared memory when `uses_shm_collectives`)."""
     backend = "nccl" if args.device == "cuda" else "gloo"
     return TensorParallel.init(rank, args.tp_size, init_addr, backend, args.dist_timeout or DEFAULT_TIMEOUT_S,
-                               args.enable_deterministic_inference, expert_parallel=args.ep_size > 1)
+                               args.enable_deterministic_inference, expert_parallel=args.ep_size > 1,
+                               shm=uses_shm_collectives(args))
+
+
+def uses_shm_collectives(args: ServerArgs) -> bool:
+    """Whether the ranks' all-reduce and all-gather go through shared memory: CPU ranks all on one machine,
+    unless --disable-custom-all-reduce."""
+    return args.device == "cpu" and args.nnodes == 1 and args.tp_size > 1 and not args.disable_custom_all_reduce
 
 
 class RankGroup:

@@ -226,3 +226,57 @@ def test_termination_grace_covers_drain_and_l2_snapshot(docs):
 def test_the_pd_secret_is_not_a_spec_arg():
     with pytest.raises(SpecError, match="disaggregation-secret: derived by the launcher"):
         parse_spec(PD_SPEC.replace("{model-path: tiny}}", "{model-path: tiny, disaggregation-secret: x}}", 1))
+
+
+TP_SPEC = """
+name: kvtp
+image: kvstrata:test
+roles:
+  - name: cpu
+    kind: worker
+    replicas: 2
+    args: {model-path: tiny, tp-size: 2}
+    resources: {threads: 3, limits: {memory: 4Gi}}
+  - {name: gpu, kind: worker, args: {model-path: tiny, tp-size: 4, device: cuda}}
+  - {name: router, kind: router, dependencies: [cpu, gpu]}
+"""
+
+
+def test_a_tensor_parallel_role_is_one_member_per_group_whose_pod_holds_every_rank(tmp_path):
+    spec = parse_spec(TP_SPEC)
+    roles = {r["name"]: r for r in render(spec)[0]["spec"]["roles"]}
+    assert roles["cpu"]["replicas"] == 2 and roles["gpu"]["replicas"] == 1    # a replica is a whole TP group
+    cpu, gpu = (roles[name]["template"]["spec"]["containers"][0] for name in ("cpu", "gpu"))
+    # CPU: 2 ranks x 3 threads; the spec's own limits stay
+    assert cpu["resources"] == {"requests": {"cpu": "6"}, "limits": {"memory": "4Gi"}}
+    assert _flag(cpu["args"], "--tp-size") == "2" and _flag(cpu["args"], "--num-threads") == "3"
+    assert {"name": "OMP_NUM_THREADS", "value": "3"} in cpu["env"]
+    # CUDA: one GPU per rank, as a limit (Kubernetes' rule for devices); the ranks start at cuda:0 of the pod
+    assert gpu["resources"] == {"limits": {"nvidia.com/gpu": "4"}}
+    assert _flag(gpu["args"], "--tp-size") == "4" and "--base-gpu-id" not in gpu["args"]
+    for role in roles.values():
+        validate_core({"apiVersion": "v1", "kind": "PodTemplate", "metadata": {"name": role["name"]},
+                       "template": role["template"]})
+    # locally each member is the same one `kvstrata serve --tp-size N` (it starts its ranks itself)
+    local = Supervisor(spec, tmp_path)
+    for name in ("cpu", "gpu"):
+        for m in local.members[name]:
+            assert _masked(m.cmd.args) == _masked(roles[name]["template"]["spec"]["containers"][0]["args"])
+
+
+@pytest.mark.parametrize("old, new, message", [
+    ("resources: {threads: 3, limits: {memory: 4Gi}}", "resources: {threads: 3, requests: {cpu: 5500m}}",
+     r"roles\[0\]\.resources\.requests\.cpu: 5500m is less than the 6 its tensor-parallel group needs"),
+    ("device: cuda}", "device: cuda}, resources: {limits: {nvidia.com/gpu: 2}}",
+     r"roles\[1\]\.resources\.limits\.nvidia\.com/gpu: 2 is less than the 4"),
+    ("tp-size: 2}", "tp-size: 2, nnodes: 2, dist-init-addr: '10.0.0.1:5000'}",
+     r"roles\[0\]\.args\.nnodes: a role's tensor-parallel group runs in one member"),
+])
+def test_a_tensor_parallel_role_whose_resources_or_nodes_do_not_fit_is_refused(old, new, message):
+    assert old in TP_SPEC
+    with pytest.raises(SpecError, match=message):
+        parse_spec(TP_SPEC.replace(old, new, 1))
+
+
+def _flag(args: list[str], name: str) -> str:
+    return args[args.index(name) + 1]

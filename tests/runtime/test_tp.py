@@ -1,4 +1,5 @@
-"""Tensor parallelism on CPU (gloo, one process per rank): TP=2 against TP=1, and a rank's death.
+"""Tensor parallelism on CPU (one process per rank; the model's collectives through shared memory, the plans
+through gloo): TP=2 against TP=1, and a rank's death.
 
 Each TP=2 engine or server starts a second process that imports torch and loads its shard (seconds), so
 there are few of them: one engine per dtype (multi-turn conversations over a small device pool: cold
@@ -40,6 +41,7 @@ def test_tp2_greedy_output_is_identical_to_tp1_in_deterministic_mode_with_l1_and
     for tier in ("device_hit_tokens", "host_hit_tokens"):
         assert two[tier] == one[tier] and two[tier] > 0, (tier, one, two)
     assert two["tp_size"] == 2 and len(two["tp_rank_pids"]) == 2 and two["tp_comm_calls"] > 0
+    assert two["tp_collectives"] == "shm"      # the default for CPU ranks on one machine
     # Every rank executed the same plans and page copies (rank 0's cache decided them all).
     assert two["tp_ranks_agree"] and two["tp_ranks"][1]["copies"] > 0, two["tp_ranks"]
 
@@ -49,9 +51,11 @@ def test_ep2_moe_greedy_output_is_identical_to_one_rank_in_deterministic_mode(tm
     opts = {"model_path": moe, "num_threads": 1, "max_total_tokens": 1024}
     with make_engine(**opts) as one:
         expected = [o["output_ids"] for o in one.generate(list(PROMPTS), GREEDY)]     # batched: many experts active
-    with make_engine(**opts, tp_size=2, ep_size=2) as two:
+    # --disable-custom-all-reduce: this engine's collectives go through gloo (the other TP tests: shared memory)
+    with make_engine(**opts, tp_size=2, ep_size=2, disable_custom_all_reduce=True) as two:
         got = [o["output_ids"] for o in two.generate(list(PROMPTS), GREEDY)]
         lone = two.generate(PROMPTS[0], GREEDY)["output_ids"]                          # the one-row decode path
+        assert two.get_server_info()["internal_states"][0]["tp_collectives"] == "gloo"
     assert got == expected and lone == expected[0]
     assert len({tuple(o) for o in expected}) > 1
 
@@ -66,6 +70,7 @@ def _health(url: str) -> int:
 def test_sigkill_of_a_rank_stops_the_whole_server_non_zero_within_30s(tmp_path):
     handle = launch_server(tmp_path, "--tp-size", "2")
     state = handle.scheduler_state()
+    assert state["tp_collectives"] == "shm"
     pids = [handle.server_info()["scheduler_pid"], *state["tp_rank_pids"][1:]]
     try:
         r = handle.post("/generate", json={"text": "Hello", "sampling_params": GREEDY})
