@@ -61,8 +61,10 @@ def test_a_worker_role_runs_a_tensor_parallel_group_of_its_own_size():
     spec = parse_spec(BASE.replace("args: {model-path: tiny}", "args: {model-path: tiny, tp-size: 2}", 1))
     assert spec.role("worker").args["tp-size"] == 2        # each replica: one `kvstrata serve --tp-size 2`
     storage = "args: {model-path: tiny, tp-size: 2, enable-hierarchical-cache: true, hicache-storage-backend: file}"
-    with pytest.raises(SpecError, match=r"roles\[1\]\.args: --tp-size 2 with --hicache-storage-backend is not"):
-        parse_spec(BASE.replace("args: {model-path: tiny}", storage, 1))
+    parse_spec(BASE.replace("args: {model-path: tiny}", storage, 1))     # L3 is sharded per rank
+    bad = "args: {model-path: tiny, tp-size: 2, ep-size: 3}"                 # the server's own checks apply
+    with pytest.raises(SpecError, match=r"roles\[1\]\.args: --ep-size 3 must be 1 or --tp-size"):
+        parse_spec(BASE.replace("args: {model-path: tiny}", bad, 1))
 
 
 def test_mooncake_worker_needs_a_master():
