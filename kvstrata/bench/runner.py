@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import random
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Optional
 
@@ -52,8 +53,11 @@ class MultiTurnRunner:
     """Sends the conversations to `url` (/generate) under `config`; `run()` returns the records."""
 
     def __init__(self, url: str, conversations: list[Conversation], config: RunConfig,
-                 headers: Optional[dict] = None):
+                 headers: Optional[dict] = None, url_for: Optional[Callable[[int, int], str]] = None,
+                 before_send: Optional[Callable[[RequestRecord], None]] = None):
         self.url = url
+        self.url_for = url_for              # (client, round) -> URL, when requests go to several routers
+        self.before_send = before_send      # called with each record just before its request is sent
         self.convs = {c.client: c for c in conversations}
         self.cfg = config
         self.headers = headers
@@ -123,8 +127,11 @@ class MultiTurnRunner:
     async def _send(self, session: aiohttp.ClientSession, client: int, rnd: int) -> None:
         prompt = self.history[client]
         rec = RequestRecord(client=client, round=rnd, prompt_ids=prompt, send_time=self._now())
+        if self.before_send is not None:
+            self.before_send(rec)
+        url = self.url_for(client, rnd) if self.url_for is not None else self.url
         try:
-            res = await stream_generate(session, self.url, prompt, self.cfg.output_length,
+            res = await stream_generate(session, url, prompt, self.cfg.output_length,
                                         self.cfg.request_timeout_s, self.headers, self.cfg.api)
         except asyncio.CancelledError:
             raise

@@ -97,6 +97,9 @@ class RouterArgs:
         "tier_aware: the workers' --admin-api-key, sent with the prefetch hints (POST /prefetch) the router "
         "gives a worker whose L2/L3 holds the chosen request's prefix. Without it they carry the worker's "
         "API key (enough for a worker without an admin key, from loopback)."))
+    prefetch_hints: bool = field(default=True, metadata=cli_option(
+        "tier_aware: send the chosen worker a prefetch hint (POST /prefetch) when the exact index says its "
+        "L2/L3 holds the request's prefix; --no-prefetch-hints sends none (to measure what the hints gain)."))
     kv_events: bool = field(default=True, metadata=cli_option(
         "tier_aware: subscribe to the KV events of workers that publish them (found in their /server_info: "
         "--kv-events-config) and route on the exact index; --no-kv-events keeps the approximate trees."))

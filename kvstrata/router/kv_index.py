@@ -3,7 +3,12 @@
 One index for all workers: block hash -> the (worker, medium) pairs holding it, and the chain
 (parent hash, block tokens) -> hash that BlockStored events carry, so a request's token ids are turned into
 block hashes without knowing the workers' hashing (any vLLM / SGLang / kvstrata publisher works). An L3
-block is credited to every worker that reads the same store (the workers' /load `storage_id`).
+block is credited to every worker that reads the same store (the workers' /load `storage_id`), and it stays
+the store's after the worker that wrote it forgets it: a worker announces an L3 block removed when the node
+leaves its tree (host eviction, a flush, a restart), but the store keeps the object (storage_tier.py: L3 is
+shared and outlives a flush) and any worker on it reads it back. The store's own capacity eviction is not
+announced, so each store's set is bounded (LRU, MAX_STORE_BLOCKS); a credit the store no longer backs costs
+one L3 look-up that misses.
 
 A worker's blocks count only while its stream is in sync (no gap since its last resync): between a
 detected gap or restart and the resync, the policy falls back to its approximate trees for everyone.
@@ -13,7 +18,7 @@ Subscriber threads write, the event loop reads: one lock around both.
 from __future__ import annotations
 
 import threading
-from collections import Counter
+from collections import Counter, OrderedDict
 from dataclasses import dataclass, field
 
 from kvstrata.kv_events import wire
@@ -22,6 +27,7 @@ DEVICE_MEDIA = frozenset({"GPU", "CPU"})
 HOST_MEDIA = frozenset({"CPU_PINNED", "CPU_TIER", "cpu", "cpu_pinned"})
 STORAGE_MEDIA = frozenset({"DISK", "MOONCAKE"})
 MAX_TOKENS_PER_EVENT = 1 << 20            # a BlockStored larger than this is refused (untrusted input)
+MAX_STORE_BLOCKS = 1 << 20                # blocks remembered per shared L3 store (memory bound)
 
 
 @dataclass
@@ -51,7 +57,8 @@ class KVIndex:
         self._workers: dict[str, WorkerBlocks] = {}
         self._chain: dict[tuple, int] = {}            # (parent hash | None, block tokens) -> hash
         self._key_of: dict[int, tuple] = {}           # hash -> its chain key
-        self._holders: Counter = Counter()             # hash -> (worker, medium) pairs holding it
+        self._holders: Counter = Counter()             # hash -> (worker, medium) pairs and stores holding it
+        self._stores: dict[str, OrderedDict[int, None]] = {}   # storage id -> blocks written there (LRU)
         self.stats: Counter = Counter()
 
     # ---- writers (subscriber threads) --------------------------------------------------------------------
@@ -83,6 +90,7 @@ class KVIndex:
         elif bs != self.block_size:
             raise ValueError(f"block size {bs} differs from {self.block_size} (all workers must use one)")
         held = w.media.setdefault(e.medium or "", set())
+        store = w.storage_id if e.medium in STORAGE_MEDIA else None
         parent = e.parent_block_hash
         for i, h in enumerate(e.block_hashes):
             key = (parent, tuple(e.token_ids[i * bs:(i + 1) * bs]))
@@ -91,7 +99,21 @@ class KVIndex:
                 self._holders[h] += 1
                 self._chain[key] = h
                 self._key_of[h] = key
+            if store:
+                self._remember(store, h)
             parent = h
+
+    def _remember(self, store_id: str, h: int) -> None:
+        """Block `h` is in the shared store `store_id` (until its LRU bound drops it)."""
+        store = self._stores.setdefault(store_id, OrderedDict())
+        if h in store:
+            store.move_to_end(h)
+            return
+        store[h] = None
+        self._holders[h] += 1
+        if len(store) > MAX_STORE_BLOCKS:
+            oldest, _ = store.popitem(last=False)
+            self._release(oldest)
 
     def _release(self, h: int) -> None:
         self._holders[h] -= 1
@@ -122,7 +144,14 @@ class KVIndex:
     def set_storage(self, worker: str, storage_id: str | None) -> None:
         """The L3 `worker` reads (from its /load report)."""
         with self.lock:
-            self._workers.setdefault(worker, WorkerBlocks()).storage_id = storage_id
+            w = self._workers.setdefault(worker, WorkerBlocks())
+            if storage_id == w.storage_id:
+                return
+            w.storage_id = storage_id
+            if storage_id:                 # what it announced before its store was known is the store's too
+                for held in _held(w, STORAGE_MEDIA):
+                    for h in held:
+                        self._remember(storage_id, h)
 
     # ---- readers (the policy) ------------------------------------------------------------------------------
 
@@ -155,9 +184,8 @@ class KVIndex:
                 return TierMatch()
             device = _held(w, DEVICE_MEDIA)
             local = device + _held(w, HOST_MEDIA)
-            stores = [held for o in self._workers.values()
-                      if w.storage_id and o.storage_id == w.storage_id and o.in_sync
-                      for held in _held(o, STORAGE_MEDIA)]
+            store = self._stores.get(w.storage_id) if w.storage_id else None
+            stores = _held(w, STORAGE_MEDIA) + ([store] if store else [])
             d = _run(hashes, 0, device)
             h = _run(hashes, d, local)
             s = _run(hashes, h, local + stores)
@@ -169,11 +197,11 @@ class KVIndex:
             return len(self._holders)
 
 
-def _held(w: WorkerBlocks, media: frozenset) -> list[set[int]]:
+def _held(w: WorkerBlocks, media: frozenset) -> list:
     return [held for m, held in w.media.items() if m in media]
 
 
-def _run(hashes: list[int], start: int, held: list[set[int]]) -> int:
+def _run(hashes: list[int], start: int, held: list) -> int:
     """The end of the run of `hashes` from `start` that are each in one of `held` (no set is copied)."""
     i = start
     while i < len(hashes) and any(hashes[i] in s for s in held):

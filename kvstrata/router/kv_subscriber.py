@@ -244,6 +244,12 @@ class KVFeeds:
         logger.info("subscribing to the KV events of %s at %s", worker, source.endpoint)
         self.subscribers[worker] = EventSubscriber(worker, source, self.index).start()
 
+    def resubscribe(self, worker: str) -> None:
+        """Subscribe to `worker` afresh (its first sync is a dump): it came back after being taken out."""
+        sub = self.subscribers.get(worker)
+        if sub is not None:
+            self.start(worker, sub.source)
+
     def stop(self, worker: str) -> None:
         """Unsubscribe from `worker` and forget its blocks (it was removed: a new one is probed again)."""
         self.probed.discard(worker)

@@ -36,6 +36,12 @@ class RouterMetrics:
                                  ["worker", "reason"], registry=self.registry)
         self.prefetch_hints = Counter(PREFIX + "prefetch_hints", "POST /prefetch hints sent (tier_aware: the "
                                       "chosen worker holds the prefix in L2/L3).", ["worker"], registry=self.registry)
+        self.forgone_hits = Counter(PREFIX + "forgone_cached_tokens", "tier_aware: prompt tokens the policy "
+                                    "expected some worker to hold beyond what the chosen one holds (it chose "
+                                    "less cache for less load), by reason.", ["reason"], registry=self.registry)
+        self.off_best = Counter(PREFIX + "decisions_off_best_cache", "tier_aware: decisions that chose a worker "
+                                "expected to hold less of the prompt than another routable one, by reason.",
+                                ["reason"], registry=self.registry)
         self.registry.register(_WorkerGauges(workers))
         self.workers = workers
 

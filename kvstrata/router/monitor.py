@@ -31,6 +31,7 @@ class WorkerMonitor:
         self._tasks: list[asyncio.Task] = []
         self._no_load_api: set[str] = set()
         self._weights: dict[str, tuple] = {}
+        self._resubscribing: set[asyncio.Future] = set()      # KV event resubscriptions in flight
 
     def start(self) -> None:
         """Start the loops (inside the event loop)."""
@@ -69,6 +70,13 @@ class WorkerMonitor:
             # A new worker is admitted on its first pass; one that was taken out must pass M in a row.
             if not w.healthy and (not w.admitted_before or w.success_streak >= self.args.health_success_threshold):
                 logger.info("worker %s is healthy: admitted", w.url)
+                if w.admitted_before and self.feeds is not None and w.url in self.feeds.subscribers:
+                    # It may have restarted, and a new process publishes nothing until its cache changes:
+                    # its old blocks must not route anything. Forget them now, and resync from a fresh dump.
+                    self.feeds.index.reset(w.url, in_sync=False)
+                    task = asyncio.ensure_future(asyncio.to_thread(self.feeds.resubscribe, w.url))
+                    self._resubscribing.add(task)             # the loop keeps only a weak reference
+                    task.add_done_callback(self._resubscribing.discard)
                 w.healthy = w.admitted_before = True
             if self.feeds is not None and w.url not in self.feeds.probed:
                 await self.discover_events(w)

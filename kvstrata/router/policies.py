@@ -45,6 +45,8 @@ class Decision:
     worker: Worker
     reason: str
     warm_tokens: int = 0      # tier_aware: prompt tokens to prefetch on the worker (its L2/L3 holds them)
+    cached_tokens: Optional[int] = None       # tier_aware: prompt tokens the chosen worker is expected to hold
+    best_cached_tokens: Optional[int] = None  # ... and the most any routable worker was expected to hold
 
 
 SESSION_TIE_TOKENS = 16      # tier_aware: costs this close tie; the conversation's worker wins the tie
@@ -60,6 +62,16 @@ class Policy:
     def select(self, workers: list[Worker], key: RouteKey, session: Optional[str] = None) -> Decision:
         """Pick one of `workers` (non-empty) for a request with `key` (of conversation `session`, if known)."""
         raise NotImplementedError
+
+    def prefill_units(self, worker: Worker, key: RouteKey, decision: Decision) -> int:
+        """Prompt units the request is expected to compute on `worker` (the queueing estimate tier_aware
+        charges while it waits for its first byte): what the deciding view expected it to miss (the exact
+        index's when it decided), else what its tree has not recorded."""
+        if not key:
+            return 0
+        if decision.cached_tokens is not None:
+            return max(0, len(key) - decision.cached_tokens)
+        return len(key) - (worker.tree_for(key).match(key) if self.uses_trees else 0)
 
     def record(self, worker: Worker, key: RouteKey) -> None:
         """Remember that `key` was sent to `worker` (trees only)."""
@@ -135,8 +147,11 @@ class TierAwarePolicy(Policy):
         recorded = [w.tree_for(key).match(key) if key else 0 for w in workers]
         if exact:
             costs, matches = self._exact_costs(workers, key)
+            bs = self.index.block_size or 0
+            cached = [(m.device + m.host + m.storage) * bs for m in matches]
         else:
             costs, matches = self._approximate_costs(workers, key, recorded), None
+            cached = [max(m, self._shared_match(w, workers, recorded)) for w, m in zip(workers, recorded)]
         # Equal costs (the exact index sees whole blocks only): the longer recorded prefix, then the spread.
         i = min(range(len(workers)), key=lambda j: (costs[j], -recorded[j], *_spread_order(workers[j])))
         reason = "exact" if exact else "approximate"
@@ -150,10 +165,9 @@ class TierAwarePolicy(Policy):
             if len(self._sessions) > MAX_SESSIONS:
                 self._sessions.popitem(last=False)
         warm = 0
-        if matches is not None and (matches[i].host or matches[i].storage):
-            m = matches[i]
-            warm = (m.device + m.host + m.storage) * (self.index.block_size or 0)
-        return Decision(workers[i], reason, warm)
+        if self.args.prefetch_hints and matches is not None and (matches[i].host or matches[i].storage):
+            warm = cached[i]
+        return Decision(workers[i], reason, warm, cached_tokens=cached[i], best_cached_tokens=max(cached))
 
     def _exact_costs(self, workers: list[Worker], key: tuple) -> tuple[list[float], list[TierMatch]]:
         hashes = self.index.hashes(key)

@@ -143,9 +143,12 @@ class Proxy:
         passed on unchanged when `pass_5xx`: there is no other worker left to try)."""
         w = decision.worker
         name = worker_name(w.url, w.id, reveal)
-        units = self._prefill_units(w, key)
+        units = self.policy.prefill_units(w, key, decision)
         self.policy.record(w, key)
         self.metrics.decisions.labels(w.url, decision.reason).inc()
+        if decision.best_cached_tokens is not None and decision.best_cached_tokens > (decision.cached_tokens or 0):
+            self.metrics.off_best.labels(decision.reason).inc()
+            self.metrics.forgone_hits.labels(decision.reason).inc(decision.best_cached_tokens - (decision.cached_tokens or 0))
         self.metrics.requests.labels(w.url).inc()
         w.begin(units)
         got_first_byte = streaming = False
@@ -253,12 +256,6 @@ class Proxy:
 
         self._background.add(task := asyncio.ensure_future(send()))
         task.add_done_callback(self._background.discard)
-
-    def _prefill_units(self, w: Worker, key) -> int:
-        """Prompt units this request is expected to prefill on `w` (queueing estimate for tier_aware)."""
-        if not key:
-            return 0
-        return len(key) - (w.tree_for(key).match(key) if self.policy.uses_trees else 0)
 
     def _taken_out(self, w: Worker, err: BaseException) -> None:
         self.metrics.errors.labels(w.url).inc()

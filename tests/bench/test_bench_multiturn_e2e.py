@@ -111,3 +111,24 @@ def test_compare_writes_the_table_and_chart(tmp_path, monkeypatch):
     assert (out / "compare.png").stat().st_size > 1000
     row = json.loads((out / "compare.jsonl").read_text().splitlines()[-1])
     assert row["summary"]["completed"] == 4 and row["server_exit_code"] == 0
+
+
+def test_runner_asks_url_for_each_request_and_calls_before_send_first(server: ServerProcess):
+    convs = [Conversation(0, list(range(100, 120)), [list(range(200, 210))]),
+             Conversation(1, list(range(300, 320)), [list(range(400, 410))])]
+    cfg = RunConfig(output_length=2, max_parallel=2, request_rate=float("inf"), request_timeout_s=120, progress=False)
+    routed, seen = [], []
+
+    def url_for(client: int, rnd: int) -> str:
+        routed.append((client, rnd))
+        return server.url + "/generate"
+
+    def before_send(rec) -> None:
+        assert rec.ttft is None and not rec.output_ids      # not sent yet
+        seen.append((rec.client, rec.round, len(rec.prompt_ids)))
+
+    runner = MultiTurnRunner("http://127.0.0.1:1/nowhere", convs, cfg, url_for=url_for, before_send=before_send)
+    outcome = asyncio.run(runner.run())
+    assert all(r.ok for r in outcome.records) and len(outcome.records) == 4
+    assert sorted(routed) == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    assert sorted(seen) == [(0, 0, 20), (0, 1, 32), (1, 0, 20), (1, 1, 32)]

@@ -189,3 +189,139 @@ def test_session_breaks_ties_and_is_read_from_header_session_params_or_user():
     assert session_id({}, json.dumps({"session_params": {"id": "s1"}}).encode()) == "s1"
     assert session_id({}, json.dumps({"messages": [], "user": "u7"}).encode()) == "u7"
     assert session_id({}, b'{"user": 5}') is None and session_id({}, b"not json user") is None
+
+
+def _exact_policy(prefetch_hints: bool = True):
+    from kvstrata.kv_events import wire
+    from kvstrata.router.args import RouterArgs
+    from kvstrata.router.policies import TierAwarePolicy
+    from kvstrata.router.workers import Worker
+
+    index = KVIndex()
+    workers = [Worker("http://127.0.0.1:1"), Worker("http://127.0.0.1:2")]
+    for w in workers:
+        index.reset(w.url, in_sync=True)
+    held = list(range(10, 10 + 4 * BLOCK))       # 4 blocks in w0's host memory (another router put them there)
+    index.apply(workers[0].url, wire.KVEventBatch(ts=0.0, events=[wire.BlockStored(
+        block_hashes=[1, 2, 3, 4], parent_block_hash=None, token_ids=held, block_size=BLOCK, lora_id=None,
+        medium="CPU_PINNED")]))
+    return TierAwarePolicy(RouterArgs(prefetch_hints=prefetch_hints), index), workers, tuple(held) + (7,) * 10
+
+
+def test_exact_decision_reports_the_cache_it_expects_and_queues_only_the_miss():
+    policy, (w0, w1), key = _exact_policy()
+    d = policy.select([w0, w1], key)
+    assert d.worker is w0 and d.reason == "exact"
+    assert (d.cached_tokens, d.best_cached_tokens, d.warm_tokens) == (4 * BLOCK, 4 * BLOCK, 4 * BLOCK)
+    # The queueing charge is the expected miss by the index, not by this router's tree (which never saw it).
+    assert policy.prefill_units(w0, key, d) == 10
+    w0.pending_prefill = 10_000                  # far busier: the other worker, with less cache than the best
+    d = policy.select([w0, w1], key)
+    assert d.worker is w1 and (d.cached_tokens, d.best_cached_tokens) == (0, 4 * BLOCK)
+    assert policy.prefill_units(w1, key, d) == len(key)
+
+
+def test_prefetch_hints_can_be_switched_off():
+    policy, workers, key = _exact_policy(prefetch_hints=False)
+    d = policy.select(workers, key)
+    assert d.worker is workers[0] and d.cached_tokens == 4 * BLOCK and d.warm_tokens == 0
+
+
+def _disk_blocks(index: KVIndex, worker: str, tokens: list[int], first_hash: int) -> list[int]:
+    from kvstrata.kv_events import wire
+
+    hashes = list(range(first_hash, first_hash + len(tokens) // BLOCK))
+    index.apply(worker, wire.KVEventBatch(ts=0.0, events=[wire.BlockStored(
+        block_hashes=hashes, parent_block_hash=None, token_ids=tokens, block_size=BLOCK, lora_id=None,
+        medium="DISK")]))
+    return hashes
+
+
+def test_a_shared_store_keeps_its_blocks_after_the_writer_forgets_them():
+    from kvstrata.kv_events import wire
+
+    index = KVIndex()
+    for w in ("a", "b", "c"):
+        index.reset(w, in_sync=True)
+    index.set_storage("a", "file:/l3")
+    index.set_storage("b", "file:/l3")           # c has no L3
+    tokens = list(range(10, 10 + 3 * BLOCK))
+    hashes = _disk_blocks(index, "a", tokens, 1)
+    assert index.match("b", index.hashes(tokens)).storage == 3
+    # a's tree drops the node (host eviction), then a flushes and restarts: the store still holds the objects.
+    index.apply("a", wire.KVEventBatch(ts=0.0, events=[wire.BlockRemoved(block_hashes=hashes, medium="DISK")]))
+    index.apply("a", wire.KVEventBatch(ts=0.0, events=[wire.AllBlocksCleared()]))
+    index.reset("a", in_sync=True)
+    assert index.hashes(tokens) == hashes
+    assert index.match("b", hashes).storage == 3 and index.match("a", hashes).storage == 3
+    assert index.match("c", hashes).storage == 0
+    # Blocks announced before the worker's store was known join the store once it is.
+    index.reset("d", in_sync=True)
+    early = _disk_blocks(index, "d", list(range(500, 500 + BLOCK)), 100)
+    index.set_storage("d", "file:/l3")
+    index.reset("d", in_sync=False)
+    assert index.match("b", early).storage == 1
+
+
+def test_a_shared_store_is_bounded(monkeypatch):
+    from kvstrata.router import kv_index
+
+    monkeypatch.setattr(kv_index, "MAX_STORE_BLOCKS", 2)
+    index = KVIndex()
+    index.reset("a", in_sync=True)
+    index.set_storage("a", "file:/l3")
+    first = list(range(10, 10 + BLOCK))
+    _disk_blocks(index, "a", first, 1)
+    _disk_blocks(index, "a", list(range(100, 100 + 2 * BLOCK)), 2)
+    index.reset("a", in_sync=True)                # only the store remembers now, its two newest blocks
+    assert index.hashes(first) == [] and index.size() == 2
+
+
+def test_a_readmitted_worker_counts_only_after_a_fresh_dump(monkeypatch):
+    import asyncio
+
+    import zmq
+
+    from kvstrata.router.args import RouterArgs
+    from kvstrata.router.kv_subscriber import KVFeeds
+    from kvstrata.router.monitor import WorkerMonitor
+    from kvstrata.router.workers import WorkerRegistry
+
+    config = parse_kv_events_config(events_config(free_port(), free_port()))
+    publishers = [KVEventPublisher(config, 4, snapshot=lambda: [AllCleared()])]
+    publishers[0].publish([BlocksStored("CPU", [1], None, [5] * 4)])
+    feeds = KVFeeds(KVIndex())
+    try:
+        registry = WorkerRegistry()
+        w, _ = registry.add("http://127.0.0.1:1")
+        feeds.start(w.url, EventSource(config.endpoint, config.replay_endpoint))
+        wait_for(lambda: feeds.index.hashes([5] * 4) == [1] and feeds.index.covers([w.url]), what="the first dump")
+        first = feeds.subscribers[w.url]
+        # The worker was taken out and restarted; the new process has published nothing the router saw.
+        publishers[0].close()
+        for _ in range(50):                            # the old sockets release their ports asynchronously
+            try:
+                publishers.append(KVEventPublisher(config, 4, snapshot=lambda: [AllCleared()]))
+                break
+            except zmq.ZMQError:
+                time.sleep(0.1)
+        w.admitted_before, w.healthy, w.success_streak = True, False, 1
+        monitor = WorkerMonitor(RouterArgs(health_success_threshold=2), registry, None, feeds)
+
+        async def ok(*_args) -> bool:
+            return True
+
+        monkeypatch.setattr(monitor, "_get_ok", ok)
+
+        async def readmit() -> None:
+            assert await monitor.check(w) and w.healthy
+            assert feeds.index.match(w.url, [1]).device == 0      # the old life's blocks route nothing
+            await asyncio.sleep(0.5)
+
+        asyncio.run(readmit())
+        wait_for(lambda: feeds.subscribers[w.url] is not first and feeds.index.covers([w.url]), what="the new dump")
+        assert feeds.index.hashes([5] * 4) == [] and feeds.subscribers[w.url].stats["resyncs"] == 1
+    finally:
+        feeds.close()
+        for p in publishers:
+            p.close()
