@@ -263,3 +263,23 @@ def _expected_cut(layout, module: str, shape: torch.Size) -> tuple[torch.Tensor,
     half = n // 2      # gate | up
     mine = torch.arange(rank * half // size, (rank + 1) * half // size)
     return torch.cat([mine, half + mine]), slice(None)
+
+
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_float_gguf_shards_are_the_layouts_cuts_of_the_one_rank_weights(deterministic, tmp_path):
+    """A GGUF file's F16 matrices, read by rows and columns at their offsets, are exactly ShardLayout.shard of
+    the one-rank parameters (the rule every safetensors checkpoint is cut by)."""
+    from kvstrata.model.builtin import resolve_model_path
+    from tests.model.gguf_files import write_tiny_gguf
+
+    path, _ = write_tiny_gguf(str(tmp_path), "F16")
+    config = ModelConfig.from_path(resolve_model_path(path))
+    whole = load_gguf_model(path, config, torch.float32, CPU)
+    whole_params, whole_targets = dict(whole.named_parameters(remove_duplicate=False)), whole.checkpoint_targets()
+    for rank in range(2):
+        shard = load_gguf_model(path, config, torch.float32, CPU, tp=TensorParallel(rank, 2, deterministic))
+        params = dict(shard.named_parameters(remove_duplicate=False))
+        for name, (param, start, end, *_) in shard.checkpoint_targets().items():
+            one, one_start, one_end = whole_targets[name][:3]
+            expected = shard.layout.shard(name, whole_params[one][one_start:one_end])
+            assert torch.equal(params[param][start:end], expected), (name, rank)
