@@ -15,6 +15,13 @@ A Qwen3-MoE file's expert tensors (`blk.N.ffn_{gate,up,down}_exps`, `[E, rows, K
 read into one buffer per projection (gate rows then up rows per expert, as FusedExperts stacks them), and
 each expert's Linear gets a GGUFWeight over its slab (FusedExperts.bind), so an expert's products take the
 same quantized kernels as any other projection. The router (`ffn_gate_inp`) is an ordinary Linear.
+
+Tensor parallelism (`tp`): a rank reads only its part of each tensor (`ShardLayout.cut`): its rows (one
+contiguous span of each slab in the file: a head, feature or vocabulary range; llama.cpp's q/k row order is
+undone within it), and with an input split (o_proj / down_proj) only the bytes of its whole blocks of each
+row, at their offsets. An input split inside a block is refused from the header, before any tensor is read
+(`check_block_split`). Vocabulary rows past the vocabulary (the last rank's padding) are zero. Under expert
+parallelism (--ep-size) a rank reads only its experts' slabs, which are contiguous in the file.
 """
 
 from __future__ import annotations
@@ -33,6 +40,7 @@ from kvstrata.model.quant.gguf_blocks import FLOAT_TYPES, block_format, float_va
 from kvstrata.platform import unmap_large_buffers
 
 if TYPE_CHECKING:
+    from kvstrata.model.parallel import Cut, ShardLayout, TensorParallel
     from kvstrata.model.quant.base import QuantizedWeight
     from kvstrata.model.quant.gguf_blocks import BlockFormat
 
@@ -77,8 +85,9 @@ def hf_names(gguf_name: str, num_experts: int) -> tuple[str, ...]:
 
 class _Part(NamedTuple):
     """A GGUF tensor placed in the model: rows [start, end) of parameter `param` (of every expert's slab when
-    `experts` > 0: a `[experts, rows, K]` tensor), `K` = `row_values` values per row, `n_bytes` at byte
-    `offset` of the file; `heads`: undo llama.cpp's q/k row order."""
+    `experts` > 0: this rank's slabs, from `first_expert`, of a `[E, rows, K]` tensor), `row_values` values per
+    row held; the file's tensor: `n_bytes` at byte `offset`, `file_rows` rows of `file_row_bytes` per slab.
+    `heads`: undo llama.cpp's q/k row order; `cut`: the rank's rows and columns of it (None: all of them)."""
 
     name: str
     param: str
@@ -90,6 +99,10 @@ class _Part(NamedTuple):
     offset: int
     n_bytes: int
     heads: int | None
+    file_rows: int
+    file_row_bytes: int
+    first_expert: int = 0
+    cut: Cut | None = None
 
     @property
     def quantized(self) -> bool:
@@ -102,22 +115,44 @@ class _Part(NamedTuple):
         rows = self.end - self.start
         return (self.experts, rows) if self.experts else (rows,)
 
+    @property
+    def row_bytes(self) -> int:
+        """Bytes of one row held (a 1-D tensor: of one value): whole blocks of the rank's input columns."""
+        if self.cut is None or not self.cut.splits_input:
+            return self.file_row_bytes
+        return self.fmt.row_bytes(self.row_values)
 
-def load_gguf_model(path: str, config: ModelConfig, dtype: torch.dtype, device: torch.device) -> nn.Module:
+    def file_rows_read(self) -> tuple[np.ndarray | None, int]:
+        """(the file's rows this rank holds, in the model's order: None for all of them in order; the zero rows
+        after them: the last rank's vocabulary padding)."""
+        order = _unpermute_rows(self.file_rows, self.heads) if self.heads is not None else None
+        if self.cut is not None and self.cut.rows != slice(None):
+            order = (np.arange(self.file_rows) if order is None else order)[self.cut.rows]
+        held = self.file_rows if order is None else len(order)
+        return order, self.end - self.start - held
+
+
+def load_gguf_model(path: str, config: ModelConfig, dtype: torch.dtype, device: torch.device,
+                    tp: TensorParallel | None = None) -> nn.Module:
     """Build the model for `config` from GGUF file `path`, every quantized tensor kept in its block format.
 
     A tensor whose type is not served, whose shape disagrees with the config, that the model has no place
     for, that the file lacks, whose bytes run past the end of the file or whose block scales are not finite
-    is a ModelLoadError naming it.
+    is a ModelLoadError naming it. `tp`: the rank reads only its part of each tensor (module docstring); a
+    split inside a quantization block is a ShardError naming the tensor, raised before any tensor is read.
     """
     from kvstrata.model.llama import LlamaForCausalLM
     from kvstrata.model.moe import bind_experts
+    from kvstrata.model.parallel import vocab_parallel
+    from kvstrata.model.quant.gguf_weight import GGUFEmbedding
 
     device = torch.device(device)
     unmap_large_buffers()
     with torch.device("meta"):
-        model = LlamaForCausalLM(config).to(dtype=dtype)
-    groups, tied = _place(path, model, config)
+        model = LlamaForCausalLM(config, tp).to(dtype=dtype)
+        whole = model if model.layout.size == 1 else LlamaForCausalLM(config)   # the file's shapes
+    groups, tied = _place(path, model, whole, config)
+    del whole
     quantized = {name for name, parts in groups.items() if parts[0].quantized}
     for name in quantized | ({LM_HEAD} if tied else set()):
         _release(model, name)
@@ -128,7 +163,11 @@ def load_gguf_model(path: str, config: ModelConfig, dtype: torch.dtype, device: 
         for name, parts in groups.items():
             if name in quantized:
                 weights = _quantized_weights(parts, fh, path, device)
-                _install(model, name, weights, dtype, experts, path)
+                if name == EMBED:
+                    table = weights[0]      # a tied lm_head shares it
+                    model.model.embed_tokens = vocab_parallel(GGUFEmbedding(table, dtype), model.layout, tp)
+                else:
+                    _install(model, name, weights, experts, path)
             else:
                 for part in parts:
                     _fill(params[name], part, _read(fh, part, path))
@@ -136,19 +175,21 @@ def load_gguf_model(path: str, config: ModelConfig, dtype: torch.dtype, device: 
         block.bind(gate_up=weights.get("gate_up_proj"), down=weights.get("down_proj"))
     if tied:      # no output.weight: the head is the embedding
         if EMBED in quantized:
-            model.lm_head.set_quantized(model.model.embed_tokens.table)
+            model.lm_head.set_quantized(table)
         else:
             model.tie_embeddings()
     bind_experts(model)     # the experts a float file stores
     return model.eval()
 
 
-def _place(path: str, model: nn.Module, config: ModelConfig) -> tuple[dict[str, list[_Part]], bool]:
-    """(parameter -> the GGUF tensors filling it, in row order; whether lm_head is tied), from the header."""
+def _place(path: str, model: nn.Module, whole: nn.Module, config: ModelConfig) -> tuple[dict[str, list[_Part]], bool]:
+    """(parameter of `model` -> the GGUF tensors filling it, in row order; whether lm_head is tied), from the
+    header; each tensor checked against `whole`, the model without tensor parallelism."""
     header = read_header(path)
     arch = str(header.fields.get("general.architecture") or "")
-    targets = model.checkpoint_targets()
-    shapes = {name: tuple(p.shape) for name, p in model.named_parameters(remove_duplicate=False)}
+    targets = whole.checkpoint_targets()
+    shapes = {name: tuple(p.shape) for name, p in whole.named_parameters(remove_duplicate=False)}
+    rank_targets = model.checkpoint_targets()
     num_experts = config.moe.num_experts if config.moe is not None else 0
     groups: dict[str, list[_Part]] = defaultdict(list)
     filled: set[str] = set()
@@ -160,7 +201,7 @@ def _place(path: str, model: nn.Module, config: ModelConfig) -> tuple[dict[str, 
             moe = " (MoE GGUF files are served for qwen3moe only)" if "_exps" in t.name else ""
             raise ModelLoadError(f"{path}: unexpected tensor {t.name!r} for {config.architecture}{moe}")
         part = _part(t, names, targets, shapes, config, arch, path)
-        groups[part.param].append(part)
+        groups[part.param].append(_rank_part(part, names, rank_targets, model.layout, path))
         filled.update(names)
     tied = LM_HEAD not in filled
     check_no_missing_tensors(targets, filled | {LM_HEAD}, f"{path}: GGUF file")
@@ -189,8 +230,31 @@ def _part(t: TensorInfo, names: tuple[str, ...], targets: dict[str, tuple], shap
     heads = None
     if arch in _PERMUTED_ARCHS and names[0].endswith(("q_proj.weight", "k_proj.weight")):
         heads = config.num_heads if names[0].endswith("q_proj.weight") else config.num_kv_heads
+    rows = shape[-2] if len(shape) > 1 else shape[0]
     return _Part(t.name, param, start, end, experts, shape[-1] if len(shape) > 1 else 1, fmt, t.offset, t.n_bytes,
-                 heads)
+                 heads, rows, t.n_bytes // (max(experts, 1) * rows))
+
+
+def _rank_part(part: _Part, names: tuple[str, ...], targets: dict[str, tuple], layout: ShardLayout,
+               path: str) -> _Part:
+    """`part` (placed in the model without tensor parallelism) as this rank of `layout` reads it: its experts,
+    its rows and columns, placed in the rank's parameter (`targets`)."""
+    if layout.size == 1:
+        return part
+    held = [n for n in names if layout.holds(n)]     # expert parallelism: this rank's experts
+    param, start, end = targets[held[0]][:3]
+    cut = layout.cut(names[0])
+    row_values = part.row_values
+    if cut is not None and cut.splits_input and row_values > 1:
+        if part.quantized:
+            layout.check_block_split(names[0], part.fmt.block_size)
+        row_values = cut.cols.stop - cut.cols.start
+    elif cut is not None and cut.splits_input:
+        # a row-parallel bias is added once after the sum; GGUF files (_LAYER_NAMES) carry none
+        raise ModelLoadError(f"{path}: tensor {part.name!r}: a bias of a row-parallel layer is not served under --tp-size")
+    first_expert = layout.first_expert if part.experts else 0
+    return part._replace(param=param, start=start, end=end, experts=len(held) if part.experts else 0,
+                         row_values=row_values, first_expert=first_expert, cut=cut)
 
 
 def _release(model: nn.Module, name: str) -> None:
@@ -202,18 +266,47 @@ def _release(model: nn.Module, name: str) -> None:
 
 
 def _read(fh: BinaryIO, part: _Part, path: str, out: np.ndarray | None = None) -> np.ndarray:
-    """The bytes of `part` as uint8 `[*part.shape, row bytes]`, read into `out` (C-contiguous) when given."""
+    """This rank's bytes of `part` as uint8 `[*part.shape, part.row_bytes]` (its slabs; its rows in the model's
+    order, then zero padding rows; its blocks of each row), read into `out` (each slab C-contiguous) when
+    given. Only those bytes are read: a span of whole rows per slab, or each row's blocks at their offset."""
     if out is None:
-        out = np.empty((*part.shape, part.n_bytes // math.prod(part.shape)), dtype=np.uint8)
+        out = np.empty((*part.shape, part.row_bytes), dtype=np.uint8)
+    order, padding = part.file_rows_read()
+    slab_bytes = part.file_rows * part.file_row_bytes
+    held = part.end - part.start - padding
+    for s, slab in enumerate(out.reshape(-1, *out.shape[-2:]) if part.experts else [out.reshape(-1, out.shape[-1])]):
+        base = part.offset + (part.first_expert + s) * slab_bytes
+        if padding:
+            slab[held:] = 0
+        if part.row_bytes != part.file_row_bytes:        # an input split: each row's whole blocks
+            skip = part.fmt.row_bytes(part.cut.cols.start)
+            for i, row in enumerate(range(part.file_rows) if order is None else order.tolist()):
+                _read_at(fh, slab[i], base + row * part.file_row_bytes + skip, path, part.name)
+            continue
+        first = 0 if order is None else int(order.min())
+        in_order = order is None or _is_range(order)
+        span = slab[:held] if in_order else np.empty((held, part.row_bytes), np.uint8)
+        _read_at(fh, span, base + first * part.file_row_bytes, path, part.name)
+        if not in_order:      # llama.cpp's q/k rows: the rank's heads are one span, reordered within it
+            np.take(span, order - first, axis=0, out=slab[:held])
+    return out
+
+
+def _is_range(order: np.ndarray) -> bool:
+    """Whether `order` is consecutive increasing rows (read straight into place)."""
+    return bool((np.diff(order) == 1).all())
+
+
+def _read_at(fh: BinaryIO, out: np.ndarray, offset: int, path: str, name: str) -> None:
+    """Fill C-contiguous `out` with the file's bytes at `offset`; a short file is a ModelLoadError naming `name`."""
     view = memoryview(out).cast("B")
-    fh.seek(part.offset)
+    fh.seek(offset)
     done = 0
-    while done < part.n_bytes:
+    while done < len(view):
         got = fh.readinto(view[done:])
         if not got:
-            raise ModelLoadError(f"{path}: tensor {part.name!r} is truncated")
+            raise ModelLoadError(f"{path}: tensor {name!r} is truncated")
         done += got
-    return out
 
 
 def _unpermute_rows(rows: int, heads: int) -> np.ndarray:
@@ -223,9 +316,7 @@ def _unpermute_rows(rows: int, heads: int) -> np.ndarray:
 
 def _fill(dest: torch.Tensor, part: _Part, raw: np.ndarray) -> None:
     """Copy float tensor `part` (its bytes `raw`) into its rows of parameter `dest`, converting to its dtype."""
-    values = float_values(torch.from_numpy(raw), part.fmt)      # [*shape, K] in the file's float type
-    if part.heads is not None:
-        values = values[torch.from_numpy(_unpermute_rows(values.shape[0], part.heads))]
+    values = float_values(torch.from_numpy(raw), part.fmt)      # [*shape, K] in the file's float type (q/k reordered)
     with torch.no_grad():
         if part.experts:
             dest.data[:, part.start:part.end].copy_(values)
@@ -248,13 +339,8 @@ def _quantized_weights(parts: list[_Part], fh: BinaryIO, path: str, device: torc
         out = np.empty((slabs, group[-1].end - first, fmt.row_bytes(in_features)), dtype=np.uint8)
         for p in group:
             rows = out[:, p.start - first:p.end - first]
-            direct = p.heads is None and rows.flags.c_contiguous
-            raw = _read(fh, p, path, rows if direct else None).reshape(rows.shape)
-            _check_scales(raw, p.fmt, path, p.name)
-            if p.heads is not None:
-                np.take(raw, _unpermute_rows(raw.shape[1], p.heads), axis=1, out=rows)
-            elif not direct:
-                rows[...] = raw
+            _read(fh, p, path, rows if p.experts else rows[0])
+            _check_scales(rows, p.fmt, path, p.name)
         return torch.from_numpy(out).to(device)
 
     if len({p.fmt.type_id for p in parts}) == 1:
@@ -265,19 +351,16 @@ def _quantized_weights(parts: list[_Part], fh: BinaryIO, path: str, device: torc
             for e in range(slabs)]
 
 
-def _install(model: nn.Module, name: str, weights: list[QuantizedWeight], dtype: torch.dtype,
+def _install(model: nn.Module, name: str, weights: list[QuantizedWeight],
              experts: dict[nn.Module, dict[str, list[QuantizedWeight]]], path: str) -> None:
-    """Hold quantized parameter `name` as `weights`: the embedding table, a Linear's weight, or a FusedExperts'
-    per-expert weights (collected into `experts` for FusedExperts.bind)."""
+    """Hold quantized parameter `name` as `weights`: a Linear's weight, or a FusedExperts' per-expert weights
+    (collected into `experts` for FusedExperts.bind)."""
     from kvstrata.model.layers import Linear
     from kvstrata.model.moe import FusedExperts
-    from kvstrata.model.quant.gguf_weight import GGUFEmbedding
 
     owner, _, attr = name.rpartition(".")
     module = model.get_submodule(owner)
-    if name == EMBED:
-        model.model.embed_tokens = GGUFEmbedding(weights[0], dtype)
-    elif isinstance(module, Linear):
+    if isinstance(module, Linear):
         module.set_quantized(weights[0])
     elif isinstance(module, FusedExperts):
         experts[module][attr] = weights

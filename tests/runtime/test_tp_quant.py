@@ -3,7 +3,8 @@ shards of int8, AWQ, GPTQ, FP8 and K-quant GGUF checkpoints in the format, cut o
 TP=1's logits: bitwise in deterministic mode (o_proj / down_proj split by output rows), to float32 rounding
 with the default split of their input columns (partial sums, then an all-reduce). An input split inside a
 block is refused before any weight is read, naming the tensor, its block and the TP size. int8 shards are
-exact cuts of the one-rank int8 weights (scales of whole rows)."""
+exact cuts of the one-rank int8 weights (scales of whole rows). A Qwen3-MoE GGUF file under --ep-size 2: each
+rank reads only its experts' slabs and its part of every other tensor, and gives TP=1's logits."""
 
 from __future__ import annotations
 
@@ -16,13 +17,14 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from kvstrata.args import ServerArgs
+from kvstrata.model import gguf_loader
 from kvstrata.model.config import ModelConfig
-from kvstrata.model.gguf import load_gguf_model
+from kvstrata.model.gguf_loader import load_gguf_model
 from kvstrata.model.layers import Linear, make_batch_invariant
 from kvstrata.model.loader import load_model
 from kvstrata.model.parallel import ShardError, TensorParallel
 from kvstrata.net import free_port
-from tests.model.gguf_files import write_kquant_gguf
+from tests.model.gguf_files import MOE_CONFIG, write_kquant_gguf, write_moe_gguf
 from tests.model.quant_ckpt import write_float_llama, write_quantized
 
 CPU = torch.device("cpu")
@@ -54,8 +56,11 @@ def _load(job: tuple[str, str, str | None], tp: TensorParallel | None) -> torch.
     from kvstrata.model.quant.gguf_weight import use_gguf_kernels
 
     kind, path, quantization = job
-    if kind == "gguf":
-        model = load_gguf_model(path, ModelConfig.from_dict(GGUF_SHAPE), torch.float32, CPU, tp=tp)
+    if kind == "gguf-moe" and tp is not None:     # experts split across the ranks (--ep-size = --tp-size)
+        tp = TensorParallel(tp.rank, tp.size, tp.deterministic, tp.group, expert_parallel=True)
+    if kind.startswith("gguf"):
+        shape = MOE_CONFIG if kind == "gguf-moe" else GGUF_SHAPE
+        model = load_gguf_model(path, ModelConfig.from_dict(shape), torch.float32, CPU, tp=tp)
         use_gguf_kernels(model, gguf_ops())      # as the runner does (None: the plain-torch path)
         return model
     return load_model(path, ModelConfig.from_dict(SHAPE), torch.float32, CPU, tp=tp, quantization=quantization)
@@ -124,8 +129,9 @@ def _run_ranks(jobs: dict, out: Path) -> list[dict[str, torch.Tensor]]:
     return [load_file(out / f"rank{rank}.safetensors") for rank in range(2)]
 
 
-def test_tp2_quantized_shards_give_tp1_logits(jobs, tmp_path):
-    ranks = _run_ranks(jobs, tmp_path)
+def _check_tp1_logits(jobs: dict, ranks: list[dict[str, torch.Tensor]], dropped_linears: int = 0) -> None:
+    """Every rank's logits equal TP=1's (bitwise in deterministic mode); each holds under 55% of the weights,
+    every quantized Linear but the `dropped_linears` (other ranks' experts) still quantized."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)      # as each rank: MKL sums a float32 product differently over more threads
     try:
@@ -144,10 +150,60 @@ def test_tp2_quantized_shards_give_tp1_logits(jobs, tmp_path):
             held, quantized = _held(whole).tolist()
             for r in ranks:     # each rank holds its half, every quantized Linear still quantized
                 rank_held, rank_quantized = r[f"{label}-held"].tolist()
-                assert rank_quantized == quantized > 0, label
+                assert rank_quantized == quantized - dropped_linears > 0, label
                 assert rank_held < 0.55 * held, (label, rank_held, held)
     finally:
         torch.set_num_threads(threads)
+
+
+def test_tp2_quantized_shards_give_tp1_logits(jobs, tmp_path):
+    _check_tp1_logits(jobs, _run_ranks(jobs, tmp_path))
+
+
+def test_tp2_ep2_moe_gguf_ranks_hold_their_experts_and_give_tp1_logits(tmp_path):
+    path, _ = write_moe_gguf(str(tmp_path), {"gate": "Q4_K", "up": "Q5_K", "down": "Q6_K"})
+    jobs = {"gguf-moe": ("gguf-moe", path, None)}
+    ranks = _run_ranks(jobs, tmp_path)
+    c = MOE_CONFIG       # each rank lacks the other rank's half of the experts (a gate|up and a down Linear each)
+    _check_tp1_logits(jobs, ranks, dropped_linears=c["num_hidden_layers"] * c["num_experts"])
+
+
+class _CountingFile:
+    """A file that counts the bytes read from it (the loader's plain reads)."""
+
+    read_bytes = 0
+
+    def __init__(self, *args, **kwargs):
+        self._file = open(*args, **kwargs)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self._file.close()
+
+    def seek(self, offset: int) -> int:
+        return self._file.seek(offset)
+
+    def readinto(self, view) -> int:
+        got = self._file.readinto(view)
+        _CountingFile.read_bytes += got
+        return got
+
+
+@pytest.mark.parametrize("kind", ["gguf", "gguf-moe"])
+def test_a_rank_reads_only_its_part_of_the_gguf_file(kind, jobs, tmp_path, monkeypatch):
+    """Rows, whole blocks of input columns and experts are read at their offsets: a rank of two reads about
+    half the tensor bytes TP=1 reads (norms and the MoE router are whole on every rank)."""
+    path = jobs["gguf-k"][1] if kind == "gguf" else write_moe_gguf(str(tmp_path), {"gate": "Q8_0", "up": "Q8_0",
+                                                                                    "down": "Q8_0"})[0]
+    monkeypatch.setattr(gguf_loader, "open", _CountingFile, raising=False)
+    read = []
+    for tp in (None, TensorParallel(0, 2), TensorParallel(1, 2), TensorParallel(1, 2, deterministic=True)):
+        _CountingFile.read_bytes = 0
+        _load((kind, path, None), tp)
+        read.append(_CountingFile.read_bytes)
+    assert all(0 < r < 0.52 * read[0] for r in read[1:]), read
 
 
 def test_input_split_inside_a_block_is_refused_naming_the_tensor_block_and_tp_size(jobs):
@@ -207,3 +263,23 @@ def _expected_cut(layout, module: str, shape: torch.Size) -> tuple[torch.Tensor,
     half = n // 2      # gate | up
     mine = torch.arange(rank * half // size, (rank + 1) * half // size)
     return torch.cat([mine, half + mine]), slice(None)
+
+
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_float_gguf_shards_are_the_layouts_cuts_of_the_one_rank_weights(deterministic, tmp_path):
+    """A GGUF file's F16 matrices, read by rows and columns at their offsets, are exactly ShardLayout.shard of
+    the one-rank parameters (the rule every safetensors checkpoint is cut by)."""
+    from kvstrata.model.builtin import resolve_model_path
+    from tests.model.gguf_files import write_tiny_gguf
+
+    path, _ = write_tiny_gguf(str(tmp_path), "F16")
+    config = ModelConfig.from_path(resolve_model_path(path))
+    whole = load_gguf_model(path, config, torch.float32, CPU)
+    whole_params, whole_targets = dict(whole.named_parameters(remove_duplicate=False)), whole.checkpoint_targets()
+    for rank in range(2):
+        shard = load_gguf_model(path, config, torch.float32, CPU, tp=TensorParallel(rank, 2, deterministic))
+        params = dict(shard.named_parameters(remove_duplicate=False))
+        for name, (param, start, end, *_) in shard.checkpoint_targets().items():
+            one, one_start, one_end = whole_targets[name][:3]
+            expected = shard.layout.shard(name, whole_params[one][one_start:one_end])
+            assert torch.equal(params[param][start:end], expected), (name, rank)
