@@ -17,6 +17,7 @@ BENCHMARKS["restart"] = "kvstrata.bench.restart_bench"
 BENCHMARKS["make-dataset"] = "kvstrata.bench.make_dataset"   # a ShareGPT-format file from local text
 BENCHMARKS["cache-scale"] = "kvstrata.bench.cache_scale"     # cache CPU per step: small vs seed-sized tree
 BENCHMARKS["quality"] = "kvstrata.bench.quality"   # perplexity and greedy agreement per KV cache dtype
+BENCHMARKS["gguf-kernels"] = "kvstrata.bench.gguf_kernels"   # the GGUF decode GEMV, every variant per type
 
 
 def main(argv: list[str]) -> int:

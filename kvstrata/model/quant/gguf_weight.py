@@ -2,7 +2,11 @@
 GGUFStack (a fused projection whose parts have different types) and GGUFEmbedding (row gather + de-quantize).
 
 Products run through the compiled kernels (csrc/quant_gguf.cpp) when `use_gguf_kernels` gave them: up to
-GEMV_MAX_ROWS rows (decode) a GEMV that de-quantizes the blocks in registers and reads them once; more rows
+GEMV_MAX_ROWS rows (decode) a GEMV that reads the blocks once, in the variant the kernel library picks per type
+(variant 0: integer dot products on the activation quantized to 8 bits, or blocks de-quantized in registers,
+whichever measured faster on the CPU kind, docs/benchmarks.md issue 47), except for float32 activations:
+a float32 model multiplies the activation as it is (blocks de-quantized in registers), so that its products
+stay the exact float products of the de-quantized weights; more rows
 (prefill) de-quantize GEMM_TILE_ROWS output rows at a time into a bf16/float32 tile for torch's GEMM. In
 batch-invariant mode every row count takes the GEMV, whose rows are independent by construction. Without
 kernels, the plain-torch de-quantizer (gguf_blocks) and F.linear compute the same product.
@@ -30,11 +34,14 @@ _INVARIANT_MIN_ROWS = 16
 
 
 class GGUFKernels(NamedTuple):
-    """The compiled ops (paged_kernels.gguf_ops()): `gemv(x f32 [T, K], blocks, type, variant) -> [T, N]` f32,
-    `dequantize(blocks, type, K) -> [R, K]` f32."""
+    """The compiled ops (paged_kernels.gguf_ops()): `gemv(x f32 [T, K], blocks, type, variant) -> [T, N]` f32
+    (variant 0: the build's choice for the type; paged_kernels.GGUF_VARIANT_NAMES), `dequantize(blocks, type, K)
+    -> [R, K]` f32."""
 
     gemv: object
     dequantize: object
+    # (type, K, int8_activations) -> the variant to run (paged_kernels.gguf_best_variant); None: variant 0
+    best_variant: object = None
 
 
 class GGUFWeight(QuantizedWeight):
@@ -48,6 +55,7 @@ class GGUFWeight(QuantizedWeight):
         self.register_buffer("blocks", blocks, persistent=False)
         self.fmt = fmt
         self.kernels: Optional[GGUFKernels] = None
+        self._variants: dict[bool, int] = {}   # int8 activations? -> GEMV variant (one per build)
 
     def extra_repr(self) -> str:
         return f"{self.fmt.name}, in_features={self.in_features}, out_features={self.out_features}"
@@ -79,8 +87,17 @@ class GGUFWeight(QuantizedWeight):
         """x `[T, in]` -> `x @ W.T` `[T, out]` in x's dtype."""
         rows = x.shape[0]
         if self._compiled(x) and (self.batch_invariant or rows <= GEMV_MAX_ROWS):
-            return self.kernels.gemv(x.float().contiguous(), self.blocks, self.fmt.type_id, 0).to(x.dtype)
+            variant = self._gemv_variant(int8_activations=x.dtype != torch.float32)
+            return self.kernels.gemv(x.float().contiguous(), self.blocks, self.fmt.type_id, variant).to(x.dtype)
         return self._forward_tiles(x, compiled=self._compiled(x))
+
+    def _gemv_variant(self, int8_activations: bool) -> int:
+        """The GEMV variant for this weight's type and width: the fastest, or the fastest on the float activation."""
+        if int8_activations not in self._variants:
+            best = self.kernels.best_variant if self.kernels is not None else None
+            self._variants[int8_activations] = 0 if best is None else int(
+                best(self.fmt.type_id, self.in_features, int8_activations))
+        return self._variants[int8_activations]
 
     def _forward_tiles(self, x: torch.Tensor, compiled: bool) -> torch.Tensor:
         """The product as GEMMs over de-quantized tiles of output rows."""
@@ -136,3 +153,4 @@ def use_gguf_kernels(model: nn.Module, kernels: Optional[GGUFKernels]) -> None:
     for module in model.modules():
         if isinstance(module, GGUFWeight):
             module.kernels = kernels
+            module._variants.clear()
