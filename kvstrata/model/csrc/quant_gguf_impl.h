@@ -330,22 +330,18 @@ QG_INLINE qfloat spread32(float a, float b) {
 #endif
 }
 
-// Lane scales of a step from the int8 scales of its 16-value groups (Q6_K) at p, times d.
+// Lane scales of a step from the int8 scales of its 16-value groups (Q6_K) at p, times d: lane i's scale
+// byte is moved to the top of its 32-bit lane and shifted back down with its sign (no byte conversions).
 QG_INLINE qfloat spread16(const uint8_t* p, float d) {
+  uint32_t bytes = 0;
+  __builtin_memcpy(&bytes, p, STEP / 16);
 #if QG_STEP == 64
-  typedef uint8_t group_scales __attribute__((vector_size(4)));
-  group_scales v;
-  __builtin_memcpy(&v, p, 4);
-  v ^= 0x80;   // int8 as unsigned + 128: GCC 12 scalarizes the signed-byte conversion
-  const auto lanes = __builtin_shufflevector(v, v, 0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3);
+  const qint up = {24, 24, 24, 24, 16, 16, 16, 16, 8, 8, 8, 8, 0, 0, 0, 0};
 #else
-  typedef uint8_t group_scales __attribute__((vector_size(2)));
-  group_scales v;
-  __builtin_memcpy(&v, p, 2);
-  v ^= 0x80;
-  const auto lanes = __builtin_shufflevector(v, v, 0, 0, 0, 0, 1, 1, 1, 1);
+  const qint up = {24, 24, 24, 24, 16, 16, 16, 16};
 #endif
-  return __builtin_convertvector(__builtin_convertvector(lanes, qint) - 128, qfloat) * d;
+  const qint lanes = (qint{} + static_cast<int32_t>(bytes)) << up;
+  return __builtin_convertvector(lanes >> 24, qfloat) * d;
 }
 
 #if defined(QG_DOT_VNNI512)
