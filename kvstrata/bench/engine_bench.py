@@ -153,8 +153,8 @@ def bench_kvstrata(args, deterministic: bool = False, **overrides) -> dict:
 
 def bench_tp(args, deterministic: bool, **overrides) -> dict:
     """--tp-size N with --threads / N threads per rank, against TP=1 with --threads (measured just before)."""
-    return bench_kvstrata(args, deterministic, tp_size=args.tp_size, num_threads=max(1, args.threads // args.tp_size),
-                          **overrides)
+    return bench_kvstrata(args, deterministic, tp_size=args.tp_size, ep_size=args.ep_size,
+                          num_threads=max(1, args.threads // args.tp_size), **overrides)
 
 
 def tp_ratios(tp: dict, one: dict) -> dict:
@@ -222,6 +222,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tp-size", type=int, default=1,
                    help="also measure tensor parallelism: N ranks with --threads / N threads each (cores split "
                         "evenly), next to one process with --threads; prints rank 0's time in collectives")
+    p.add_argument("--ep-size", type=int, default=1,
+                   help="with --tp-size N on an MoE model (e.g. bench-moe): N splits its experts across the ranks")
     p.add_argument("--enable-deterministic-inference", action="store_true",
                    help="also measure the batch-invariant mode, side by side")
     p.add_argument("--enable-hierarchical-cache", action="store_true",
