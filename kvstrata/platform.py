@@ -69,6 +69,11 @@ def cpu_has_avx512_bf16() -> bool:
     return "avx512_bf16" in cpu_flags()
 
 
+def cpu_has_avx512_vnni() -> bool:
+    """AVX-512 VNNI int8 dot products: the GGUF GEMV's 8-bit-activation variant (Ice Lake / Zen 4 on)."""
+    return {"avx512_vnni", "avx512bw"} <= cpu_flags()
+
+
 def cpu_has_amx() -> bool:
     """AMX tiles with bf16 (Intel Xeon, Sapphire Rapids on)."""
     return {"amx_tile", "amx_bf16"} <= cpu_flags()

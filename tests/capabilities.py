@@ -87,6 +87,7 @@ CAPABILITIES = {c.name: c for c in (
     Capability("avx2", platform.cpu_has_avx2, "AVX2 + FMA"),
     Capability("avx512f", platform.cpu_has_avx512f, "AVX-512F"),
     Capability("avx512_bf16", platform.cpu_has_avx512_bf16, "AVX-512 BF16"),
+    Capability("avx512_vnni", platform.cpu_has_avx512_vnni, "AVX-512 VNNI (with BW)"),
     Capability("amx", platform.cpu_has_amx, "AMX tiles with bf16"),
     Capability("onednn_bf16_reorder", _onednn_bf16_reorder,
                "oneDNN's bf16 weight reorder (AVX-512 BW/VL/DQ or AVX-NE-CONVERT, and a torch with oneDNN)"),
@@ -114,6 +115,7 @@ requires_x86_64 = requires("x86_64")
 requires_avx2 = requires("avx2")
 requires_avx512f = requires("avx512f")
 requires_avx512_bf16 = requires("avx512_bf16")
+requires_avx512_vnni = requires("avx512_vnni")
 requires_amx = requires("amx")
 requires_onednn_bf16_reorder = requires("onednn_bf16_reorder")
 requires_cpu_kernels = requires("cpu_kernels")

@@ -18,6 +18,7 @@ BENCHMARKS["make-dataset"] = "kvstrata.bench.make_dataset"   # a ShareGPT-format
 BENCHMARKS["cache-scale"] = "kvstrata.bench.cache_scale"     # cache CPU per step: small vs seed-sized tree
 BENCHMARKS["quality"] = "kvstrata.bench.quality"   # perplexity and greedy agreement per KV cache dtype
 BENCHMARKS["tp-collectives"] = "kvstrata.bench.tp_collectives"   # all-reduce / all-gather: gloo vs shm
+BENCHMARKS["gguf-kernels"] = "kvstrata.bench.gguf_kernels"   # the GGUF decode GEMV, every variant per type
 
 
 def main(argv: list[str]) -> int:

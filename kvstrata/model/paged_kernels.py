@@ -221,12 +221,28 @@ def gguf_ops():
 
     if not _loaded():
         return None
-    return GGUFKernels(torch.ops.kvstrata.gguf_gemv, torch.ops.kvstrata.gguf_dequantize)
+    return GGUFKernels(torch.ops.kvstrata.gguf_gemv, torch.ops.kvstrata.gguf_dequantize, gguf_best_variant)
 
 
-def gguf_variants() -> list[int]:
-    """The instruction-set variants of the GGUF GEMV in this build (1 portable, 2 AVX2, 3 AVX-512), or []."""
-    return list(torch.ops.kvstrata.gguf_variants()) if _loaded() else []
+# The GGUF GEMV's variants (quant_gguf.cpp): blocks de-quantized in registers, or activations quantized to 8
+# bits for integer dot products; 0 asks for the faster of the two on this build, per type.
+GGUF_VARIANT_NAMES = {1: "portable", 2: "avx2", 3: "avx512", 4: "q8-portable", 5: "q8-avx2", 6: "q8-avx512-vnni"}
+GGUF_Q8_VARIANTS = frozenset({4, 5, 6})
+
+
+def gguf_variants(type_id: Optional[int] = None) -> list[int]:
+    """The variants of the GGUF GEMV in this build (GGUF_VARIANT_NAMES), those serving ggml type `type_id` if
+    given, or []."""
+    if not _loaded():
+        return []
+    ops = torch.ops.kvstrata
+    return list(ops.gguf_variants() if type_id is None else ops.gguf_type_variants(type_id))
+
+
+def gguf_best_variant(type_id: int, in_features: int, int8_activations: bool = True) -> int:
+    """The fastest variant for ggml type `type_id` and `in_features` values per row (what variant 0 runs), or
+    without `int8_activations` the fastest that multiplies the float activation as given (0 where unbuilt)."""
+    return int(torch.ops.kvstrata.gguf_best_variant(type_id, in_features, int8_activations)) if _loaded() else 0
 
 
 if __name__ == "__main__":   # `python -m kvstrata.model.paged_kernels`: build (or find) the kernel now

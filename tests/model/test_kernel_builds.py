@@ -122,6 +122,20 @@ CHECK = textwrap.dedent("""
     rotation = RotaryEmbedding(64, 10000.0, None, 64).rotation(torch.arange(7) * 50, 300, torch.bfloat16)
     qk = torch.randn(7, 12 * 64, generator=g).bfloat16()[:, :640].view(7, 10, 64)
     assert torch.equal(paged_kernels.rope_op()(qk, rotation.cos, rotation.signed_sin), apply_rotary(qk, rotation))
+    # the GGUF GEMV (quant_gguf.cpp): every variant of this build, de-quantizing in registers or with 8-bit
+    # activations (AVX2 maddubs; AVX-512 VNNI where the target has it), against torch
+    from kvstrata.model.quant.gguf_blocks import FORMATS, dequantize_rows, quantize_activation_q8
+    from tests.model.gguf_blocks_gen import random_rows
+    gguf = paged_kernels.gguf_ops()
+    assert {1, 2, 4, 5} <= set(paged_kernels.gguf_variants())
+    for fmt in (f for f in FORMATS.values() if f.name in ("Q8_0", "Q4_K", "Q6_K")):
+        raw = torch.from_numpy(random_rows(fmt.name, 20, 512))
+        w = dequantize_rows(raw, fmt, 512).double()
+        x = torch.randn(3, 512, generator=g)
+        for variant in paged_kernels.gguf_variants(fmt.type_id):
+            xr = quantize_activation_q8(x) if variant in paged_kernels.GGUF_Q8_VARIANTS else x
+            err = (gguf.gemv(x, raw, fmt.type_id, variant).double() - xr.double() @ w.T).abs()
+            assert (err <= 1e-5 * (xr.double().abs() @ w.abs().T) + 1e-7).all(), (fmt.name, variant)
     print("ok")
 """)
 

@@ -4,6 +4,11 @@
 //   are de-quantized in registers and multiplied into every input row: the weight is read once per product
 //   (decode is a stream over it). Row-invariant (quant_gguf_impl.h), so deterministic mode runs every
 //   product through it.
+// The same product with 8-bit activations (variants Q8_*): each input row is quantized to int8 in blocks of 32
+//   (scale max|x| / 127, rounded to nearest even: QuantizedRows below; gguf_blocks.quantize_activation_q8 is the
+//   torch reference) and multiplied with the blocks in integer dot products (AVX-512 VNNI, AVX2, portable C),
+//   as llama.cpp does. Also row-invariant. BEST picks, per type, the faster of the two ways on this build
+//   (best_variant, measured in docs/benchmarks.md).
 // gguf_dequantize(blocks [R, row_bytes], type, K) -> [R, K] float32: the tiles of a prefill's GEMM, and
 //   embedding rows.
 //
@@ -17,6 +22,12 @@
 #include <ATen/ops/empty.h>
 #include <torch/library.h>
 
+#if defined(__x86_64__) || defined(__i386__)
+#include <immintrin.h>   // F16C, AVX2 and AVX-512 VNNI intrinsics of the variants below
+#endif
+
+#include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <vector>
@@ -42,24 +53,48 @@ inline int64_t type_size(int type) {
   }
 }
 
+// Input rows quantized to int8 for the 8-bit GEMV: per row, k values q, and per 32-bit lane (4 values) the
+// scale of the value's 32-block (dxl) and -offset x the lane's sum of q (off: the weight type's integer
+// offset, exact); per 32-block its scale x its sum of q (xs: the min terms).
+struct Q8Act {
+  const int8_t* q;       // [rows, k]
+  const float* dxl;      // [rows, k / 4]
+  const int32_t* off;    // [rows, k / 4]
+  const float* xs;       // [rows, k / 32]
+  int64_t k;
+};
+
+// F16C's scale conversion in the AVX variants (`#pragma GCC target` does not undefine __F16C__ where it
+// turns AVX off, so the portable variant must not see it)
+#if defined(__F16C__)
+#define QG_F16C 1
+#endif
+
 #if defined(__AVX512F__) && defined(__GNUC__)
 #define QG_HAS_AVX512 1
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+#define QG_HAS_VNNI512 1
+#define QG_DOT_VNNI512 1
+#endif
 namespace avx512 {
 #define QG_LANES 16
 #include "quant_gguf_impl.h"
 #undef QG_LANES
 }  // namespace avx512
+#undef QG_DOT_VNNI512
 #endif
 
 #if defined(__AVX2__) && defined(__FMA__) && defined(__GNUC__)
 #define QG_HAS_AVX2 1
 #pragma GCC push_options
 #pragma GCC target("no-avx512f")
+#define QG_DOT_MADDUBS 1
 namespace avx2 {
 #define QG_LANES 8
 #include "quant_gguf_impl.h"
 #undef QG_LANES
 }  // namespace avx2
+#undef QG_DOT_MADDUBS
 #pragma GCC pop_options
 #endif
 
@@ -67,33 +102,64 @@ namespace avx2 {
 #pragma GCC push_options
 #pragma GCC target("no-avx")
 #endif
+#undef QG_F16C
+#define QG_DOT_SCALAR 1
 namespace portable {
 #define QG_LANES 4
 #include "quant_gguf_impl.h"
 #undef QG_LANES
 }  // namespace portable
+#undef QG_DOT_SCALAR
 #if defined(__GNUC__) && (defined(__x86_64__) || defined(__i386__))
 #pragma GCC pop_options
 #endif
 
-enum Variant : int64_t { BEST = 0, PORTABLE = 1, AVX2 = 2, AVX512 = 3 };
+// Variants 1-3 de-quantize the blocks in registers; 4-6 quantize the activation to 8 bits.
+enum Variant : int64_t { BEST = 0, PORTABLE = 1, AVX2 = 2, AVX512 = 3, Q8_PORTABLE = 4, Q8_AVX2 = 5, Q8_VNNI512 = 6 };
 
 using GemvFn = void (*)(int, const float*, int64_t, int64_t, const uint8_t*, int64_t, int64_t, int64_t, float*,
                         int64_t, float*);
+using Q8Fn = void (*)(int, const Q8Act&, int64_t, const uint8_t*, int64_t, int64_t, int64_t, float*, int64_t,
+                      float*);
+
+struct Q8Kernel {
+  Q8Fn fn;
+  int64_t step;          // values per step: k must be a multiple
+  int (*offset)(int);    // the integer offset of each type's weight bytes (q8_offset)
+};
+
+bool is_q8(int64_t variant) { return variant >= Q8_PORTABLE; }
 
 std::vector<int64_t> variants() {
-  std::vector<int64_t> out{PORTABLE};
+  std::vector<int64_t> out{PORTABLE, Q8_PORTABLE};
 #ifdef QG_HAS_AVX2
   out.push_back(AVX2);
+  out.push_back(Q8_AVX2);
 #endif
 #ifdef QG_HAS_AVX512
   out.push_back(AVX512);
 #endif
+#ifdef QG_HAS_VNNI512
+  out.push_back(Q8_VNNI512);
+#endif
+  std::sort(out.begin(), out.end());
+  return out;
+}
+
+bool has_q8_kernel(int type) {
+  return type == Q8_0 || type == Q4_0 || type == Q4_1 || type == Q4_K || type == Q5_K || type == Q6_K;
+}
+
+// The variants that serve `type` (every de-quantizing one; the 8-bit ones where they have its kernel).
+std::vector<int64_t> type_variants(int64_t type) {
+  std::vector<int64_t> out;
+  for (int64_t v : variants()) {
+    if (!is_q8(v) || has_q8_kernel(static_cast<int>(type))) out.push_back(v);
+  }
   return out;
 }
 
 GemvFn gemv_for(int64_t variant) {
-  if (variant == BEST) variant = variants().back();
   switch (variant) {
 #ifdef QG_HAS_AVX512
     case AVX512: return &avx512::gemv;
@@ -104,6 +170,33 @@ GemvFn gemv_for(int64_t variant) {
     case PORTABLE: return &portable::gemv;
     default: TORCH_CHECK(false, "gguf_gemv: variant ", variant, " is not in this build");
   }
+}
+
+Q8Kernel q8_for(int64_t variant) {
+  switch (variant) {
+#ifdef QG_HAS_VNNI512
+    case Q8_VNNI512: return {&avx512::gemv_q8, avx512::STEP, &avx512::q8_offset};
+#endif
+#ifdef QG_HAS_AVX2
+    case Q8_AVX2: return {&avx2::gemv_q8, avx2::STEP, &avx2::q8_offset};
+#endif
+    case Q8_PORTABLE: return {&portable::gemv_q8, portable::STEP, &portable::q8_offset};
+    default: TORCH_CHECK(false, "gguf_gemv: variant ", variant, " is not in this build");
+  }
+}
+
+// The widest build of the faster way for `type` (docs/benchmarks.md, issue 47): 8-bit activations where they
+// have the type's kernel and k fits their step (unless `int8_activations` is false: float32 products on the
+// exact activation), else de-quantizing in registers. BEST (variant 0) is best_variant(type, k, true).
+int64_t best_variant(int type, int64_t k, bool int8_activations) {
+  const std::vector<int64_t> all = variants();
+  for (auto it = all.rbegin(); it != all.rend() && int8_activations; ++it) {
+    if (is_q8(*it) && has_q8_kernel(type) && k % q8_for(*it).step == 0) return *it;
+  }
+  for (auto it = all.rbegin(); it != all.rend(); ++it) {
+    if (!is_q8(*it)) return *it;
+  }
+  return PORTABLE;
 }
 
 void check_blocks(const at::Tensor& blocks, int64_t type, int64_t k) {
@@ -117,21 +210,74 @@ void check_blocks(const at::Tensor& blocks, int64_t type, int64_t k) {
 
 constexpr int64_t GRAIN = 16;   // output rows per task
 
+// Input rows quantized for the 8-bit GEMV, in buffers this object owns.
+struct QuantizedRows {
+  std::vector<int8_t> q;
+  std::vector<float> dxl, xs;
+  std::vector<int32_t> off;
+
+  // x [rows, k] float32; `offset`: the weight type's integer offset (q8_offset).
+  QuantizedRows(const float* x, int64_t rows, int64_t k, int offset)
+      : q(rows * k), dxl(rows * k / 4), xs(rows * k / 32), off(rows * k / 4) {
+    // the rows' blocks of 32 back to back (threads split them: deterministic mode quantizes whole prompts)
+    at::parallel_for(0, rows * k / 32, 256, [&](int64_t g0, int64_t g1) {
+      for (int64_t g = g0; g < g1; ++g) quantize_block(x, g, offset);
+    });
+  }
+  Q8Act act(int64_t k) const { return {q.data(), dxl.data(), off.data(), xs.data(), k}; }
+
+ private:
+  void quantize_block(const float* x, int64_t g, int offset) {
+    const float* xg = x + 32 * g;
+    float amax = 0.0f;
+    for (int i = 0; i < 32; ++i) amax = std::max(amax, std::fabs(xg[i]));
+    const float d = amax / 127.0f;
+    const float id = d != 0.0f ? 1.0f / d : 0.0f;
+    int32_t sum = 0;
+    for (int lane = 0; lane < 8; ++lane) {
+      int32_t lane_sum = 0;
+      for (int i = 4 * lane; i < 4 * lane + 4; ++i) {
+        const int32_t v = static_cast<int32_t>(std::nearbyint(xg[i] * id));   // |v| <= 127; to nearest even
+        q[32 * g + i] = static_cast<int8_t>(v);
+        lane_sum += v;
+      }
+      dxl[8 * g + lane] = d;
+      off[8 * g + lane] = -offset * lane_sum;
+      sum += lane_sum;
+    }
+    xs[g] = d * static_cast<float>(sum);
+  }
+};
+
 at::Tensor gguf_gemv(const at::Tensor& x, const at::Tensor& blocks, int64_t type, int64_t variant) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(), "gguf_gemv: x must be [T, K] float32");
   const int64_t rows = x.size(0), k = x.size(1), n = blocks.size(0);
   check_blocks(blocks, type, k);
-  const GemvFn fn = gemv_for(variant);
+  if (variant == BEST) variant = best_variant(static_cast<int>(type), k, true);
   at::Tensor out = at::empty({rows, n}, x.options());
   const float* xp = x.data_ptr<float>();
   const uint8_t* wp = blocks.data_ptr<uint8_t>();
   float* op = out.data_ptr<float>();
   const int64_t row_bytes = blocks.size(1);
-  at::parallel_for(0, n, GRAIN, [&](int64_t n0, int64_t n1) {
-    // per task: rows x 4 accumulators of up to 16 floats, 64-byte aligned
+  // per task: rows x 4 accumulators of up to 16 floats (the 8-bit GEMV: 2 + 1 float), 64-byte aligned
+  const auto with_scratch = [rows](auto&& body) {
     std::vector<float> scratch(static_cast<size_t>(rows * 4 * 16 + 16));
-    float* aligned = reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(scratch.data()) + 63) & ~uintptr_t(63));
-    fn(static_cast<int>(type), xp, rows, k, wp, row_bytes, n0, n1, op, n, aligned);
+    body(reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(scratch.data()) + 63) & ~uintptr_t(63)));
+  };
+  if (is_q8(variant)) {
+    const Q8Kernel kernel = q8_for(variant);
+    TORCH_CHECK(has_q8_kernel(static_cast<int>(type)), "gguf_gemv: the 8-bit variants have no kernel for type ", type);
+    TORCH_CHECK(k % kernel.step == 0, "gguf_gemv: variant ", variant, " needs K a multiple of ", kernel.step);
+    const QuantizedRows quantized(xp, rows, k, kernel.offset(static_cast<int>(type)));
+    const Q8Act act = quantized.act(k);
+    at::parallel_for(0, n, GRAIN, [&](int64_t n0, int64_t n1) {
+      with_scratch([&](float* scratch) { kernel.fn(static_cast<int>(type), act, rows, wp, row_bytes, n0, n1, op, n, scratch); });
+    });
+    return out;
+  }
+  const GemvFn fn = gemv_for(variant);
+  at::parallel_for(0, n, GRAIN, [&](int64_t n0, int64_t n1) {
+    with_scratch([&](float* scratch) { fn(static_cast<int>(type), xp, rows, k, wp, row_bytes, n0, n1, op, n, scratch); });
   });
   return out;
 }
@@ -162,4 +308,7 @@ TORCH_LIBRARY_FRAGMENT(kvstrata, m) {
   m.def("gguf_dequantize(Tensor blocks, int type, int k) -> Tensor");
   m.impl("gguf_dequantize", c10::DispatchKey::CPU, TORCH_FN(kvstrata_gguf::gguf_dequantize));
   m.def("gguf_variants() -> int[]", [] { return kvstrata_gguf::variants(); });
+  m.def("gguf_type_variants(int type) -> int[]", [](int64_t type) { return kvstrata_gguf::type_variants(type); });
+  m.def("gguf_best_variant(int type, int k, bool int8_activations) -> int",
+        [](int64_t type, int64_t k, bool int8) { return kvstrata_gguf::best_variant(static_cast<int>(type), k, int8); });
 }

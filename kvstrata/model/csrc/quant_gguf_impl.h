@@ -22,25 +22,63 @@ constexpr int NACC = 4;   // accumulators per input row: independent FMA chains
 QG_INLINE vfloat load_f(const float* p) { vfloat v; __builtin_memcpy(&v, p, sizeof v); return v; }
 QG_INLINE vbyte load_b(const uint8_t* p) { vbyte v; __builtin_memcpy(&v, p, sizeof v); return v; }
 QG_INLINE vfloat splat(float s) { return vfloat{} + s; }
-// Bytes are widened to 32-bit lanes before any shift or mask (x86 has no byte shifts: GCC scalarizes them on
-// some targets), and only unsigned bytes are converted (GCC 12 scalarizes the signed-byte conversion): signed
-// values are stored or computed with an offset that the caller subtracts, exactly, in float.
+// Only unsigned bytes are converted (GCC 12 scalarizes the signed-byte conversion): signed values are stored
+// or computed with an offset that the caller subtracts, exactly, in float.
 QG_INLINE vint widen(const uint8_t* p) { return __builtin_convertvector(load_b(p), vint); }
 QG_INLINE vfloat to_f(vint v) { return __builtin_convertvector(v, vfloat); }
 
+// 64-bit (32-bit for 4-byte vectors) words over a vector of `BYTES` bytes: x86 has no byte shifts, so bit
+// fields of packed bytes are cut out with word shifts and a per-byte mask (see shr_mask).
+template <int BYTES> struct Words;
+template <> struct Words<4> { typedef uint32_t elem; typedef elem type __attribute__((vector_size(4))); };
+template <> struct Words<8> { typedef uint64_t elem; typedef elem type __attribute__((vector_size(8))); };
+template <> struct Words<16> { typedef uint64_t elem; typedef elem type __attribute__((vector_size(16))); };
+template <> struct Words<32> { typedef uint64_t elem; typedef elem type __attribute__((vector_size(32))); };
+template <> struct Words<64> { typedef uint64_t elem; typedef elem type __attribute__((vector_size(64))); };
+
+// (v >> shift) & mask in every byte of the byte vector v, by one shift of whole words: with shift + the mask's
+// width <= 8 no bit of a neighbouring byte survives the mask. One uniform shift for all the bytes, whatever
+// the ISA (a byte-vector shift is emulated, and scalarized by GCC 12 on some targets).
+template <typename V>
+QG_INLINE V shr_mask(V v, int shift, unsigned mask) {
+  typedef Words<sizeof(V)> W;
+  const typename W::type w = (typename W::type)v;   // a vector cast: the same bits
+  return (V)((w >> shift) & static_cast<typename W::elem>(0x0101010101010101ull * mask));
+}
+
+// v << shift in every byte, for byte values small enough not to overflow (the high bits of Q5 / Q6 values).
+template <typename V>
+QG_INLINE V shl_small(V v, int shift) {
+  typedef Words<sizeof(V)> W;
+  return (V)((typename W::type)v << shift);
+}
+
 // (bytes at p >> shift) & mask, in 32-bit lanes. With 16 lanes (AVX-512BW) shifting the bytes first is
-// faster (measured: Q4_0 / Q4_K / Q6_K GEMVs 3-4x); with 8 or 4 lanes widening first is (Q4_K 1.5x).
-QG_INLINE vint bits(const uint8_t* p, int shift, int mask) {
+// faster (measured: Q4_0 / Q4_K GEMVs 3-4x); with 8 or 4 lanes widening first is (Q4_K 1.5x).
+QG_INLINE vint bits(const uint8_t* p, int shift, unsigned mask) {
 #if QG_LANES == 16
   return __builtin_convertvector(static_cast<vbyte>((load_b(p) >> shift) & static_cast<uint8_t>(mask)), vint);
 #else
-  return (widen(p) >> shift) & mask;
+  return (widen(p) >> shift) & static_cast<int>(mask);
 #endif
 }
+
+// (bytes at p >> shift) & mask as bytes, by word shifts (shr_mask): the high bits of Q5_K / Q6_K values are
+// joined to the low ones as bytes, and the value widened once (measured: their GEMVs 2-3x faster than
+// widening both parts; the same word shift alone, then widened, is scalarized by GCC 12: see bits()).
+QG_INLINE vbyte byte_bits(const uint8_t* p, int shift, unsigned mask) { return shr_mask(load_b(p), shift, mask); }
+QG_INLINE vint widen_b(vbyte b) { return __builtin_convertvector(b, vint); }
 
 QG_INLINE float half_to_float(const uint8_t* p) {   // IEEE binary16, exact (normals, subnormals, inf, NaN)
   uint16_t h;
   __builtin_memcpy(&h, p, 2);
+#ifdef QG_F16C
+  // One instruction: the scales of 32-value blocks are a large part of their work. GCC's builtin, not the
+  // intrinsic: the intrinsics carry the file's target options (-march=native), which the AVX2 region's
+  // `#pragma GCC target` narrows, and GCC refuses to inline a wider function into a narrower one.
+  typedef short half8 __attribute__((vector_size(16)));
+  return __builtin_ia32_vcvtph2ps(half8{static_cast<short>(h), 0, 0, 0, 0, 0, 0, 0})[0];
+#else
   const uint32_t sign = static_cast<uint32_t>(h & 0x8000) << 16;
   const uint32_t exp = (h >> 10) & 0x1F, man = h & 0x3FF;
   if (exp == 0) {   // zero or subnormal: man * 2^-24, exact
@@ -51,6 +89,7 @@ QG_INLINE float half_to_float(const uint8_t* p) {   // IEEE binary16, exact (nor
   float f;
   __builtin_memcpy(&f, &bits, 4);
   return f;
+#endif
 }
 
 // The lane's bit of a little-endian bit field: lane i of the result is bit (first + i) of `bits`, as 0 / 16.
@@ -141,8 +180,12 @@ QG_INLINE void block_qk(const uint8_t* b, int64_t at, const Sink& r) {
   for (int s = 0; s < 8; ++s) {
     for (int c = 0; c < 32 / LANES; ++c) {
       const int l = c * LANES;
-      vint q = bits(qs + 32 * (s / 2) + l, (s % 2) * 4, 0x0F);
-      if (HIGH) q |= bits(qh + l, s, 1) << 4;
+      vint q;
+      if (HIGH) {   // the fifth bit, joined before widening
+        q = widen_b(byte_bits(qs + 32 * (s / 2) + l, (s % 2) * 4, 0x0F) | shl_small(byte_bits(qh + l, s, 1), 4));
+      } else {
+        q = bits(qs + 32 * (s / 2) + l, (s % 2) * 4, 0x0F);
+      }
       r.fma(dsc[s] * to_f(q) - dmn[s], at + 32 * s + l, c % NACC);
     }
   }
@@ -156,9 +199,9 @@ QG_INLINE void block_q6_k(const uint8_t* b, int64_t at, const Sink& r) {
   const int8_t* scales = reinterpret_cast<const int8_t*>(b + 192);
   for (int v0 = 0; v0 < 256; v0 += LANES) {
     const int h = v0 / 128, rr = v0 % 128;
-    const vint low = bits(b + 64 * h + rr % 64, (rr / 64) * 4, 0x0F);
-    const vint high = bits(b + 128 + 32 * h + rr % 32, 2 * (rr / 32), 3);
-    const vfloat w = (to_f(low | (high << 4)) - 32.0f) * (d * static_cast<float>(scales[v0 / 16]));
+    const vbyte low = byte_bits(b + 64 * h + rr % 64, (rr / 64) * 4, 0x0F);
+    const vbyte high = byte_bits(b + 128 + 32 * h + rr % 32, 2 * (rr / 32), 3);
+    const vfloat w = (to_f(widen_b(low | shl_small(high, 4))) - 32.0f) * (d * static_cast<float>(scales[v0 / 16]));
     r.fma(w, at + v0, (v0 / LANES) % NACC);
   }
 }
@@ -223,5 +266,308 @@ inline void gemv(int type, const float* x, int64_t rows, int64_t k, const uint8_
 inline void dequantize(int type, int64_t k, const uint8_t* w, int64_t row_bytes, int64_t n0, int64_t n1, float* out) {
   for (int64_t j = n0; j < n1; ++j) for_blocks(type, w + j * row_bytes, k, Store{out + (j - n0) * k});
 }
+
+// ---------------------------------------------------------------------------------------------------------
+// The 8-bit-activation GEMV (gemv_q8), where the including file picked a dot product (QG_DOT_*): each input
+// row comes quantized to int8 in blocks of 32 (Q8Act, quant_gguf.cpp), and the weight's blocks meet it in
+// integer dot products, 4 values per 32-bit lane: AVX-512 VNNI's vpdpbusd (u8 x s8 summed into s32, no
+// saturation), AVX2's vpmaddubsw + vpmaddwd (pairs summed to s16 first: the unsigned weights stay <= 63 and
+// |x| <= 127, so no pair saturates; Q8_0's signed weights go in as |w| times x with w's sign), or plain C.
+// Each lane's sum is scaled once, in float32, by (weight scale x activation scale). Offsets (Q4_0's -8, Q6_K's
+// -32, Q8_0's +128 on VNNI) are exact integer terms prepared with the activation (Q8Act::off); mins (Q4_1,
+// Q4_K, Q5_K) are float terms over the activation's block sums (Q8Act::xs). Weight bytes are unpacked once
+// per step and used by every input row.
+#if defined(QG_DOT_VNNI512) || defined(QG_DOT_MADDUBS) || defined(QG_DOT_SCALAR)
+
+#if QG_LANES == 16
+#define QG_STEP 64
+#else
+#define QG_STEP 32
+#endif
+constexpr int STEP = QG_STEP;          // values per step: 4 per 32-bit lane
+constexpr int PIECES = QG_STEP / 32;   // 32-value pieces (blocks, K-quant sub-blocks) per step
+typedef uint8_t qbytes __attribute__((vector_size(QG_STEP)));
+typedef int32_t qint __attribute__((vector_size(QG_STEP)));
+typedef float qfloat __attribute__((vector_size(QG_STEP)));
+typedef uint8_t b16 __attribute__((vector_size(16)));
+typedef uint8_t b32 __attribute__((vector_size(32)));
+typedef uint32_t words8 __attribute__((vector_size(32)));
+typedef float floats8 __attribute__((vector_size(32)));
+
+QG_INLINE float sum8(floats8 v) {   // fixed order
+  return ((v[0] + v[1]) + (v[2] + v[3])) + ((v[4] + v[5]) + (v[6] + v[7]));
+}
+
+QG_INLINE qbytes load_qb(const void* p) { qbytes v; __builtin_memcpy(&v, p, sizeof v); return v; }
+QG_INLINE qint load_qi(const int32_t* p) { qint v; __builtin_memcpy(&v, p, sizeof v); return v; }
+QG_INLINE qfloat load_qf(const float* p) { qfloat v; __builtin_memcpy(&v, p, sizeof v); return v; }
+QG_INLINE b16 load16(const uint8_t* p) { b16 v; __builtin_memcpy(&v, p, sizeof v); return v; }
+QG_INLINE b32 load32(const uint8_t* p) { b32 v; __builtin_memcpy(&v, p, sizeof v); return v; }
+
+#define QG_I4(n) n, n + 1, n + 2, n + 3
+#define QG_I16(n) QG_I4(n), QG_I4(n + 4), QG_I4(n + 8), QG_I4(n + 12)
+#define QG_I32(n) QG_I16(n), QG_I16(n + 16)
+QG_INLINE b32 cat16(b16 a, b16 b) { return __builtin_shufflevector(a, b, QG_I32(0)); }
+
+// The weight bytes of one step from its 32-value pieces (b unused where a step is one piece).
+QG_INLINE qbytes step_of(b32 a, b32 b) {
+#if QG_STEP == 64
+  return __builtin_shufflevector(a, b, QG_I32(0), QG_I32(32));
+#else
+  (void)b;
+  return a;
+#endif
+}
+
+// Lane scales of a step whose pieces have scales a (and b): one per 32 values.
+QG_INLINE qfloat spread32(float a, float b) {
+#if QG_STEP == 64
+  const qint lane = {QG_I16(0)};
+  return lane < 8 ? qfloat{} + a : qfloat{} + b;
+#else
+  (void)b;
+  return qfloat{} + a;
+#endif
+}
+
+// Lane scales of a step from the int8 scales of its 16-value groups (Q6_K) at p, times d: lane i's scale
+// byte is moved to the top of its 32-bit lane and shifted back down with its sign (no byte conversions).
+QG_INLINE qfloat spread16(const uint8_t* p, float d) {
+  uint32_t bytes = 0;
+  __builtin_memcpy(&bytes, p, STEP / 16);
+#if QG_STEP == 64
+  const qint up = {24, 24, 24, 24, 16, 16, 16, 16, 8, 8, 8, 8, 0, 0, 0, 0};
+#else
+  const qint up = {24, 24, 24, 24, 16, 16, 16, 16};
+#endif
+  const qint lanes = (qint{} + static_cast<int32_t>(bytes)) << up;
+  return __builtin_convertvector(lanes >> 24, qfloat) * d;
+}
+
+#if defined(QG_DOT_VNNI512)
+constexpr int Q8_0_OFFSET = 128;   // Q8_0's signed weights go in as w + 128
+QG_INLINE qint dot_u8(qint acc, qbytes w, qbytes x) {
+  return (qint)_mm512_dpbusd_epi32((__m512i)acc, (__m512i)w, (__m512i)x);
+}
+QG_INLINE qint dot_s8(qint acc, qbytes w, qbytes x) { return dot_u8(acc, w ^ 0x80, x); }
+#elif defined(QG_DOT_MADDUBS)
+// GCC's builtins rather than the intrinsics, for the reason given at half_to_float.
+constexpr int Q8_0_OFFSET = 0;
+typedef char sbytes __attribute__((vector_size(32)));
+typedef short shorts __attribute__((vector_size(32)));
+QG_INLINE qint pair_sums(sbytes w, sbytes x) {
+  return (qint)__builtin_ia32_pmaddwd256(__builtin_ia32_pmaddubsw256(w, x), shorts{} + 1);
+}
+QG_INLINE qint dot_u8(qint acc, qbytes w, qbytes x) { return acc + pair_sums((sbytes)w, (sbytes)x); }
+QG_INLINE qint dot_s8(qint acc, qbytes w, qbytes x) {
+  return acc + pair_sums(__builtin_ia32_psignb256((sbytes)w, (sbytes)w), __builtin_ia32_psignb256((sbytes)x, (sbytes)w));
+}
+#else
+constexpr int Q8_0_OFFSET = 0;
+template <bool SIGNED>
+QG_INLINE qint dot_c(qint acc, qbytes w, qbytes x) {
+  for (int i = 0; i < STEP / 4; ++i) {
+    int32_t sum = 0;
+    for (int j = 4 * i; j < 4 * i + 4; ++j) {
+      const int32_t wj = SIGNED ? static_cast<int8_t>(w[j]) : w[j];
+      sum += wj * static_cast<int8_t>(x[j]);
+    }
+    acc[i] += sum;
+  }
+  return acc;
+}
+QG_INLINE qint dot_u8(qint acc, qbytes w, qbytes x) { return dot_c<false>(acc, w, x); }
+QG_INLINE qint dot_s8(qint acc, qbytes w, qbytes x) { return dot_c<true>(acc, w, x); }
+#endif
+
+// The integer offset each type's weight bytes carry (the activation's `off` is -offset x its lane sums).
+inline int q8_offset(int type) {
+  switch (type) {
+    case Q8_0: return Q8_0_OFFSET;
+    case Q4_0: return 8;
+    case Q6_K: return 32;
+    default: return 0;
+  }
+}
+
+// The input rows of a product with 8-bit activations; acc: 2 vectors per row, macc: 1 float per row.
+template <int T>
+struct Q8Rows {
+  const Q8Act& a;
+  int64_t n;
+  qfloat* acc;
+  float* macc;
+  QG_INLINE int64_t count() const { return T > 0 ? T : n; }
+  // Values [at, at + STEP) of every row: weight bytes w (signed for Q8_0), lane scales ws.
+  template <bool OFFSET, bool SIGNED>
+  QG_INLINE void step(qbytes w, int64_t at, qfloat ws, int slot) const {
+    const int64_t lanes = a.k / 4;
+    for (int64_t t = 0; t < count(); ++t) {
+      const qbytes x = load_qb(a.q + t * a.k + at);
+      const qint init = OFFSET ? load_qi(a.off + t * lanes + at / 4) : qint{};
+      const qint dot = SIGNED ? dot_s8(init, w, x) : dot_u8(init, w, x);
+      acc[t * 2 + slot] += __builtin_convertvector(dot, qfloat) * (ws * load_qf(a.dxl + t * lanes + at / 4));
+    }
+  }
+  // m times the sum of every row's values in 32-value block g
+  QG_INLINE void min(float m, int64_t g) const {
+    for (int64_t t = 0; t < count(); ++t) macc[t] += m * a.xs[t * (a.k / 32) + g];
+  }
+  // m[i] times the sum of every row's values in 32-value block g + i, for i < 8
+  QG_INLINE void min8(floats8 m, int64_t g) const {
+    for (int64_t t = 0; t < count(); ++t) {
+      floats8 xs;
+      __builtin_memcpy(&xs, a.xs + t * (a.k / 32) + g, sizeof xs);
+      macc[t] += sum8(m * xs);
+    }
+  }
+};
+
+// Q8_0: PIECES blocks from b.
+template <typename Sink>
+QG_INLINE void q8_q8_0(const uint8_t* b, int64_t at, const Sink& r, int slot) {
+  const uint8_t* last = b + (PIECES - 1) * 34;
+  r.template step<(Q8_0_OFFSET != 0), true>(step_of(load32(b + 2), load32(last + 2)), at,
+                                            spread32(half_to_float(b), half_to_float(last)), slot);
+}
+
+// Q4_0 / Q4_1: PIECES blocks from b; value v is nibble (v / 16) of byte v % 16.
+template <bool MIN, typename Sink>
+QG_INLINE void q8_q4(const uint8_t* b, int64_t at, const Sink& r, int slot) {
+  constexpr int size = MIN ? 20 : 18;
+  const uint8_t* last = b + (PIECES - 1) * size;
+  const b16 q0 = load16(b + size - 16), q1 = load16(last + size - 16);
+  const b32 w0 = cat16(shr_mask(q0, 0, 0x0F), shr_mask(q0, 4, 0x0F));
+  const b32 w1 = cat16(shr_mask(q1, 0, 0x0F), shr_mask(q1, 4, 0x0F));
+  r.template step<!MIN, false>(step_of(w0, w1), at, spread32(half_to_float(b), half_to_float(last)), slot);
+  if (MIN) {
+    r.min(half_to_float(b + 2), at / 32);
+    if (PIECES == 2) r.min(half_to_float(last + 2), at / 32 + 1);
+  }
+}
+
+// The 8 six-bit scales and mins of a Q4_K / Q5_K block (ggml's get_scale_min_k4), as floats, by word
+// operations on the 12 packed bytes: scale j < 4 is q[j] & 63, min j < 4 q[j + 4] & 63; for j >= 4 the low
+// four bits come from q[j + 4] (scale: low nibble, min: high nibble), the top two from q[j - 4] (scale) or
+// q[j] (min) >> 6. Each half's 4 bytes are spread over 32-bit lanes by variable shifts, not byte converts.
+QG_INLINE void k_scales_f(const uint8_t* b, floats8* sc, floats8* mn) {
+  uint32_t w0, w1, w2;
+  __builtin_memcpy(&w0, b + 4, 4);
+  __builtin_memcpy(&w1, b + 8, 4);
+  __builtin_memcpy(&w2, b + 12, 4);
+  const uint32_t low6 = 0x3F3F3F3Fu, low4 = 0x0F0F0F0Fu, top2 = 0x03030303u;
+  const uint32_t sc_hi = (w2 & low4) | (((w0 >> 6) & top2) << 4);
+  const uint32_t mn_hi = ((w2 >> 4) & low4) | (((w1 >> 6) & top2) << 4);
+  const words8 shifts = {0, 8, 16, 24, 0, 8, 16, 24};
+  const words8 s8 = {w0 & low6, w0 & low6, w0 & low6, w0 & low6, sc_hi, sc_hi, sc_hi, sc_hi};
+  const words8 m8 = {w1 & low6, w1 & low6, w1 & low6, w1 & low6, mn_hi, mn_hi, mn_hi, mn_hi};
+  *sc = __builtin_convertvector((s8 >> shifts) & 0xFFu, floats8);
+  *mn = __builtin_convertvector((m8 >> shifts) & 0xFFu, floats8);
+}
+
+// Lane scales of the step over sub-blocks s (and s + 1 where a step is two) from the block's 8 scales.
+QG_INLINE qfloat spread_k(floats8 sc, int s) {
+#if QG_STEP == 64
+  const qfloat twice = __builtin_shufflevector(sc, sc, 0, 1, 2, 3, 4, 5, 6, 7, 0, 1, 2, 3, 4, 5, 6, 7);
+  const qint idx = {0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1};
+  return __builtin_shuffle(twice, idx + s);
+#else
+  return __builtin_shuffle(sc, qint{} + s);
+#endif
+}
+
+// Q4_K / Q5_K: sub-block s is nibble (s % 2) of qs[32 (s / 2) ...], Q5_K's fifth bit is bit s of qh[l].
+template <bool HIGH, typename Sink>
+QG_INLINE void q8_qk(const uint8_t* b, int64_t at, const Sink& r) {
+  floats8 sc, mn;
+  k_scales_f(b, &sc, &mn);
+  sc *= half_to_float(b);
+  const uint8_t* qs = b + (HIGH ? 48 : 16);
+  const b32 qh = load32(b + 16);
+#pragma GCC unroll 8
+  for (int s = 0; s < 8; s += PIECES) {
+    b32 w[2];
+    for (int i = 0; i < PIECES; ++i) {
+      const int sb = s + i;
+      w[i] = shr_mask(load32(qs + 32 * (sb / 2)), (sb % 2) * 4, 0x0F);
+      if (HIGH) w[i] |= shl_small(shr_mask(qh, sb, 1), 4);
+    }
+    r.template step<false, false>(step_of(w[0], w[PIECES - 1]), at + 32 * s, spread_k(sc, s), (s / PIECES) % 2);
+  }
+  r.min8(mn * -half_to_float(b + 2), at / 32);
+}
+
+// Q6_K: value 128 h + r is nibble (r / 64) of ql[64 h + r % 64] with bits 2 (r / 32) of qh[32 h + r % 32] on
+// top, minus 32 (the offset), times d * scales[v / 16].
+template <typename Sink>
+QG_INLINE void q8_q6_k(const uint8_t* b, int64_t at, const Sink& r) {
+  const float d = half_to_float(b + 208);
+#pragma GCC unroll 8
+  for (int v0 = 0; v0 < 256; v0 += STEP) {
+    const int h = v0 / 128;
+    const b32 qh = load32(b + 128 + 32 * h);
+    b32 w[2];
+    for (int i = 0; i < PIECES; ++i) {
+      const int r0 = v0 % 128 + 32 * i;
+      w[i] = shr_mask(load32(b + 64 * h + r0 % 64), 4 * (r0 / 64), 0x0F) | shl_small(shr_mask(qh, 2 * (r0 / 32), 3), 4);
+    }
+    r.template step<true, false>(step_of(w[0], w[PIECES - 1]), at + v0, spread16(b + 192 + v0 / 16, d),
+                                 (v0 / STEP) % 2);
+  }
+}
+
+// Every step of one quantized row of k values (k a multiple of STEP).
+template <typename Sink>
+QG_INLINE void q8_blocks(int type, const uint8_t* row, int64_t k, const Sink& r) {
+  switch (type) {
+    case Q8_0: for (int64_t at = 0; at < k; at += STEP) q8_q8_0(row + at / 32 * 34, at, r, (at / STEP) % 2); break;
+    case Q4_0: for (int64_t at = 0; at < k; at += STEP) q8_q4<false>(row + at / 32 * 18, at, r, (at / STEP) % 2); break;
+    case Q4_1: for (int64_t at = 0; at < k; at += STEP) q8_q4<true>(row + at / 32 * 20, at, r, (at / STEP) % 2); break;
+    case Q4_K: for (int64_t at = 0; at < k; at += 256) q8_qk<false>(row + at / 256 * 144, at, r); break;
+    case Q5_K: for (int64_t at = 0; at < k; at += 256) q8_qk<true>(row + at / 256 * 176, at, r); break;
+    case Q6_K: for (int64_t at = 0; at < k; at += 256) q8_q6_k(row + at / 256 * 210, at, r); break;
+    default: break;
+  }
+}
+
+template <int T>
+void gemv_q8_typed(int type, const Q8Act& a, int64_t rows, const uint8_t* w, int64_t row_bytes, int64_t n0,
+                   int64_t n1, float* out, int64_t n, float* scratch) {
+  qfloat local[T > 0 ? 2 * T : 1];
+  float mlocal[T > 0 ? T : 1];
+  qfloat* acc = T > 0 ? local : reinterpret_cast<qfloat*>(scratch);
+  float* macc = T > 0 ? mlocal : reinterpret_cast<float*>(acc + 2 * rows);
+  const Q8Rows<T> r{a, rows, acc, macc};
+  for (int64_t j = n0; j < n1; ++j) {
+    for (int64_t i = 0; i < r.count(); ++i) {
+      acc[2 * i] = acc[2 * i + 1] = qfloat{};
+      macc[i] = 0.0f;
+    }
+    q8_blocks(type, w + j * row_bytes, a.k, r);
+    for (int64_t t = 0; t < r.count(); ++t) {   // fixed order: the two accumulators, lanes, then the mins
+      const qfloat s = acc[2 * t] + acc[2 * t + 1];
+      float total = 0.0f;
+      for (int i = 0; i < STEP / 4; ++i) total += s[i];
+      out[t * n + j] = total + macc[t];
+    }
+  }
+}
+
+// out[t, j] = sum_k x[t, k] * W[j, k] with x quantized in `a`, for output rows j in [n0, n1); `scratch`:
+// rows x (2 vectors + 1 float), aligned to 64 bytes (unused for one row).
+inline void gemv_q8(int type, const Q8Act& a, int64_t rows, const uint8_t* w, int64_t row_bytes, int64_t n0,
+                    int64_t n1, float* out, int64_t n, float* scratch) {
+  if (rows == 1) {
+    gemv_q8_typed<1>(type, a, rows, w, row_bytes, n0, n1, out, n, scratch);
+  } else {
+    gemv_q8_typed<0>(type, a, rows, w, row_bytes, n0, n1, out, n, scratch);
+  }
+}
+
+#undef QG_I4
+#undef QG_I16
+#undef QG_I32
+#undef QG_STEP
+#endif  // QG_DOT_*
 
 #undef QG_INLINE

@@ -154,3 +154,17 @@ def dequantize_rows(rows: torch.Tensor, fmt: BlockFormat, values: int) -> torch.
     """Quantized rows `[R, row_bytes]` (uint8) -> `[R, values]` float32, in plain torch."""
     blocks = rows.reshape(-1, fmt.type_size)
     return fmt.dequantize(blocks).reshape(rows.shape[0], values)
+
+
+Q8_BLOCK = 32   # values per scale of an activation quantized to 8 bits
+
+
+def quantize_activation_q8(x: torch.Tensor) -> torch.Tensor:
+    """The 8-bit GEMV's view of x `[T, K]` float32 (the compiled kernels' quantize_q8, in plain torch): per block
+    of 32 values, scale d = max|x| / 127 and q = round(x / d) to nearest even, as int8; returns q * d float32."""
+    rows = x.shape[0]
+    blocks = x.float().reshape(rows, -1, Q8_BLOCK)
+    d = blocks.abs().amax(dim=-1, keepdim=True) / 127.0
+    inverse = torch.where(d != 0, 1.0 / d, torch.zeros_like(d))
+    q = torch.round(blocks * inverse).to(torch.int8)
+    return (q.float() * d).reshape(rows, -1)

@@ -2,7 +2,11 @@
 GGUFStack (a fused projection whose parts have different types) and GGUFEmbedding (row gather + de-quantize).
 
 Products run through the compiled kernels (csrc/quant_gguf.cpp) when `use_gguf_kernels` gave them: up to
-GEMV_MAX_ROWS rows (decode) a GEMV that de-quantizes the blocks in registers and reads them once; more rows
+GEMV_MAX_ROWS rows (decode) a GEMV that reads the blocks once, in the variant the kernel library picks per type
+(variant 0: integer dot products on the activation quantized to 8 bits, or blocks de-quantized in registers,
+whichever measured faster on the CPU kind, docs/benchmarks.md issue 47) where INT8_ACTIVATIONS is on and the
+model is not float32; by default every model multiplies the activation as it is (blocks de-quantized in
+registers), so that its products are the float products of the de-quantized weights; more rows
 (prefill) de-quantize GEMM_TILE_ROWS output rows at a time into a bf16/float32 tile for torch's GEMM. In
 batch-invariant mode every row count takes the GEMV, whose rows are independent by construction. Without
 kernels, the plain-torch de-quantizer (gguf_blocks) and F.linear compute the same product.
@@ -20,6 +24,11 @@ from torch import nn
 from kvstrata.model.quant.base import QuantizedWeight
 from kvstrata.model.quant.gguf_blocks import FLOAT_TYPES, BlockFormat, dequantize_rows
 
+# Whether bf16/fp16 models' decode GEMVs quantize the activation to 8 bits (the faster kernels where the type
+# has them). Off: measured on SmolLM2-135M Q4_1 (docs/benchmarks.md, issue 47), the 8-bit activations of every
+# product together change its greedy continuation of a cached prompt ("What is the capital of France?": "L'Étoile,
+# la Marseillaise" instead of "The capital of France is Paris"), while no single projection does.
+INT8_ACTIVATIONS = False
 # Rows up to which the GEMV beats de-quantizing tiles for a GEMM (decode batches); see docs/benchmarks.md.
 GEMV_MAX_ROWS = 8
 # Output rows de-quantized per GEMM tile: a few MB of weight, reused by every input row while in cache.
@@ -30,11 +39,14 @@ _INVARIANT_MIN_ROWS = 16
 
 
 class GGUFKernels(NamedTuple):
-    """The compiled ops (paged_kernels.gguf_ops()): `gemv(x f32 [T, K], blocks, type, variant) -> [T, N]` f32,
-    `dequantize(blocks, type, K) -> [R, K]` f32."""
+    """The compiled ops (paged_kernels.gguf_ops()): `gemv(x f32 [T, K], blocks, type, variant) -> [T, N]` f32
+    (variant 0: the build's choice for the type; paged_kernels.GGUF_VARIANT_NAMES), `dequantize(blocks, type, K)
+    -> [R, K]` f32."""
 
     gemv: object
     dequantize: object
+    # (type, K, int8_activations) -> the variant to run (paged_kernels.gguf_best_variant); None: variant 0
+    best_variant: object = None
 
 
 class GGUFWeight(QuantizedWeight):
@@ -48,6 +60,7 @@ class GGUFWeight(QuantizedWeight):
         self.register_buffer("blocks", blocks, persistent=False)
         self.fmt = fmt
         self.kernels: Optional[GGUFKernels] = None
+        self._variants: dict[bool, int] = {}   # int8 activations? -> GEMV variant (one per build)
 
     def extra_repr(self) -> str:
         return f"{self.fmt.name}, in_features={self.in_features}, out_features={self.out_features}"
@@ -79,8 +92,17 @@ class GGUFWeight(QuantizedWeight):
         """x `[T, in]` -> `x @ W.T` `[T, out]` in x's dtype."""
         rows = x.shape[0]
         if self._compiled(x) and (self.batch_invariant or rows <= GEMV_MAX_ROWS):
-            return self.kernels.gemv(x.float().contiguous(), self.blocks, self.fmt.type_id, 0).to(x.dtype)
+            variant = self._gemv_variant(int8_activations=INT8_ACTIVATIONS and x.dtype != torch.float32)
+            return self.kernels.gemv(x.float().contiguous(), self.blocks, self.fmt.type_id, variant).to(x.dtype)
         return self._forward_tiles(x, compiled=self._compiled(x))
+
+    def _gemv_variant(self, int8_activations: bool) -> int:
+        """The GEMV variant for this weight's type and width: the fastest, or the fastest on the float activation."""
+        if int8_activations not in self._variants:
+            best = self.kernels.best_variant if self.kernels is not None else None
+            self._variants[int8_activations] = 0 if best is None else int(
+                best(self.fmt.type_id, self.in_features, int8_activations))
+        return self._variants[int8_activations]
 
     def _forward_tiles(self, x: torch.Tensor, compiled: bool) -> torch.Tensor:
         """The product as GEMMs over de-quantized tiles of output rows."""
@@ -136,3 +158,4 @@ def use_gguf_kernels(model: nn.Module, kernels: Optional[GGUFKernels]) -> None:
     for module in model.modules():
         if isinstance(module, GGUFWeight):
             module.kernels = kernels
+            module._variants.clear()
