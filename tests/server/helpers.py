@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import json
-import threading
+import os
+import subprocess
+import sys
+import tempfile
 import time
 from collections.abc import Iterable
 from typing import Any, Optional
@@ -50,31 +53,71 @@ def bench_multiturn_body(prompt: str, output_len: int) -> dict:
 
 
 class HealthProbe:
-    """Polls /health in a thread and records the slowest answer."""
+    """Polls /health from a separate process and records the slowest answer and every failure.
+
+    A separate process, because a thread of the test process waits for the GIL whenever the test itself
+    holds it (hypothesis generating a case can, for a second or more): that is the test's latency, not
+    the server's.
+    """
+
+    _POLL = """
+import json, os, sys, time, requests
+url, out = sys.argv[1], sys.argv[2]
+worst, failures, first = 0.0, [], True
+while True:
+    start = time.monotonic()
+    try:
+        status = requests.get(url + "/health", timeout=5).status_code
+        if status != 200:
+            failures.append(f"status {status}")
+    except requests.RequestException as e:
+        failures.append(repr(e))
+    elapsed = time.monotonic() - start
+    if elapsed > worst or failures or first:
+        first = False
+        worst = max(worst, elapsed)
+        with open(out + ".tmp", "w") as fh:
+            json.dump({"worst": worst, "failures": failures[:20]}, fh)
+        os.replace(out + ".tmp", out)
+    time.sleep(0.02)
+"""
 
     def __init__(self, url: str):
         self.url = url
-        self.worst = 0.0
-        self.failures: list[str] = []
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._out = tempfile.NamedTemporaryFile(prefix="health-probe-", suffix=".json", delete=False).name
+        self._process: Optional[subprocess.Popen] = None
+        self._final: Optional[dict] = None
 
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            start = time.monotonic()
-            try:
-                status = requests.get(self.url + "/health", timeout=5).status_code
-                if status != 200:
-                    self.failures.append(f"status {status}")
-            except requests.RequestException as e:
-                self.failures.append(repr(e))
-            self.worst = max(self.worst, time.monotonic() - start)
-            time.sleep(0.02)
+    def _state(self) -> dict:
+        if self._final is not None:
+            return self._final
+        try:
+            with open(self._out) as fh:
+                return json.load(fh)
+        except (OSError, ValueError):       # nothing written yet: no answer was slow or failed
+            return {"worst": 0.0, "failures": []}
+
+    @property
+    def worst(self) -> float:
+        """The slowest /health answer so far, in seconds."""
+        return float(self._state()["worst"])
+
+    @property
+    def failures(self) -> list[str]:
+        """Non-200 answers and connection errors so far."""
+        return list(self._state()["failures"])
 
     def __enter__(self) -> HealthProbe:
-        self._thread.start()
+        self._process = subprocess.Popen([sys.executable, "-c", self._POLL, self.url, self._out])
+        deadline = time.monotonic() + 60
+        while os.path.getsize(self._out) == 0:      # the first answer is in: the probe is watching
+            assert self._process.poll() is None and time.monotonic() < deadline, "the /health probe did not start"
+            time.sleep(0.05)
         return self
 
     def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        self._thread.join(10)
+        if self._process is not None:
+            self._process.kill()
+            self._process.wait(10)
+        self._final = self._state()
+        os.unlink(self._out)
