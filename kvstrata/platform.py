@@ -10,9 +10,11 @@ imports this module through `args`.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import platform
+from collections.abc import Iterator
 from pathlib import Path
 
 # oneDNN reorders a bf16 weight into its blocked layout only where it has bf16 conversions: AVX-512 BW/VL/DQ
@@ -90,16 +92,39 @@ def cpu_has_onednn_bf16_reorder() -> bool:
     return any(isas <= flags for isas in _ONEDNN_BF16_REORDER_ISAS)
 
 
-MMAP_THRESHOLD_BYTES = 1 << 20
+LOAD_MMAP_THRESHOLD_BYTES = 1 << 20
+# What glibc's own dynamic threshold reaches once a process has freed a buffer of 32 MiB (its cap on 64-bit),
+# with the trim threshold it sets beside it: serving's activations and de-quantized tiles then reuse heap pages.
+SERVE_MMAP_THRESHOLD_BYTES = 32 << 20
+SERVE_TRIM_THRESHOLD_BYTES = 64 << 20
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3
+_load_depth = 0     # open large_buffers_unmapped scopes (one thread loads at a time)
 
 
-def unmap_large_buffers() -> None:
-    """Have glibc map every allocation of 1 MiB or more on its own, so a buffer freed after a tensor is read
-    or quantized goes back to the system at once. By default glibc raises its threshold to the largest buffer
-    freed so far and serves later ones from the heap, whose freed memory stays resident: a load's transients
-    then add to its peak RSS (measured: int8 at load kept ~1x its float tensors' size resident). Linux/glibc
-    only; elsewhere nothing changes."""
-    _glibc("mallopt", -3, MMAP_THRESHOLD_BYTES)   # -3: M_MMAP_THRESHOLD
+@contextlib.contextmanager
+def large_buffers_unmapped() -> Iterator[None]:
+    """While a model loads, have glibc map every allocation of 1 MiB or more on its own, so a buffer freed after
+    a tensor is read or quantized goes back to the system at once.
+
+    By default glibc raises its threshold to the largest buffer freed so far and serves later ones from the
+    heap, whose freed memory stays resident: a load's transients then add to its peak RSS (measured: int8 at
+    load kept ~1x its float tensors' size resident). Scoped to the load, because the same 1 MiB threshold while
+    serving maps (and page-faults) every large activation and de-quantized tile afresh: a GGUF prefill tile
+    took 3x as long. Afterwards the thresholds are those glibc's dynamic rule settles at. Nested scopes (the
+    model runner's whole load around a loader's) end with the outermost. Linux/glibc only; elsewhere nothing
+    changes.
+    """
+    global _load_depth
+    if _load_depth == 0:
+        _glibc("mallopt", _M_MMAP_THRESHOLD, LOAD_MMAP_THRESHOLD_BYTES)
+    _load_depth += 1
+    try:
+        yield
+    finally:
+        _load_depth -= 1
+        if _load_depth == 0:
+            _glibc("mallopt", _M_MMAP_THRESHOLD, SERVE_MMAP_THRESHOLD_BYTES)
+            _glibc("mallopt", _M_TRIM_THRESHOLD, SERVE_TRIM_THRESHOLD_BYTES)
 
 
 def return_free_heap() -> None:

@@ -42,3 +42,26 @@ def test_this_machine_reads_its_own_flags():
     assert platform.cpu_flags() == frozenset(platform.cpu_flags_line().split(":", 1)[-1].split())
     if platform.is_x86_64():
         assert "sse2" in platform.cpu_flags()
+
+
+def test_large_buffers_are_unmapped_only_while_loading(monkeypatch):
+    """A load maps big buffers on their own (its transients leave the RSS); serving must not (every tile would
+    be a fresh, page-faulted mapping): the outermost scope's end sets the serving thresholds, even on an error."""
+    calls: list[tuple] = []
+    monkeypatch.setattr(platform, "_glibc", lambda *args: calls.append(args))
+    serving = [("mallopt", -3, platform.SERVE_MMAP_THRESHOLD_BYTES),
+               ("mallopt", -1, platform.SERVE_TRIM_THRESHOLD_BYTES)]
+    with pytest.raises(RuntimeError):
+        with platform.large_buffers_unmapped():
+            with platform.large_buffers_unmapped():
+                assert calls == [("mallopt", -3, platform.LOAD_MMAP_THRESHOLD_BYTES)]
+            assert len(calls) == 1          # the inner end leaves the load's threshold in place
+            raise RuntimeError("the load failed")
+    assert calls[1:] == serving
+
+    @platform.large_buffers_unmapped()
+    def load() -> None:
+        assert calls[-1] == ("mallopt", -3, platform.LOAD_MMAP_THRESHOLD_BYTES)
+
+    load()
+    assert calls[-2:] == serving

@@ -37,7 +37,7 @@ from torch import nn
 from kvstrata.model.config import ModelConfig, ModelLoadError, check_no_missing_tensors
 from kvstrata.model.gguf_header import TensorInfo, read_header
 from kvstrata.model.quant.gguf_blocks import FLOAT_TYPES, block_format, float_values
-from kvstrata.platform import unmap_large_buffers
+from kvstrata.platform import large_buffers_unmapped
 
 if TYPE_CHECKING:
     from kvstrata.model.parallel import Cut, ShardLayout, TensorParallel
@@ -132,6 +132,7 @@ class _Part(NamedTuple):
         return order, self.end - self.start - held
 
 
+@large_buffers_unmapped()
 def load_gguf_model(path: str, config: ModelConfig, dtype: torch.dtype, device: torch.device,
                     tp: TensorParallel | None = None) -> nn.Module:
     """Build the model for `config` from GGUF file `path`, every quantized tensor kept in its block format.
@@ -147,7 +148,6 @@ def load_gguf_model(path: str, config: ModelConfig, dtype: torch.dtype, device: 
     from kvstrata.model.quant.gguf_weight import GGUFEmbedding
 
     device = torch.device(device)
-    unmap_large_buffers()
     with torch.device("meta"):
         model = LlamaForCausalLM(config, tp).to(dtype=dtype)
         whole = model if model.layout.size == 1 else LlamaForCausalLM(config)   # the file's shapes

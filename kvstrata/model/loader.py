@@ -28,7 +28,7 @@ from kvstrata.model.quant.scheme import (
     checkpoint_quantization,
     quant_spec,
 )
-from kvstrata.platform import unmap_large_buffers
+from kvstrata.platform import large_buffers_unmapped
 
 SAFETENSORS_METHODS = (*CHECKPOINT_METHODS, "int8")   # what this loader quantizes or reads quantized
 
@@ -39,6 +39,7 @@ LM_HEAD = "lm_head.weight"
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq", "rotary_emb.cos_cached", "rotary_emb.sin_cached")
 
 
+@large_buffers_unmapped()
 def load_model(path: str, config: ModelConfig, dtype: torch.dtype, device: torch.device,
                relayout: bool = True, tp: TensorParallel | None = None,
                quantization: Optional[str] = None) -> torch.nn.Module:
@@ -52,7 +53,6 @@ def load_model(path: str, config: ModelConfig, dtype: torch.dtype, device: torch
     """
     device = torch.device(device)
     files = checkpoint_files(path)
-    unmap_large_buffers()
     with torch.device("meta"):
         model = LlamaForCausalLM(config, tp)
     targets = model.checkpoint_targets()

@@ -50,6 +50,7 @@ from kvstrata.model.paged_kernels import (
 from kvstrata.model.parallel import TensorParallel
 from kvstrata.model.quant.gguf_weight import use_gguf_kernels
 from kvstrata.model.rope import use_rope_kernel
+from kvstrata.platform import large_buffers_unmapped
 from kvstrata.runtime.batch import ScheduledBatch, StepResult
 from kvstrata.runtime.forward_plan import ForwardPlan, PlanKind, PlanLedger, gather_ledgers, receive_plan
 from kvstrata.runtime.handoff import RankHandoff, RankHandoffFactory
@@ -93,6 +94,7 @@ class ModelRunner:
             self.close()
             raise
 
+    @large_buffers_unmapped()    # the relayout and the kernels' packed copies too
     def _load(self, args: ServerArgs) -> None:
         self.model_path = resolve_model_path(args.model_path)
         self.config = ModelConfig.from_path(self.model_path)
