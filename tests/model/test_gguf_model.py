@@ -15,9 +15,8 @@ from kvstrata.model.gguf_loader import load_gguf_model
 from kvstrata.model.layers import Linear
 from kvstrata.model.loader import load_model
 from kvstrata.model.quant.gguf_weight import GGUFEmbedding, GGUFWeight, use_gguf_kernels
-from tests.cache.drivers import SMALL_TIERS, run_conversations
 from tests.model.gguf_files import write_tiny_gguf
-from tests.runtime.helpers import assert_idle_integrity, make_engine
+from tests.runtime.helpers import assert_greedy_identical_across_tiers
 
 TYPES = ["Q8_0", "Q4_0", "Q4_1", "Q5_0"]
 
@@ -114,25 +113,7 @@ def test_unserved_tensor_type_is_a_load_error_naming_it(tmp_path):
 
 def test_greedy_identical_without_cache_and_with_l1_l2_l3_deterministic(tiny_files, tmp_path):
     path, _ = tiny_files["Q4_0"]
-
-    def conversations(**kwargs):
-        engine = make_engine(model_path=path, tokenizer_path="tiny", **kwargs)
-        try:
-            outputs, _ = run_conversations(engine)
-            return outputs, assert_idle_integrity(engine)
-        finally:
-            engine.shutdown()
-
-    reference, _ = conversations(disable_radix_cache=True)
-    assert len({tuple(o) for o in reference}) > 1, "outputs should depend on the prompt"
-    l1, l1_state = conversations()
-    assert l1 == reference and l1_state["device_hit_tokens"] > 0
-    l2, l2_state = conversations(**SMALL_TIERS)
-    assert l2 == reference and l2_state["host_hit_tokens"] > 0
-    l3 = {**SMALL_TIERS, "hicache_storage_backend": "file", "hicache_storage_dir": str(tmp_path / "l3")}
-    conversations(**l3)                       # fills L3
-    again, l3_state = conversations(**l3)     # a new engine: prompts found in L3
-    assert again == reference and l3_state["storage_hit_tokens"] > 0
+    assert_greedy_identical_across_tiers(str(tmp_path / "l3"), rounds=3, model_path=path, tokenizer_path="tiny")
     assert not [f for f in os.listdir(tmp_path) if f.endswith(".safetensors")]
 
 

@@ -15,10 +15,9 @@ from kvstrata.model.config import ModelConfig, ModelLoadError
 from kvstrata.model.gguf_loader import load_gguf_model
 from kvstrata.model.loader import load_model
 from kvstrata.model.quant.gguf_weight import GGUFStack, GGUFWeight, use_gguf_kernels
-from tests.cache.drivers import SMALL_TIERS, run_conversations
 from tests.model.forward_batch import PagedSequences
 from tests.model.gguf_files import MOE_CONFIG, write_moe_gguf
-from tests.runtime.helpers import assert_idle_integrity, make_engine
+from tests.runtime.helpers import assert_greedy_identical_across_tiers
 
 CPU = torch.device("cpu")
 # expert kinds -> GGUF type: Q8_0 throughout, and Q4_K_M-like K-quants (gate and up of different types: each
@@ -106,18 +105,4 @@ def test_expert_tensor_of_the_wrong_shape_is_named(moe_files):
 
 def test_greedy_identical_without_cache_and_with_l1_l2_deterministic(moe_files):
     path, _ = moe_files["k_quants"]
-
-    def conversations(**kwargs):
-        engine = make_engine(model_path=path, tokenizer_path="tiny", **kwargs)
-        try:
-            outputs, _ = run_conversations(engine, rounds=2)
-            return outputs, assert_idle_integrity(engine)
-        finally:
-            engine.shutdown()
-
-    reference, _ = conversations(disable_radix_cache=True)
-    assert len({tuple(o) for o in reference}) > 1, "outputs should depend on the prompt"
-    l1, l1_state = conversations()
-    assert l1 == reference and l1_state["device_hit_tokens"] > 0
-    l2, l2_state = conversations(**SMALL_TIERS)
-    assert l2 == reference and l2_state["host_hit_tokens"] > 0
+    assert_greedy_identical_across_tiers(None, model_path=path, tokenizer_path="tiny")

@@ -5,9 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from tests.cache.drivers import SMALL_TIERS, run_conversations
 from tests.model.quant_ckpt import write_quantized
-from tests.runtime.helpers import assert_idle_integrity, make_engine
+from tests.runtime.helpers import assert_greedy_identical_across_tiers
 
 
 @pytest.fixture(scope="module")
@@ -16,24 +15,11 @@ def gptq_model(tmp_path_factory) -> str:
     return str(quant_dir)
 
 
-def _conversations(model: str, **kwargs) -> tuple[list[list[int]], dict]:
-    engine = make_engine(model_path=model, dtype="bfloat16", **kwargs)   # deterministic mode (make_engine)
-    try:
-        assert engine.server_args.quantization == "gptq"   # from the checkpoint's config, no flag
-        outputs, _ = run_conversations(engine, rounds=2)
-        return outputs, assert_idle_integrity(engine)
-    finally:
-        engine.shutdown()
+def _is_gptq(engine) -> None:
+    assert engine.server_args.quantization == "gptq"   # from the checkpoint's config, no flag
 
 
 def test_greedy_identical_without_cache_and_with_l1_l2_l3(gptq_model, tmp_path):
-    reference, _ = _conversations(gptq_model, disable_radix_cache=True)
-    assert len({tuple(o) for o in reference}) > 1, "outputs should depend on the prompt"
-    l1, l1_state = _conversations(gptq_model)
-    assert l1 == reference and l1_state["device_hit_tokens"] > 0
-    l2, l2_state = _conversations(gptq_model, **SMALL_TIERS)
-    assert l2 == reference and l2_state["host_hit_tokens"] > 0
-    l3 = {**SMALL_TIERS, "hicache_storage_backend": "file", "hicache_storage_dir": str(tmp_path / "l3")}
-    _conversations(gptq_model, **l3)                     # fills L3
-    again, l3_state = _conversations(gptq_model, **l3)   # a new engine: prompts found in L3
-    assert again == reference and l3_state["storage_hit_tokens"] > 0
+    # bf16 in deterministic mode (make_engine)
+    assert_greedy_identical_across_tiers(str(tmp_path / "l3"), check=_is_gptq, model_path=gptq_model,
+                                         dtype="bfloat16")

@@ -15,22 +15,12 @@ from kvstrata import args as server_args
 from kvstrata.memory import kv_format
 from kvstrata.memory.device_pool import DeviceKVPool
 from kvstrata.memory.host_pool import HostKVPool
-from tests.cache.drivers import SMALL_TIERS, run_conversations
+from tests.cache.drivers import SMALL_TIERS
 from tests.cache.snapshot_turns import L2, first_round, turn
 from tests.runtime.determinism import check_alone_equals_in_batches
-from tests.runtime.helpers import assert_idle_integrity, make_engine
+from tests.runtime.helpers import engine_conversations, make_engine
 
 FP8 = {"kv_cache_dtype": "fp8_e4m3", "dtype": "bfloat16"}
-
-
-def _conversations(**kwargs) -> tuple[list[list[int]], dict]:
-    """(outputs, idle state) of two rounds of the conversations on a fresh engine."""
-    engine = make_engine(**kwargs)
-    try:
-        outputs, _ = run_conversations(engine, rounds=2)
-        return outputs, assert_idle_integrity(engine)
-    finally:
-        engine.shutdown()
 
 
 def _shared_l3(backend: str, request, tmp_path) -> dict:
@@ -44,20 +34,20 @@ def _shared_l3(backend: str, request, tmp_path) -> dict:
 
 @pytest.mark.parametrize("backend", ["file", pytest.param("mooncake", marks=pytest.mark.mooncake)])
 def test_greedy_identical_in_every_tier_and_l3_shared_with_bf16_never_crosses(backend, request, tmp_path):
-    reference, _ = _conversations(disable_radix_cache=True, **FP8)
+    reference, _ = engine_conversations(disable_radix_cache=True, **FP8)
     assert len({tuple(o) for o in reference}) > 1, "outputs should depend on the prompt"
-    l1, l1_state = _conversations(**FP8)
+    l1, l1_state = engine_conversations(**FP8)
     assert l1 == reference and l1_state["device_hit_tokens"] > 0
     kv = l1_state["kv_cache"]
     assert kv["dtype"] == "float8_e4m3fn" and kv["device_capacity_tokens"] == 4096 and kv["host_capacity_tokens"] is None
     l3 = {**SMALL_TIERS, **_shared_l3(backend, request, tmp_path)}
-    bf16, _ = _conversations(**l3, dtype="bfloat16")          # bf16 objects in the shared directory
-    l2, l2_state = _conversations(**l3, **FP8)                # L2 hits; the bf16 objects are not read
+    bf16, _ = engine_conversations(**l3, dtype="bfloat16")          # bf16 objects in the shared directory
+    l2, l2_state = engine_conversations(**l3, **FP8)                # L2 hits; the bf16 objects are not read
     assert l2 == reference and l2_state["host_hit_tokens"] > 0 and l2_state["storage_hit_tokens"] == 0
     assert l2_state["kv_cache"]["host_capacity_tokens"] >= 6 * 160
-    again, l3_state = _conversations(**l3, **FP8)             # a new engine: its own FP8 objects found in L3
+    again, l3_state = engine_conversations(**l3, **FP8)             # a new engine: its own FP8 objects found in L3
     assert again == reference and l3_state["storage_hit_tokens"] > 0
-    bf16_again, bf16_state = _conversations(**l3, dtype="bfloat16")   # and bf16 still reads only its own
+    bf16_again, bf16_state = engine_conversations(**l3, dtype="bfloat16")   # and bf16 still reads only its own
     assert bf16_again == bf16 and bf16_state["storage_hit_tokens"] > 0
 
 
