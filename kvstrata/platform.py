@@ -109,10 +109,10 @@ def large_buffers_unmapped() -> Iterator[None]:
     By default glibc raises its threshold to the largest buffer freed so far and serves later ones from the
     heap, whose freed memory stays resident: a load's transients then add to its peak RSS (measured: int8 at
     load kept ~1x its float tensors' size resident). Scoped to the load, because the same 1 MiB threshold while
-    serving maps (and page-faults) every large activation and de-quantized tile afresh: a GGUF prefill tile
-    took 3x as long. Afterwards the thresholds are those glibc's dynamic rule settles at. Nested scopes (the
-    model runner's whole load around a loader's) end with the outermost. Linux/glibc only; elsewhere nothing
-    changes.
+    serving maps (and page-faults) every large activation afresh: a 1B Q4_K_M model's cold 2048-token prefill
+    took 7.4 s with it and 4.1 s without. Afterwards the thresholds are those glibc's dynamic rule settles
+    at. Nested scopes (the model runner's whole load around a loader's) end with the outermost.
+    Linux/glibc only; elsewhere nothing changes.
     """
     global _load_depth
     if _load_depth == 0:

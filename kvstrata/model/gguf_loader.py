@@ -336,12 +336,15 @@ def _quantized_weights(parts: list[_Part], fh: BinaryIO, path: str, device: torc
 
     def blocks(group: list[_Part]) -> torch.Tensor:
         fmt, first = group[0].fmt, group[0].start
-        out = np.empty((slabs, group[-1].end - first, fmt.row_bytes(in_features)), dtype=np.uint8)
+        # torch's allocator aligns to 64 bytes (numpy's large buffers sit 16 bytes past a page), so the kernels'
+        # block rows start on cache lines: a 1B Q4_K_M cold 2048-token prefill 4.10 -> 3.81 s (one run each)
+        held = torch.empty((slabs, group[-1].end - first, fmt.row_bytes(in_features)), dtype=torch.uint8)
+        out = held.numpy()
         for p in group:
             rows = out[:, p.start - first:p.end - first]
             _read(fh, p, path, rows if p.experts else rows[0])
             _check_scales(rows, p.fmt, path, p.name)
-        return torch.from_numpy(out).to(device)
+        return held.to(device)
 
     if len({p.fmt.type_id for p in parts}) == 1:
         stacked = blocks(parts)
