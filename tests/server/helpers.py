@@ -111,7 +111,9 @@ while True:
         self._process = subprocess.Popen([sys.executable, "-c", self._POLL, self.url, self._out])
         deadline = time.monotonic() + 60
         while os.path.getsize(self._out) == 0:      # the first answer is in: the probe is watching
-            assert self._process.poll() is None and time.monotonic() < deadline, "the /health probe did not start"
+            if self._process.poll() is not None or time.monotonic() > deadline:
+                self.__exit__()                     # `with` does not call it when __enter__ raises
+                raise AssertionError("the /health probe did not start")
             time.sleep(0.05)
         return self
 
