@@ -258,7 +258,8 @@ _REPORT_COUNTERS = {
     "l1_hit_tokens": "device_hit_tokens", "l2_hit_tokens": "host_hit_tokens", "l3_hit_tokens": "storage_hit_tokens",
     "load_back_bytes": "hicache.load_back_bytes", "l3_read_bytes": "hicache.storage.prefetch_bytes",
     "l3_objects_written": "hicache.storage.backed_up_objects", "l3_bytes_written": "hicache.storage.backup_bytes",
-    "scheduler_cpu_s": "scheduler_cpu_s", "steps": "step",
+    "scheduler_cpu_s": "scheduler_cpu_s", "steps": "step", "empty_steps": "empty_steps",
+    "empty_step_cpu_s": "empty_step_cpu_s",
 }
 
 
@@ -270,7 +271,9 @@ def cache_report(before: Optional[dict], after: Optional[dict]) -> dict[str, Any
     - load_back_bytes (L2 -> device), l3_read_bytes (L3 -> host);
     - l3_objects / l3_bytes: objects and bytes written to L3 during the run (each run starts on an empty L3,
       so this is what it holds, less anything its capacity limit evicted);
-    - scheduler_cpu_ms_per_step: the scheduler thread's CPU time outside the forward, per step.
+    - scheduler_cpu_ms_per_step: the scheduler thread's CPU time outside the forward, per step that ran one;
+    - empty_steps, empty_step_cpu_s: steps with nothing to run (waiting on a prefetch, a grammar or room) and
+      the CPU time they took.
     """
     a = flatten(((after or {}).get("internal_states") or [{}])[0])
     b = flatten(((before or {}).get("internal_states") or [{}])[0])

@@ -104,7 +104,7 @@ def cache_table(rows: list[dict]) -> str:
     """Per configuration, what the seed's table cannot show: where hits came from, bytes moved between
     tiers, what L3 holds, the engine's busy share and the scheduler's CPU time per step."""
     header = ["Config", "Hit / ideal", "Hits L1 / L2 / L3 (tokens)", "Load-back MB (L2->L1)", "L3 read MB",
-              "L3 objects / MB written", "Engine busy", "Scheduler CPU ms/step", "Integrity"]
+              "L3 objects / MB written", "Engine busy", "Scheduler CPU ms/step", "Empty steps (CPU s)", "Integrity"]
     out = []
     for row in rows:
         s, c = row.get("summary"), row.get("cache") or {}
@@ -114,10 +114,11 @@ def cache_table(rows: list[dict]) -> str:
                                                                         "l3_hit_tokens"))
         objects = f"{c['l3_objects']:,} / {_mb(c.get('l3_bytes'))}" if c.get("l3_objects") is not None else "n/a"
         cpu = c.get("scheduler_cpu_ms_per_step")
+        empty = f"{c['empty_steps']:,} ({c.get('empty_step_cpu_s', 0.0):.1f})" if "empty_steps" in c else "n/a"
         ok = c.get("integrity_ok")
         out.append([row["name"], pct(s["hit_rate_vs_ideal"]), hits, _mb(c.get("load_back_bytes")),
                     _mb(c.get("l3_read_bytes")), objects, pct(s.get("engine_busy")),
-                    "n/a" if cpu is None else f"{cpu:.2f}", "n/a" if ok is None else ("ok" if ok else "FAILED")])
+                    "n/a" if cpu is None else f"{cpu:.2f}", empty, "n/a" if ok is None else ("ok" if ok else "FAILED")])
     return markdown_table(header, out)
 
 

@@ -65,6 +65,10 @@ class Scheduler:
                         "prefetch_loaded_back_tokens": 0}
         self.engine_meter = UtilizationMeter()   # share of wall clock spent in forwards
         self.scheduler_cpu_s = 0.0               # CPU seconds of step() outside the forward (thread time)
+        # Steps with nothing to run (waiting on an L3 prefetch, a grammar or free pages) and their CPU time,
+        # kept apart: they are polls, and counting them per forward step would blame the forward steps.
+        self.empty_steps = 0
+        self.empty_step_cpu_s = 0.0
         self._grammar = None
         self.grammar_backend()   # built now: its vocabulary scan would otherwise stall the first request
         self.handoff: Optional[Handoff] = None   # PD disaggregation (None when co-located)
@@ -185,7 +189,8 @@ class Scheduler:
         batch = self._schedule()
         batch.layer_wait = self.cache.take_layer_wait()
         if batch.is_empty():
-            self.scheduler_cpu_s += time.thread_time() - cpu_start
+            self.empty_step_cpu_s += time.thread_time() - cpu_start
+            self.empty_steps += 1
             time.sleep(0.001)   # waiting on a grammar compile, an L3 prefetch or free pages
             return outputs
         # The scheduler's own CPU time (this thread, the forward excluded): what grows with the cache's size.
@@ -591,6 +596,8 @@ class Scheduler:
         if self.kv_events is not None:
             state["kv_events"] = self.kv_events.metrics()
         state["scheduler_cpu_s"] = self.scheduler_cpu_s
+        state["empty_steps"] = self.empty_steps
+        state["empty_step_cpu_s"] = self.empty_step_cpu_s
         state.update(self.runner.parallel_state())
         if not full:
             return state
