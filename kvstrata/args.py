@@ -15,19 +15,22 @@ import random
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
+from kvstrata.args_checks import (  # DISAGGREGATION_SECRET_ENV re-exported: the cluster plan and tests use it
+    DISAGGREGATION_SECRET_ENV,
+    check_disaggregation_exposure,
+    check_server_args,
+)
 from kvstrata.cache.config import CacheConfig
 from kvstrata.cache.eviction import EVICTION_POLICIES as EVICTION_KEYS
 from kvstrata.cache.write_policy import WRITE_POLICIES
 from kvstrata.config_cli import (  # re-exported: the rest of kvstrata imports them from here
     ConfigError,
     add_dataclass_cli_args,
-    check_choices,
     cli_option,
     dataclass_from_cli_args,
     flag_name,
 )
 from kvstrata.model.quant.scheme import METHODS as QUANTIZATION_METHODS
-from kvstrata.net import is_ip_literal, is_loopback
 from kvstrata.platform import cpu_has_fast_bf16, env
 
 _opt = cli_option
@@ -58,9 +61,6 @@ DISAGGREGATION_MODES = ["null", "prefill", "decode"]
 # step from there (multi-turn mean TTFT -10 to -19%, same throughput; docs/benchmarks.md, issue 19).
 CPU_PREFILL_ADMIT_THRESHOLD = 256
 TRANSFER_BACKENDS = ["mooncake"]
-DISAGGREGATION_SECRET_ENV = "KVSTRATA_DISAGGREGATION_SECRET"
-MIN_SECRET_CHARS = 16
-WILDCARD_HOSTS = ("0.0.0.0", "::", "")
 
 
 # `kvstrata serve --help` headings, in SGLang's order where it has the section: the first field of each.
@@ -442,113 +442,7 @@ class ServerArgs:
 
     # ------------------------------------------------------------------ checks
     def __post_init__(self) -> None:
-        self._check()
-
-    def _check(self) -> None:
-        check_choices(self)
-        _positive(self, "page_size", "max_total_tokens", "max_running_requests", "context_length",
-                  "max_prefill_tokens", "num_threads")
-        _positive(self, "max_request_body_bytes", "stream_interval", "max_queued_requests")
-        if self.base_gpu_id < 0:
-            raise ConfigError(f"--base-gpu-id must be >= 0, got {self.base_gpu_id}")
-        if self.load_format == "gguf" and not self.model_path.endswith(".gguf"):
-            raise ConfigError(f"--load-format gguf needs a .gguf file as --model-path, got {self.model_path!r}")
-        self.kv_events()
-        if self.kv_run_spare_tokens < 0:
-            raise ConfigError(f"--kv-run-spare-tokens must be >= 0, got {self.kv_run_spare_tokens}")
-        if self.graceful_shutdown_timeout < 0:
-            raise ConfigError(f"--graceful-shutdown-timeout must be >= 0, got {self.graceful_shutdown_timeout}")
-        if self.port <= 0 or self.port > 65535:
-            raise ConfigError(f"--port must be in 1..65535, got {self.port}")
-        if self.chunked_prefill_size is not None and self.chunked_prefill_size != -1:
-            if self.chunked_prefill_size <= 0:
-                raise ConfigError("--chunked-prefill-size must be positive or -1 (disabled)")
-            if self.chunked_prefill_size % self.page_size:
-                raise ConfigError(
-                    f"--chunked-prefill-size ({self.chunked_prefill_size}) must be a multiple of "
-                    f"--page-size ({self.page_size})")
-        if self.prefill_admit_threshold is not None and self.prefill_admit_threshold < 0:
-            raise ConfigError("--prefill-admit-threshold must be >= 0 (0: fill the prefill budget)")
-        if self.mem_fraction_static is not None and not 0 < self.mem_fraction_static < 1:
-            raise ConfigError("--mem-fraction-static must be in (0, 1)")
-        if self.max_total_tokens is not None and self.max_total_tokens < self.page_size:
-            raise ConfigError("--max-total-tokens must hold at least one page")
-        if self.enable_hierarchical_cache and self.disable_radix_cache:
-            raise ConfigError("--enable-hierarchical-cache needs the radix cache; drop --disable-radix-cache")
-        if self.hicache_ratio <= 1 and not self.hicache_size:
-            raise ConfigError(f"--hicache-ratio must be > 1 (the host pool must be larger than the device "
-                              f"pool), got {self.hicache_ratio}")
-        if self.hicache_size < 0:
-            raise ConfigError("--hicache-size must be >= 0")
-        if self.hicache_snapshot_path and not self.enable_hierarchical_cache:
-            raise ConfigError("--hicache-snapshot-path needs --enable-hierarchical-cache")
-        if self.hicache_storage_backend and not self.enable_hierarchical_cache:
-            raise ConfigError("--hicache-storage-backend needs --enable-hierarchical-cache")
-        if self.hicache_storage_backend_extra_config:
-            self.storage_extra_config()  # raises on bad JSON
-        if self.hicache_storage_page_tokens < 1:
-            raise ConfigError("--hicache-storage-page-tokens must be >= 1")
-        if self.hicache_storage_page_tokens > self.page_size and self.hicache_storage_page_tokens % self.page_size:
-            raise ConfigError(f"--hicache-storage-page-tokens ({self.hicache_storage_page_tokens}) must be a "
-                              f"multiple of --page-size ({self.page_size})")
-        for f in dataclasses.fields(self):
-            value, why = f.metadata.get("only", (getattr(self, f.name), ""))
-            if getattr(self, f.name) != value:
-                raise ConfigError(f"--{flag_name(f.name)} {_shown(getattr(self, f.name))} cannot be honoured: {why}")
-        if self.constrained_json_whitespace_pattern is not None:
-            if self.constrained_json_disable_any_whitespace:
-                raise ConfigError("--constrained-json-whitespace-pattern contradicts "
-                                  "--constrained-json-disable-any-whitespace (compact JSON only)")
-            _check_regex("--constrained-json-whitespace-pattern", self.constrained_json_whitespace_pattern)
-        if self.chat_template is not None:
-            from kvstrata.model.chat_template_flag import ChatTemplateNotFound, resolve_chat_template
-
-            try:
-                resolve_chat_template(self.chat_template)
-            except ChatTemplateNotFound as e:
-                raise ConfigError(str(e)) from None
-        if not 0 < self.disaggregation_bootstrap_port <= 65535:
-            raise ConfigError(f"--disaggregation-bootstrap-port must be in 1..65535, got "
-                              f"{self.disaggregation_bootstrap_port}")
-        if self.watchdog_timeout is not None and self.watchdog_timeout < 0:
-            raise ConfigError("--watchdog-timeout must be positive (0 disables the watchdog)")
-        if self.max_connections is not None and self.max_connections < 1:
-            raise ConfigError("--max-connections must be at least 1")
-        if self.header_read_timeout <= 0:
-            raise ConfigError("--header-read-timeout must be positive")
-        if self.scheduler_heartbeat_timeout <= 0:
-            raise ConfigError("--scheduler-heartbeat-timeout must be positive")
-        if self.disaggregation_bootstrap_timeout <= 0:
-            raise ConfigError("--disaggregation-bootstrap-timeout must be positive")
-        self._check_parallelism()
-
-    def _check_parallelism(self) -> None:
-        """--tp-size and its companions; what tensor parallelism does not cover yet is refused by name."""
-        _positive(self, "tp_size", "ep_size", "nnodes", "dist_timeout")
-        if self.ep_size not in (1, self.tp_size):
-            raise ConfigError(f"--ep-size {self.ep_size} must be 1 or --tp-size ({self.tp_size}): experts are split "
-                              f"across the tensor-parallel ranks")
-        if not 0 <= self.node_rank < self.nnodes:
-            raise ConfigError(f"--node-rank must be in 0..{self.nnodes - 1} (--nnodes {self.nnodes}), got {self.node_rank}")
-        if self.nnodes > 1 and not self.dist_init_addr:
-            raise ConfigError("--nnodes > 1 needs --dist-init-addr host:port (reachable from every node)")
-        if self.tp_size % self.nnodes:
-            raise ConfigError(f"--tp-size {self.tp_size} must be a multiple of --nnodes {self.nnodes}")
-        if self.dist_init_addr is not None:
-            host, _, port = self.dist_init_addr.rpartition(":")
-            if not host or not port.isdigit() or not 0 < int(port) <= 65535:
-                raise ConfigError(f"--dist-init-addr must be host:port, got {self.dist_init_addr!r}")
-        if self.tp_size == 1:
-            return
-        unsupported = {  # flag -> what does not shard its KV per rank yet
-            # Each rank's transfer engine listens on this node's --disaggregation-host: one node only.
-            f"--disaggregation-mode {self.disaggregation_mode} and --nnodes {self.nnodes}": (
-                self.disaggregation_mode != "null" and self.nnodes > 1, "a transfer host per node"),
-        }
-        for flag, (used, missing) in unsupported.items():
-            if used:
-                raise ConfigError(f"--tp-size {self.tp_size} with {flag} is not implemented yet ({missing}); "
-                                  f"use --tp-size 1")
+        check_server_args(self)
 
     def no_effect_notes(self) -> list[str]:
         """One line per SGLang flag that was set but means nothing on this engine (logged once at start)."""
@@ -596,31 +490,12 @@ class ServerArgs:
             max_running_requests=self.max_running_requests or 256,
             disaggregation_secret=self.disaggregation_secret or env(DISAGGREGATION_SECRET_ENV) or None,
         )
-        args._check_disaggregation_exposure()
+        check_disaggregation_exposure(args)
         return args._resolve_device() if with_device else args
 
     def disaggregation_host(self) -> str:
         """The address the PD sockets bind and advertise: --disaggregation-advertise-host, else --host."""
         return self.disaggregation_advertise_host or self.host
-
-    def _check_disaggregation_exposure(self) -> None:
-        """A PD server reachable from other machines must authenticate its peers (after the env fallback)."""
-        if self.disaggregation_mode == "null":
-            return
-        host = self.disaggregation_host()
-        if host in WILDCARD_HOSTS:
-            raise ConfigError(f"--host {host or repr(host)} cannot be advertised to PD peers; set "
-                              f"--disaggregation-advertise-host to this machine's address on their network")
-        if not self.disaggregation_secret and not is_loopback(host):
-            raise ConfigError(f"PD server on {host} (not loopback) needs --disaggregation-secret or "
-                              f"${DISAGGREGATION_SECRET_ENV}: without it anyone on the network could forge "
-                              f"KV handoffs")
-        if self.disaggregation_secret and len(self.disaggregation_secret) < MIN_SECRET_CHARS:
-            raise ConfigError(f"the PD secret must have at least {MIN_SECRET_CHARS} characters (generate one "
-                              f"with: python -c 'import secrets; print(secrets.token_urlsafe(32))')")
-        if self.disaggregation_advertise_host is not None and not is_ip_literal(self.disaggregation_advertise_host):
-            raise ConfigError(f"--disaggregation-advertise-host must be an IP address (the PD sockets bind it), "
-                              f"got {self.disaggregation_advertise_host!r}")
 
     def _resolve_device(self) -> ServerArgs:
         import torch
@@ -704,25 +579,3 @@ class ServerArgs:
     def url(self) -> str:
         """Base URL of the HTTP server."""
         return f"http://{self.host}:{self.port}"
-
-
-def _shown(value: Any) -> str:
-    return " ".join(map(str, value)) if isinstance(value, tuple) else str(value)
-
-
-def _check_regex(flag: str, pattern: str) -> None:
-    import re
-
-    try:
-        re.compile(pattern)
-    except re.error as e:
-        raise ConfigError(f"{flag} is not a valid regular expression: {e}") from None
-
-
-def _positive(args: ServerArgs, *names: str) -> None:
-    for name in names:
-        value = getattr(args, name)
-        if value is not None and value <= 0:
-            raise ConfigError(f"--{flag_name(name)} must be positive, got {value}")
-
-

@@ -12,7 +12,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Optional
 
-from kvstrata.args import (
+from kvstrata.config_cli import (
     ConfigError,
     add_dataclass_cli_args,
     check_choices,

@@ -118,6 +118,16 @@ def test_tier_metrics_report_counter_deltas_once_and_skip_the_rest():
         "device_hit_tokens": 40, "cache_hit_rate": 0.4, "hicache.tokens_hit": 20, "l3_hit_tokens": 7}
 
 
+def test_cache_report_divides_scheduler_cpu_by_forward_steps_and_keeps_empty_steps_apart():
+    before = {"internal_states": [{"scheduler_cpu_s": 1.0, "step": 100, "empty_steps": 5, "empty_step_cpu_s": 0.5}]}
+    after = {"internal_states": [{"scheduler_cpu_s": 3.0, "step": 300, "empty_steps": 45, "empty_step_cpu_s": 2.5,
+                                  "integrity_ok": True}]}
+    report = accounting.cache_report(before, after)
+    assert report["scheduler_cpu_ms_per_step"] == pytest.approx(10.0)
+    assert report["empty_steps"] == 40 and report["empty_step_cpu_s"] == pytest.approx(2.0)
+    assert report["integrity_ok"] is True
+
+
 def test_server_flags_need_launch():
     args, extra = parse_args(["--launch", "--max-total-tokens", "4096", "--num-clients", "3"])
     assert extra == ["--max-total-tokens", "4096"] and args.num_clients == 3

@@ -26,6 +26,7 @@ def test_seed_preset_small_scale_three_tiers_beat_l1_only(mooncake_env, tmp_path
         assert w["enable_round_barrier"] and w["ready_queue_policy"] == "random"
         assert (s["completed"], s["failed"]) == (w["num_clients"] * 10, 0)
         assert row["cache"]["integrity_ok"] is True
+        assert row["cache"]["steps"] > 0 and row["cache"]["empty_steps"] >= 0
     l1, top = rows["l1"]["summary"], rows["mooncake"]["summary"]
     assert top["cache_hit_rate"] > l1["cache_hit_rate"]
     assert top["hit_rate_vs_ideal"] >= 0.95
