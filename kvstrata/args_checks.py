@@ -1,4 +1,4 @@
-"""The cross-field checks of ServerArgs: each refusal names the flag and what to do instead.
+"""The range and cross-field checks of ServerArgs: each refusal names the flag and what to do instead.
 
 Kept apart from args.py (the fields, their CLI and the derived values) so that each rule lives in one place.
 """
@@ -97,6 +97,7 @@ def check_server_args(args: ServerArgs) -> None:
     if args.disaggregation_bootstrap_timeout <= 0:
         raise ConfigError("--disaggregation-bootstrap-timeout must be positive")
     _check_parallelism(args)
+
 
 def _check_parallelism(args: ServerArgs) -> None:
     """--tp-size and its companions; what tensor parallelism does not cover yet is refused by name."""

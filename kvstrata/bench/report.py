@@ -114,7 +114,7 @@ def cache_table(rows: list[dict]) -> str:
                                                                         "l3_hit_tokens"))
         objects = f"{c['l3_objects']:,} / {_mb(c.get('l3_bytes'))}" if c.get("l3_objects") is not None else "n/a"
         cpu = c.get("scheduler_cpu_ms_per_step")
-        empty = f"{c['empty_steps']:,} ({c.get('empty_step_cpu_s', 0.0):.1f})" if "empty_steps" in c else "n/a"
+        empty = f"{c['empty_steps']:,} ({c.get('empty_step_cpu_s', 0.0):.3f})" if "empty_steps" in c else "n/a"
         ok = c.get("integrity_ok")
         out.append([row["name"], pct(s["hit_rate_vs_ideal"]), hits, _mb(c.get("load_back_bytes")),
                     _mb(c.get("l3_read_bytes")), objects, pct(s.get("engine_busy")),

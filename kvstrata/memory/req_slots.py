@@ -56,4 +56,3 @@ def _zeros(shape: tuple[int, int], device: torch.device) -> torch.Tensor:
     nbytes = shape[0] * shape[1] * torch.long.itemsize
     region = mmap.mmap(-1, max(nbytes, 1))
     return torch.frombuffer(region, dtype=torch.long, count=shape[0] * shape[1]).view(shape)
-
