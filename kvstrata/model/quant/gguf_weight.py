@@ -4,9 +4,9 @@ GGUFStack (a fused projection whose parts have different types) and GGUFEmbeddin
 Products run through the compiled kernels (csrc/quant_gguf.cpp) when `use_gguf_kernels` gave them: up to
 GEMV_MAX_ROWS rows (decode) a GEMV that reads the blocks once, in the variant the kernel library picks per type
 (variant 0: integer dot products on the activation quantized to 8 bits, or blocks de-quantized in registers,
-whichever measured faster on the CPU kind, docs/benchmarks.md issue 47) where INT8_ACTIVATIONS is on and the
-model is not float32; by default every model multiplies the activation as it is (blocks de-quantized in
-registers), so that its products are the float products of the de-quantized weights; more rows
+whichever measured faster on the CPU kind, docs/benchmarks.md issue 47) where INT8_ACTIVATIONS is on (the
+default) and the model is not float32; float32 models multiply the activation as it is (blocks de-quantized in
+registers), so that their products are the float products of the de-quantized weights; more rows
 (prefill) de-quantize GEMM_TILE_ROWS output rows at a time into a bf16/float32 tile for torch's GEMM. In
 batch-invariant mode every row count takes the GEMV, whose rows are independent by construction. Without
 kernels, the plain-torch de-quantizer (gguf_blocks) and F.linear compute the same product.
@@ -24,11 +24,12 @@ from torch import nn
 from kvstrata.model.quant.base import QuantizedWeight
 from kvstrata.model.quant.gguf_blocks import FLOAT_TYPES, BlockFormat, dequantize_rows
 
-# Whether bf16/fp16 models' decode GEMVs quantize the activation to 8 bits (the faster kernels where the type
-# has them). Off: measured on SmolLM2-135M Q4_1 (docs/benchmarks.md, issue 47), the 8-bit activations of every
-# product together change its greedy continuation of a cached prompt ("What is the capital of France?": "L'Étoile,
-# la Marseillaise" instead of "The capital of France is Paris"), while no single projection does.
-INT8_ACTIVATIONS = False
+# Whether bf16/fp16 models' GEMVs quantize the activation to 8 bits, as llama.cpp does for every quantized
+# product: 1.2-3.3x faster per product (docs/benchmarks.md, issue 47). Measured on SmolLM2-135M Q4_1 against its
+# float32 de-quantized reference, 8 prompts x 64 teacher-forced tokens: 98.6% agreement as served, 95.3% with
+# every product 8-bit (deterministic mode); llama.cpp on the same file 96.7-97.5%. float32 models keep exact
+# float products (`--dtype float32` is the opt-out).
+INT8_ACTIVATIONS = True
 # Rows up to which the GEMV beats de-quantizing tiles for a GEMM (decode batches); see docs/benchmarks.md.
 GEMV_MAX_ROWS = 8
 # Output rows de-quantized per GEMM tile: a few MB of weight, reused by every input row while in cache.
