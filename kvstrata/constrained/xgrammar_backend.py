@@ -14,6 +14,7 @@ import xgrammar as xgr
 from kvstrata.constrained import bitmask as bitmask_ops
 from kvstrata.constrained.base import Grammar, GrammarBackend
 from kvstrata.constrained.utf8_guard import SurrogateGuard
+from kvstrata.model.light_tokenizer import LightTokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -125,8 +126,7 @@ class XGrammarBackend(GrammarBackend):
         if any_whitespace and max_whitespace_cnt is None:
             self._whitespace_rules = whitespace_rules(whitespace_pattern or DEFAULT_JSON_WHITESPACE)
         # The model's vocab (lm_head rows) may exceed the tokenizer's: xgrammar masks the extra ids.
-        self.tokenizer_info = xgr.TokenizerInfo.from_huggingface(
-            tokenizer, vocab_size=vocab_size, stop_token_ids=self.eos_token_ids)
+        self.tokenizer_info = tokenizer_info(tokenizer, vocab_size, self.eos_token_ids)
         self._guard = SurrogateGuard(self.tokenizer_info.decoded_vocab, vocab_size)
         banned = sorted(set(_special_token_ids(tokenizer, vocab_size, self.eos_token_ids))
                         | set(self._guard.banned_token_ids))
@@ -194,6 +194,21 @@ def whitespace_rules(pattern: str) -> str:
     for name in sorted(set(re.findall(r"^(\w+) ::=", rules, re.M)), key=len, reverse=True):
         rules = re.sub(rf"\b{name}\b", _WS_RULE_PREFIX + name, rules)
     return rules
+
+
+def tokenizer_info(tokenizer: Any, vocab_size: int, stop_token_ids: list[int]) -> xgr.TokenizerInfo:
+    """xgrammar's tables of the vocabulary (`vocab_size`: the model's, padding ids masked).
+
+    xgrammar reads transformers' fast tokenizers only. For a LightTokenizer it gets transformers' generic
+    TokenizersBackend of the same folder, the class the LightTokenizer stands for (the scheduler uses one only
+    where AutoTokenizer builds that class: model/tokenizer_check.py); loaded without AutoTokenizer's model-config
+    imports and dropped once the tables are built.
+    """
+    if isinstance(tokenizer, LightTokenizer):
+        from transformers import TokenizersBackend
+
+        tokenizer = TokenizersBackend.from_pretrained(tokenizer.name_or_path, local_files_only=True)
+    return xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size, stop_token_ids=stop_token_ids)
 
 
 def _special_token_ids(tokenizer: Any, vocab_size: int, eos_token_ids: list[int]) -> list[int]:

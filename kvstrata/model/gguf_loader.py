@@ -143,6 +143,7 @@ def load_gguf_model(path: str, config: ModelConfig, dtype: torch.dtype, device: 
     split inside a quantization block is a ShardError naming the tensor, raised before any tensor is read.
     """
     from kvstrata.model.llama import LlamaForCausalLM
+    from kvstrata.model.loader import to_empty
     from kvstrata.model.moe import bind_experts
     from kvstrata.model.parallel import vocab_parallel
     from kvstrata.model.quant.gguf_weight import GGUFEmbedding
@@ -156,7 +157,7 @@ def load_gguf_model(path: str, config: ModelConfig, dtype: torch.dtype, device: 
     quantized = {name for name, parts in groups.items() if parts[0].quantized}
     for name in quantized | ({LM_HEAD} if tied else set()):
         _release(model, name)
-    model = model.to_empty(device=device)
+    model = to_empty(model, device)
     params = dict(model.named_parameters(remove_duplicate=False))
     experts: dict[nn.Module, dict[str, list[QuantizedWeight]]] = defaultdict(dict)
     with open(path, "rb", buffering=0) as fh:

@@ -12,8 +12,10 @@ that `AutoTokenizer.from_pretrained` (transformers 5) loads for such a folder:
     chat_template.jinja, additional_chat_templates/*.jinja, tokenizer_config's chat_template -> chat_template
 
 Model-specific classes (Qwen2Tokenizer, LlamaTokenizer, ...) rebuild the pipeline in Python instead.
-`fingerprint()` tells the two apart: the scheduler process loads transformers' tokenizer anyway and reports
-its fingerprint; the HTTP process falls back to transformers when it differs from this class's.
+`fingerprint()` tells the two apart: transformers' fingerprint of the folder is recorded at server start
+(tokenizer_check.py); the scheduler uses this class only where its fingerprint equals that record, and reports
+the fingerprint of the tokenizer it holds; the HTTP process falls back to transformers when it differs from
+this class's.
 """
 
 from __future__ import annotations

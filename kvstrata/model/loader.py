@@ -57,7 +57,7 @@ def load_model(path: str, config: ModelConfig, dtype: torch.dtype, device: torch
         model = LlamaForCausalLM(config, tp)
     targets = model.checkpoint_targets()
     quantized = _quantized_linears(path, files, quantization, model, targets, dtype, device)
-    model = model.to(dtype=dtype).to_empty(device=device)
+    model = to_empty(model.to(dtype=dtype), device)
     params = dict(model.named_parameters(remove_duplicate=False))
     filled: set[str] = set()
     for file, name, read in _checkpoint_tensors(path, files):
@@ -118,7 +118,7 @@ def load_dummy_model(config: ModelConfig, dtype: torch.dtype, device: torch.devi
     device = torch.device(device)
     with torch.device("meta"):
         model = LlamaForCausalLM(config)
-    model = model.to(dtype=dtype).to_empty(device=device)
+    model = to_empty(model.to(dtype=dtype), device)
     if config.tie_word_embeddings:
         model.tie_embeddings()
     generator = torch.Generator().manual_seed(seed)
@@ -136,6 +136,16 @@ def load_dummy_model(config: ModelConfig, dtype: torch.dtype, device: torch.devi
     if relayout:
         model.optimize_layout()
     return model.eval()
+
+
+def to_empty(model: torch.nn.Module, device: torch.device) -> torch.nn.Module:
+    """`model.to_empty(device=device)` (a meta model given uninitialised storage), without importing sympy.
+
+    torch.empty_like of a meta tensor runs torch's Python reference, which imports torch.fx's symbolic shapes
+    and with them sympy: ~32 MB that would stay resident in every scheduler. torch.empty_strided allocates the
+    same shape, strides and dtype without it.
+    """
+    return model._apply(lambda t: torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=device))
 
 
 def checkpoint_files(path: str) -> list[str]:
@@ -255,7 +265,7 @@ def _shard_of_dummy(config: ModelConfig, dtype: torch.dtype, device: torch.devic
     targets = model.checkpoint_targets()
     quantized = (QuantizedLinears(quant_spec("int8", None, "dummy weights"), model, targets, whole_targets, dtype,
                                   device) if quantization == "int8" else None)
-    model = model.to(dtype=dtype).to_empty(device=torch.device(device))
+    model = to_empty(model.to(dtype=dtype), torch.device(device))
     params = dict(model.named_parameters(remove_duplicate=False))
     for name, (param_name, start, end, *expert) in whole_targets.items():
         if (name == LM_HEAD and config.tie_word_embeddings) or not model.layout.holds(name):

@@ -56,9 +56,28 @@ def load_light_tokenizer(path: str, chat_template: str | None = None) -> Any:
     return _with_chat_template(tokenizer, chat_template)
 
 
+def load_checked_tokenizer(path: str) -> Any:
+    """The scheduler's tokenizer: a LightTokenizer where transformers' tokenizer of the folder has been recorded
+    with the same fingerprint (tokenizer_check.py), else transformers' tokenizer. Both give transformers' results;
+    the LightTokenizer keeps transformers' model-config imports (~100 MB of RSS) out of the process."""
+    from kvstrata.model.light_tokenizer import LightTokenizer, fingerprint
+    from kvstrata.model.tokenizer_check import recorded_fingerprint
+
+    folder = _tokenizer_folder(path)
+    recorded = recorded_fingerprint(folder) if LightTokenizer.can_load(folder) else None
+    if recorded is not None:
+        tokenizer = load_light_tokenizer(folder)
+        if fingerprint(tokenizer) == recorded:
+            return tokenizer
+        logger.info("transformers loads the tokenizer in %r differently from tokenizer.json (a model-specific "
+                    "class?): the scheduler uses transformers' tokenizer", folder)
+    return load_tokenizer(folder)
+
+
 def confirm_light_tokenizer(tokenizer: Any, fingerprint: str, path: str, chat_template: str | None = None) -> Any:
-    """`tokenizer`, unless it is a LightTokenizer whose fingerprint differs from `fingerprint` (that of
-    transformers' tokenizer for the same folder, e.g. a model-specific class): then transformers' tokenizer."""
+    """`tokenizer`, unless it is a LightTokenizer whose fingerprint differs from `fingerprint` (that of the
+    scheduler's tokenizer for the same folder: transformers' where its class is model-specific): then
+    transformers' tokenizer."""
     from kvstrata.model.light_tokenizer import LightTokenizer
     from kvstrata.model.light_tokenizer import fingerprint as fingerprint_of
 

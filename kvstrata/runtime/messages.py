@@ -110,7 +110,7 @@ class SchedulerReady:
     max_running_requests: int
     page_size: int
     server_args: ServerArgs = field(repr=False)   # resolved here: device, dtype and chunk size need torch
-    tokenizer_fingerprint: str          # of transformers' tokenizer (light_tokenizer.fingerprint)
+    tokenizer_fingerprint: str          # of the scheduler's tokenizer (light_tokenizer.fingerprint)
 
 
 @dataclass

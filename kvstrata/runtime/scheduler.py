@@ -21,7 +21,7 @@ from kvstrata.args import ServerArgs
 from kvstrata.cache.build import build_kv_cache
 from kvstrata.model.builtin import resolve_model_path
 from kvstrata.model.parallel import RankFailure
-from kvstrata.model.tokenizer import load_tokenizer
+from kvstrata.model.tokenizer import load_checked_tokenizer
 from kvstrata.runtime.batch import BatchEntry, ScheduledBatch, StepResult
 from kvstrata.runtime.handoff import Handoff, HandoffFactory
 from kvstrata.runtime.messages import ControlOut, PrefetchReq, ReqOutput, TokenizedGenerateReq
@@ -54,7 +54,8 @@ class Scheduler:
                                     copy_journal=self.runner.copy_journal, ranks=self.runner.rank_link)
         self.kv_events = self._kv_event_publisher()   # --kv-events-config (None: off)
         # The scheduler process's tokenizer: stop strings, grammars, and the fingerprint the HTTP process checks.
-        self.tokenizer = load_tokenizer(resolve_model_path(args.tokenizer_path))
+        # A LightTokenizer where transformers' was recorded to give the same results (server/launch.py records it).
+        self.tokenizer = load_checked_tokenizer(resolve_model_path(args.tokenizer_path))
         self.stop = StopChecker(self.tokenizer, self.runner.config.eos_token_ids)
         self.waiting: list[Req] = []
         self.running: list[Req] = []

@@ -135,18 +135,25 @@ def serve(args: ServerArgs) -> int:
 
 
 def prepare_model_folders(args: ServerArgs) -> None:
-    """Build the built-in models and convert the GGUF files that `args` names, once, in a child process.
+    """Build the built-in models and convert the GGUF files that `args` names, once, in a child process, and
+    record transformers' tokenizer fingerprint of the tokenizer folder (tokenizer_check.py) if none is yet.
 
-    Building needs torch (weights) and transformers (GGUF), which this process should never import. Doing it
-    here, before the scheduler starts, also keeps two processes from building the same folder at once.
+    Both need torch and transformers, which this process should never import and the scheduler should not keep
+    resident. Doing it here, before the scheduler starts, also keeps two processes from building the same folder
+    at once.
     """
     from kvstrata.model.builtin import is_model_folder_ready, resolve_model_path
+    from kvstrata.model.tokenizer_check import needs_record, record_fingerprint
 
-    names = list(dict.fromkeys([args.tokenizer_path or args.model_path, args.model_path]))
-    if all(is_model_folder_ready(name) for name in names):
+    tokenizer_name = args.tokenizer_path or args.model_path
+    names = list(dict.fromkeys([tokenizer_name, args.model_path]))
+    if all(is_model_folder_ready(name) for name in names) and not needs_record(resolve_model_path(tokenizer_name)):
         return
     with multiprocessing.get_context("spawn").Pool(1) as pool:
         pool.map(resolve_model_path, names)
+        tokenizer_dir = resolve_model_path(tokenizer_name)    # built by now
+        if needs_record(tokenizer_dir):
+            pool.apply(record_fingerprint, (tokenizer_dir,))
 
 
 def remove_stale_ipc_dirs(tmp_dir: Optional[str] = None) -> list[str]:
