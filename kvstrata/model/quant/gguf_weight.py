@@ -2,9 +2,10 @@
 GGUFStack (a fused projection whose parts have different types) and GGUFEmbedding (row gather + de-quantize).
 
 Products run through the compiled kernels (csrc/quant_gguf.cpp) when `use_gguf_kernels` gave them: up to
-GEMV_MAX_ROWS rows (decode) a GEMV that reads the blocks once, in the variant the kernel library picks per type
-(variant 0: integer dot products on the activation quantized to 8 bits, or blocks de-quantized in registers,
-whichever measured faster on the CPU kind, docs/benchmarks.md issue 47) where INT8_ACTIVATIONS is on (the
+GEMV_MAX_ROWS rows (GEMV_MAX_ROWS_INT8 on 8-bit activations: decode) a GEMV that reads the blocks once, in the
+variant the kernel library picks per type (variant 0: integer dot products on the activation quantized to 8
+bits, or blocks de-quantized in registers, whichever measured faster on the CPU kind, docs/benchmarks.md issue
+47) where INT8_ACTIVATIONS is on (the
 default) and the model is not float32; float32 models multiply the activation as it is (blocks de-quantized in
 registers), so that their products are the float products of the de-quantized weights; more rows
 (prefill) de-quantize GEMM_TILE_ROWS output rows at a time into a bf16/float32 tile for torch's GEMM. In
@@ -30,8 +31,10 @@ from kvstrata.model.quant.gguf_blocks import FLOAT_TYPES, BlockFormat, dequantiz
 # every product 8-bit (deterministic mode); llama.cpp on the same file 96.7-97.5%. float32 models keep exact
 # float products (`--dtype float32` is the opt-out).
 INT8_ACTIVATIONS = True
-# Rows up to which the GEMV beats de-quantizing tiles for a GEMM (decode batches); see docs/benchmarks.md.
+# Rows up to which the GEMV beats de-quantizing tiles for a GEMM (decode batches), on float activations and on
+# 8-bit ones (whose kernel keeps up to 16 rows' accumulators in registers); see docs/benchmarks.md, issue 47.
 GEMV_MAX_ROWS = 8
+GEMV_MAX_ROWS_INT8 = 16
 # Output rows de-quantized per GEMM tile: a few MB of weight, reused by every input row while in cache.
 GEMM_TILE_ROWS = 512
 # Batch-invariant mode without kernels: float32 GEMMs of at least this many rows sum a row in one order
@@ -92,8 +95,9 @@ class GGUFWeight(QuantizedWeight):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x `[T, in]` -> `x @ W.T` `[T, out]` in x's dtype."""
         rows = x.shape[0]
-        if self._compiled(x) and (self.batch_invariant or rows <= GEMV_MAX_ROWS):
-            variant = self._gemv_variant(int8_activations=INT8_ACTIVATIONS and x.dtype != torch.float32)
+        int8 = INT8_ACTIVATIONS and x.dtype != torch.float32
+        if self._compiled(x) and (self.batch_invariant or rows <= (GEMV_MAX_ROWS_INT8 if int8 else GEMV_MAX_ROWS)):
+            variant = self._gemv_variant(int8_activations=int8)
             return self.kernels.gemv(x.float().contiguous(), self.blocks, self.fmt.type_id, variant).to(x.dtype)
         return self._forward_tiles(x, compiled=self._compiled(x))
 
