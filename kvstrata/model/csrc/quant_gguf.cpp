@@ -1,6 +1,7 @@
 // Products with weights held in GGUF block formats (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K):
 //
-// gguf_gemv(x [T, K] float32, blocks [N, row_bytes] uint8, type, variant) -> x @ W.T [T, N] float32. Blocks
+// gguf_gemv(x [T, K] float32/bf16/fp16, blocks [N, row_bytes] uint8, type, variant) -> x @ W.T [T, N] in x's
+//   dtype, computed in float32. Blocks
 //   are de-quantized in registers and multiplied into every input row: the weight is read once per product
 //   (decode is a stream over it). Row-invariant (quant_gguf_impl.h), so deterministic mode runs every
 //   product through it.
@@ -249,8 +250,7 @@ struct QuantizedRows {
   }
 };
 
-at::Tensor gguf_gemv(const at::Tensor& x, const at::Tensor& blocks, int64_t type, int64_t variant) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(), "gguf_gemv: x must be [T, K] float32");
+at::Tensor gemv_f32(const at::Tensor& x, const at::Tensor& blocks, int64_t type, int64_t variant) {
   const int64_t rows = x.size(0), k = x.size(1), n = blocks.size(0);
   check_blocks(blocks, type, k);
   if (variant == BEST) variant = best_variant(static_cast<int>(type), k, true);
@@ -280,6 +280,16 @@ at::Tensor gguf_gemv(const at::Tensor& x, const at::Tensor& blocks, int64_t type
     with_scratch([&](float* scratch) { fn(static_cast<int>(type), xp, rows, k, wp, row_bytes, n0, n1, op, n, scratch); });
   });
   return out;
+}
+
+// x in float32, bfloat16 or float16: multiplied in float32, returned in x's dtype (the conversions here rather
+// than as two more torch ops per product: a decode step of a 1B model runs 82 products).
+at::Tensor gguf_gemv(const at::Tensor& x, const at::Tensor& blocks, int64_t type, int64_t variant) {
+  const auto dtype = x.scalar_type();
+  TORCH_CHECK(x.dim() == 2 && (dtype == at::kFloat || dtype == at::kBFloat16 || dtype == at::kHalf),
+              "gguf_gemv: x must be [T, K] float32, bfloat16 or float16");
+  const at::Tensor out = gemv_f32(x.to(at::kFloat).contiguous(), blocks, type, variant);
+  return dtype == at::kFloat ? out : out.to(dtype);
 }
 
 at::Tensor gguf_dequantize(const at::Tensor& blocks, int64_t type, int64_t k) {

@@ -43,9 +43,9 @@ _INVARIANT_MIN_ROWS = 16
 
 
 class GGUFKernels(NamedTuple):
-    """The compiled ops (paged_kernels.gguf_ops()): `gemv(x f32 [T, K], blocks, type, variant) -> [T, N]` f32
-    (variant 0: the build's choice for the type; paged_kernels.GGUF_VARIANT_NAMES), `dequantize(blocks, type, K)
-    -> [R, K]` f32."""
+    """The compiled ops (paged_kernels.gguf_ops()): `gemv(x [T, K], blocks, type, variant) -> [T, N]` in x's
+    dtype (f32, bf16 or fp16, computed in f32; variant 0: the build's choice for the type;
+    paged_kernels.GGUF_VARIANT_NAMES), `dequantize(blocks, type, K) -> [R, K]` f32."""
 
     gemv: object
     dequantize: object
@@ -98,7 +98,7 @@ class GGUFWeight(QuantizedWeight):
         int8 = INT8_ACTIVATIONS and x.dtype != torch.float32
         if self._compiled(x) and (self.batch_invariant or rows <= (GEMV_MAX_ROWS_INT8 if int8 else GEMV_MAX_ROWS)):
             variant = self._gemv_variant(int8_activations=int8)
-            return self.kernels.gemv(x.float().contiguous(), self.blocks, self.fmt.type_id, variant).to(x.dtype)
+            return self.kernels.gemv(x, self.blocks, self.fmt.type_id, variant)
         return self._forward_tiles(x, compiled=self._compiled(x))
 
     def _gemv_variant(self, int8_activations: bool) -> int:
