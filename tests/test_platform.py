@@ -65,3 +65,34 @@ def test_large_buffers_are_unmapped_only_while_loading(monkeypatch):
 
     load()
     assert calls[-2:] == serving
+
+
+def _vma_flags(address: int) -> list[str]:
+    """The VmFlags of the mapping holding `address` (/proc/self/smaps)."""
+    inside = False
+    with open("/proc/self/smaps") as fh:
+        for line in fh:
+            head = line.split()[0]
+            if "-" in head and ":" not in head:
+                start, end = (int(part, 16) for part in head.split("-"))
+                inside = start <= address < end
+            elif inside and head == "VmFlags:":
+                return line.split()[1:]
+    return []
+
+
+@pytest.mark.skipif(not hasattr(__import__("mmap"), "MADV_HUGEPAGE"), reason="no madvise(MADV_HUGEPAGE) here")
+def test_huge_page_buffers_are_private_and_advised_only_on_whole_huge_pages():
+    assert platform.huge_page_buffer(2 * platform.HUGE_PAGE_BYTES - 1) is None     # too small to hold one
+    size = 5 * platform.HUGE_PAGE_BYTES + 12345
+    region = platform.huge_page_buffer(size)
+    held = torch.frombuffer(region, dtype=torch.uint8)
+    assert held.numel() == size and held.data_ptr() % 4096 == 0 and int(held.sum()) == 0
+    held[-1] = 7     # private and writable
+    start = held.data_ptr()
+    first = start + (-start) % platform.HUGE_PAGE_BYTES
+    # the aligned whole pages carry the advice ("hg"); the partial page before them does not
+    assert "hg" in _vma_flags(first)
+    if first != start:
+        assert "hg" not in _vma_flags(start)
+    assert "sh" not in _vma_flags(first)       # not shared memory, which gets no huge pages

@@ -37,7 +37,7 @@ from torch import nn
 from kvstrata.model.config import ModelConfig, ModelLoadError, check_no_missing_tensors
 from kvstrata.model.gguf_header import TensorInfo, read_header
 from kvstrata.model.quant.gguf_blocks import FLOAT_TYPES, block_format, float_values
-from kvstrata.platform import large_buffers_unmapped
+from kvstrata.platform import huge_page_buffer, large_buffers_unmapped
 
 if TYPE_CHECKING:
     from kvstrata.model.parallel import Cut, ShardLayout, TensorParallel
@@ -337,9 +337,13 @@ def _quantized_weights(parts: list[_Part], fh: BinaryIO, path: str, device: torc
 
     def blocks(group: list[_Part]) -> torch.Tensor:
         fmt, first = group[0].fmt, group[0].start
-        # torch's allocator aligns to 64 bytes (numpy's large buffers sit 16 bytes past a page), so the kernels'
-        # block rows start on cache lines: a 1B Q4_K_M cold 2048-token prefill 4.10 -> 3.81 s (one run each)
-        held = torch.empty((slabs, group[-1].end - first, fmt.row_bytes(in_features)), dtype=torch.uint8)
+        # Page-aligned (or torch's 64 bytes; numpy's large buffers sit 16 bytes past a page), so the kernels'
+        # block rows start on cache lines: a 1B Q4_K_M cold 2048-token prefill 4.10 -> 3.81 s (one run each);
+        # on huge pages where the kernel allows (platform.huge_page_buffer: decode streams them).
+        shape = (slabs, group[-1].end - first, fmt.row_bytes(in_features))
+        region = huge_page_buffer(math.prod(shape)) if device.type == "cpu" else None
+        held = (torch.frombuffer(region, dtype=torch.uint8).view(shape) if region is not None
+                else torch.empty(shape, dtype=torch.uint8))
         out = held.numpy()
         for p in group:
             rows = out[:, p.start - first:p.end - first]
