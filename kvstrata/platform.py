@@ -1,7 +1,7 @@
 """What this machine offers: the CPU's feature probes (read once from /proc/cpuinfo), the environment
 variables kvstrata reads (`env`: the one place they are read), its cache directory, the C allocator's
-controls (glibc: large buffers mapped on their own, freed heap memory returned), and memory for weights that
-the kernel may back with huge pages.
+controls (glibc: large buffers mapped on their own, freed heap memory returned), and anonymous memory (zero
+until written; for weights, advised for huge pages).
 
 The CPU probes are the probes the runtime chooses its paths with (the dtype, the compiled kernels' variants, oneDNN's
 prepacked weights), and the ones the test suite's capability markers read (tests/capabilities.py), so a test
@@ -133,20 +133,25 @@ def large_buffers_unmapped() -> Iterator[None]:
 HUGE_PAGE_BYTES = 2 << 20
 
 
+def anonymous_buffer(nbytes: int) -> mmap.mmap:
+    """`nbytes` of private anonymous memory: page-aligned, and zero pages that cost no resident memory until
+    written (private: a shared anonymous mapping is shmem, which gets no huge pages here)."""
+    return mmap.mmap(-1, max(nbytes, 1), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+
+
 def huge_page_buffer(nbytes: int) -> mmap.mmap | None:
-    """`nbytes` of anonymous memory whose whole 2 MiB pages the kernel may back with transparent huge pages, or
-    None where it cannot (not Linux, or under two huge pages: then any buffer will do).
+    """An anonymous_buffer of `nbytes` whose whole 2 MiB pages the kernel may back with transparent huge pages,
+    or None where it cannot (not Linux, or under two huge pages: then any buffer will do).
 
     For quantized weights, which a decode step streams through once from memory: with 4 KiB pages every 4 KiB
     of weight costs a TLB miss. Measured on the 1B-class GGUF models (docs/benchmarks.md, issue 47): all of a
-    decode step's products 71 -> 58 ms (Q8_0) and 49-54 -> 43 ms (Q4_K_M). Only the 2 MiB-aligned pages inside
-    the buffer are advised, so the buffer costs no more resident memory than its bytes. Works where
+    decode step's products 71 -> 52-56 ms (Q8_0) and 49-54 -> 42-44 ms (Q4_K_M). Only the 2 MiB-aligned pages
+    inside the buffer are advised, so the buffer costs no more resident memory than its bytes. Works where
     /sys/kernel/mm/transparent_hugepage/enabled is `always` or `madvise`; elsewhere the advice is ignored.
     """
     if nbytes < 2 * HUGE_PAGE_BYTES or not hasattr(mmap, "MADV_HUGEPAGE"):
         return None
-    # Private: an anonymous mapping is shared (shmem, no huge pages here) by default. Page-aligned, zero until written.
-    region = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    region = anonymous_buffer(nbytes)
     first = (-_address_of(region)) % HUGE_PAGE_BYTES      # the offset of the first 2 MiB-aligned address
     whole = (nbytes - first) // HUGE_PAGE_BYTES * HUGE_PAGE_BYTES
     try:

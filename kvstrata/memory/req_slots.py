@@ -6,9 +6,9 @@ the slots themselves are owned by the allocator / cache, not by this table.
 
 from __future__ import annotations
 
-import mmap
-
 import torch
+
+from kvstrata.platform import anonymous_buffer
 
 
 class ReqSlotTable:
@@ -53,6 +53,5 @@ def _zeros(shape: tuple[int, int], device: torch.device) -> torch.Tensor:
     columns no request reaches cost no memory: 257 rows x an 8k context are 17 MB, mostly never touched."""
     if device.type != "cpu":
         return torch.zeros(shape, dtype=torch.long, device=device)
-    nbytes = shape[0] * shape[1] * torch.long.itemsize
-    region = mmap.mmap(-1, max(nbytes, 1))
+    region = anonymous_buffer(shape[0] * shape[1] * torch.long.itemsize)
     return torch.frombuffer(region, dtype=torch.long, count=shape[0] * shape[1]).view(shape)

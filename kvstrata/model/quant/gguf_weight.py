@@ -5,9 +5,9 @@ Products run through the compiled kernels (csrc/quant_gguf.cpp) when `use_gguf_k
 GEMV_MAX_ROWS rows (GEMV_MAX_ROWS_INT8 on 8-bit activations: decode) a GEMV that reads the blocks once, in the
 variant the kernel library picks per type (variant 0: integer dot products on the activation quantized to 8
 bits, or blocks de-quantized in registers, whichever measured faster on the CPU kind, docs/benchmarks.md issue
-47) where INT8_ACTIVATIONS is on (the
-default) and the model is not float32; float32 models multiply the activation as it is (blocks de-quantized in
-registers), so that their products are the float products of the de-quantized weights; more rows
+47) where INT8_ACTIVATIONS is on (the default) and the model is not float32; float32 models multiply the
+activation as it is (blocks de-quantized in registers), so that their products are the float products of the
+de-quantized weights; more rows
 (prefill) de-quantize GEMM_TILE_ROWS output rows at a time into a bf16/float32 tile for torch's GEMM. In
 batch-invariant mode every row count takes the GEMV, whose rows are independent by construction. Without
 kernels, the plain-torch de-quantizer (gguf_blocks) and F.linear compute the same product.
