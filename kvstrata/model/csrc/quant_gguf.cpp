@@ -55,12 +55,14 @@ inline int64_t type_size(int type) {
 }
 
 // Input rows quantized to int8 for the 8-bit GEMV: per row, k values q, and per 32-bit lane (4 values) the
-// scale of the value's 32-block (dxl) and -offset x the lane's sum of q (off: the weight type's integer
-// offset, exact); per 32-block its scale x its sum of q (xs: the min terms).
+// scale of the value's 32-block (dxl), -offset x the lane's sum of q (off: the weight type's integer offset,
+// exact) and the scale x the lane's sum of q (xl: Q4_1's min terms); per 32-block its scale x its sum of q
+// (xs: the K-quants' min terms).
 struct Q8Act {
   const int8_t* q;       // [rows, k]
   const float* dxl;      // [rows, k / 4]
   const int32_t* off;    // [rows, k / 4]
+  const float* xl;       // [rows, k / 4]
   const float* xs;       // [rows, k / 32]
   int64_t k;
 };
@@ -214,18 +216,18 @@ constexpr int64_t GRAIN = 16;   // output rows per task
 // Input rows quantized for the 8-bit GEMV, in buffers this object owns.
 struct QuantizedRows {
   std::vector<int8_t> q;
-  std::vector<float> dxl, xs;
+  std::vector<float> dxl, xl, xs;
   std::vector<int32_t> off;
 
   // x [rows, k] float32; `offset`: the weight type's integer offset (q8_offset).
   QuantizedRows(const float* x, int64_t rows, int64_t k, int offset)
-      : q(rows * k), dxl(rows * k / 4), xs(rows * k / 32), off(rows * k / 4) {
+      : q(rows * k), dxl(rows * k / 4), xl(rows * k / 4), xs(rows * k / 32), off(rows * k / 4) {
     // the rows' blocks of 32 back to back (threads split them: deterministic mode quantizes whole prompts)
     at::parallel_for(0, rows * k / 32, 256, [&](int64_t g0, int64_t g1) {
       for (int64_t g = g0; g < g1; ++g) quantize_block(x, g, offset);
     });
   }
-  Q8Act act(int64_t k) const { return {q.data(), dxl.data(), off.data(), xs.data(), k}; }
+  Q8Act act(int64_t k) const { return {q.data(), dxl.data(), off.data(), xl.data(), xs.data(), k}; }
 
  private:
   void quantize_block(const float* x, int64_t g, int offset) {
@@ -244,6 +246,7 @@ struct QuantizedRows {
       }
       dxl[8 * g + lane] = d;
       off[8 * g + lane] = -offset * lane_sum;
+      xl[8 * g + lane] = d * static_cast<float>(lane_sum);
       sum += lane_sum;
     }
     xs[g] = d * static_cast<float>(sum);
@@ -259,7 +262,7 @@ at::Tensor gemv_f32(const at::Tensor& x, const at::Tensor& blocks, int64_t type,
   const uint8_t* wp = blocks.data_ptr<uint8_t>();
   float* op = out.data_ptr<float>();
   const int64_t row_bytes = blocks.size(1);
-  // per task: rows x 4 accumulators of up to 16 floats (the 8-bit GEMV: 2 + 1 float), 64-byte aligned
+  // per task: rows x 4 accumulators of up to 16 floats (the 8-bit GEMV: 3), 64-byte aligned
   const auto with_scratch = [rows](auto&& body) {
     std::vector<float> scratch(static_cast<size_t>(rows * 4 * 16 + 16));
     body(reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(scratch.data()) + 63) & ~uintptr_t(63)));

@@ -308,10 +308,6 @@ typedef uint8_t b32 __attribute__((vector_size(32)));
 typedef uint32_t words8 __attribute__((vector_size(32)));
 typedef float floats8 __attribute__((vector_size(32)));
 
-QG_INLINE float sum8(floats8 v) {   // fixed order
-  return ((v[0] + v[1]) + (v[2] + v[3])) + ((v[4] + v[5]) + (v[6] + v[7]));
-}
-
 QG_INLINE qbytes load_qb(const void* p) { qbytes v; __builtin_memcpy(&v, p, sizeof v); return v; }
 QG_INLINE qint load_qi(const int32_t* p) { qint v; __builtin_memcpy(&v, p, sizeof v); return v; }
 QG_INLINE qfloat load_qf(const float* p) { qfloat v; __builtin_memcpy(&v, p, sizeof v); return v; }
@@ -322,6 +318,29 @@ QG_INLINE b32 load32(const uint8_t* p) { b32 v; __builtin_memcpy(&v, p, sizeof v
 #define QG_I16(n) QG_I4(n), QG_I4(n + 4), QG_I4(n + 8), QG_I4(n + 12)
 #define QG_I32(n) QG_I16(n), QG_I16(n + 16)
 QG_INLINE b32 cat16(b16 a, b16 b) { return __builtin_shufflevector(a, b, QG_I32(0)); }
+
+// The sum of a step vector's lanes, halves added until one is left (a fixed order; a serial sum of the lanes
+// was a tenth of a 2048-value row's time).
+QG_INLINE float lane_sum(qfloat v) {
+  floats8 h;
+#if QG_STEP == 64
+  h = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) + __builtin_shufflevector(v, v, QG_I4(8), QG_I4(12));
+#else
+  h = v;
+#endif
+  typedef float floats4 __attribute__((vector_size(16)));
+  const floats4 q = __builtin_shufflevector(h, h, 0, 1, 2, 3) + __builtin_shufflevector(h, h, 4, 5, 6, 7);
+  return (q[0] + q[2]) + (q[1] + q[3]);
+}
+
+// 8 floats in the first lanes of a step's float vector, zeros above.
+QG_INLINE qfloat widen8(floats8 v) {
+#if QG_STEP == 64
+  return __builtin_shufflevector(v, floats8{}, QG_I16(0));
+#else
+  return v;
+#endif
+}
 
 // The weight bytes of one step from its 32-value pieces (b unused where a step is one piece).
 QG_INLINE qbytes step_of(b32 a, b32 b) {
@@ -404,13 +423,14 @@ inline int q8_offset(int type) {
   }
 }
 
-// The input rows of a product with 8-bit activations; acc: 2 vectors per row, macc: 1 float per row.
+// The input rows of a product with 8-bit activations; acc: 2 vectors per row, macc: 1 vector per row (the min
+// terms, kept in lanes: a scalar sum per block was a dependency chain that took a third of Q4_K's time).
 template <int T>
 struct Q8Rows {
   const Q8Act& a;
   int64_t n;
   qfloat* acc;
-  float* macc;
+  qfloat* macc;
   QG_INLINE int64_t count() const { return T > 0 ? T : n; }
   // Values [at, at + STEP) of every row: weight bytes w (signed for Q8_0), lane scales ws.
   template <bool OFFSET, bool SIGNED>
@@ -423,16 +443,17 @@ struct Q8Rows {
       acc[t * 2 + slot] += __builtin_convertvector(dot, qfloat) * (ws * load_qf(a.dxl + t * lanes + at / 4));
     }
   }
-  // m times the sum of every row's values in 32-value block g
-  QG_INLINE void min(float m, int64_t g) const {
-    for (int64_t t = 0; t < count(); ++t) macc[t] += m * a.xs[t * (a.k / 32) + g];
+  // Lane scales m times every row's lane sums of values [at, at + STEP) (the mins of 32-value blocks)
+  QG_INLINE void min(qfloat m, int64_t at) const {
+    const int64_t lanes = a.k / 4;
+    for (int64_t t = 0; t < count(); ++t) macc[t] += m * load_qf(a.xl + t * lanes + at / 4);
   }
   // m[i] times the sum of every row's values in 32-value block g + i, for i < 8
   QG_INLINE void min8(floats8 m, int64_t g) const {
     for (int64_t t = 0; t < count(); ++t) {
       floats8 xs;
       __builtin_memcpy(&xs, a.xs + t * (a.k / 32) + g, sizeof xs);
-      macc[t] += sum8(m * xs);
+      macc[t] += widen8(m * xs);
     }
   }
 };
@@ -454,10 +475,7 @@ QG_INLINE void q8_q4(const uint8_t* b, int64_t at, const Sink& r, int slot) {
   const b32 w0 = cat16(shr_mask(q0, 0, 0x0F), shr_mask(q0, 4, 0x0F));
   const b32 w1 = cat16(shr_mask(q1, 0, 0x0F), shr_mask(q1, 4, 0x0F));
   r.template step<!MIN, false>(step_of(w0, w1), at, spread32(half_to_float(b), half_to_float(last)), slot);
-  if (MIN) {
-    r.min(half_to_float(b + 2), at / 32);
-    if (PIECES == 2) r.min(half_to_float(last + 2), at / 32 + 1);
-  }
+  if (MIN) r.min(spread32(half_to_float(b + 2), half_to_float(last + 2)), at);
 }
 
 // The 8 six-bit scales and mins of a Q4_K / Q5_K block (ggml's get_scale_min_k4), as floats, by word
@@ -547,29 +565,25 @@ QG_INLINE void q8_blocks(int type, const uint8_t* row, int64_t k, const Sink& r)
 template <int T>
 void gemv_q8_typed(int type, const Q8Act& a, int64_t rows, const uint8_t* w, int64_t row_bytes, int64_t n0,
                    int64_t n1, float* out, int64_t n, float* scratch) {
-  qfloat local[T > 0 ? 2 * T : 1];
-  float mlocal[T > 0 ? T : 1];
+  qfloat local[T > 0 ? 2 * T : 1], mlocal[T > 0 ? T : 1];
   qfloat* acc = T > 0 ? local : reinterpret_cast<qfloat*>(scratch);
-  float* macc = T > 0 ? mlocal : reinterpret_cast<float*>(acc + 2 * rows);
+  qfloat* macc = T > 0 ? mlocal : acc + 2 * rows;
   const Q8Rows<T> r{a, rows, acc, macc};
   for (int64_t j = n0; j < n1; ++j) {
     for (int64_t i = 0; i < r.count(); ++i) {
       acc[2 * i] = acc[2 * i + 1] = qfloat{};
-      macc[i] = 0.0f;
+      macc[i] = qfloat{};
     }
     prefetch_ahead(w, row_bytes, j, n1);
     q8_blocks(type, w + j * row_bytes, a.k, r);
-    for (int64_t t = 0; t < r.count(); ++t) {   // fixed order: the two accumulators, lanes, then the mins
-      const qfloat s = acc[2 * t] + acc[2 * t + 1];
-      float total = 0.0f;
-      for (int i = 0; i < STEP / 4; ++i) total += s[i];
-      out[t * n + j] = total + macc[t];
+    for (int64_t t = 0; t < r.count(); ++t) {   // fixed order: the accumulators, then the lanes as a tree
+      out[t * n + j] = lane_sum((acc[2 * t] + acc[2 * t + 1]) + macc[t]);
     }
   }
 }
 
 // out[t, j] = sum_k x[t, k] * W[j, k] with x quantized in `a`, for output rows j in [n0, n1); `scratch`:
-// rows x (2 vectors + 1 float), aligned to 64 bytes (unused for one row).
+// rows x 3 vectors, aligned to 64 bytes (unused for one row).
 inline void gemv_q8(int type, const Q8Act& a, int64_t rows, const uint8_t* w, int64_t row_bytes, int64_t n0,
                     int64_t n1, float* out, int64_t n, float* scratch) {
   // A fixed row count keeps the accumulators in registers (measured on the 1B-class Q4_K_M model: 8 rows
