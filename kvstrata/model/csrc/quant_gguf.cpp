@@ -129,6 +129,7 @@ struct Q8Kernel {
   Q8Fn fn;
   int64_t step;          // values per step: k must be a multiple
   int (*offset)(int);    // the integer offset of each type's weight bytes (q8_offset)
+  bool (*interleaved)(int);   // whether the type's activation has its sub-blocks paired (q8_interleaved)
 };
 
 bool is_q8(int64_t variant) { return variant >= Q8_PORTABLE; }
@@ -178,12 +179,12 @@ GemvFn gemv_for(int64_t variant) {
 Q8Kernel q8_for(int64_t variant) {
   switch (variant) {
 #ifdef QG_HAS_VNNI512
-    case Q8_VNNI512: return {&avx512::gemv_q8, avx512::STEP, &avx512::q8_offset};
+    case Q8_VNNI512: return {&avx512::gemv_q8, avx512::STEP, &avx512::q8_offset, &avx512::q8_interleaved};
 #endif
 #ifdef QG_HAS_AVX2
-    case Q8_AVX2: return {&avx2::gemv_q8, avx2::STEP, &avx2::q8_offset};
+    case Q8_AVX2: return {&avx2::gemv_q8, avx2::STEP, &avx2::q8_offset, &avx2::q8_interleaved};
 #endif
-    case Q8_PORTABLE: return {&portable::gemv_q8, portable::STEP, &portable::q8_offset};
+    case Q8_PORTABLE: return {&portable::gemv_q8, portable::STEP, &portable::q8_offset, &portable::q8_interleaved};
     default: TORCH_CHECK(false, "gguf_gemv: variant ", variant, " is not in this build");
   }
 }
@@ -219,18 +220,25 @@ struct QuantizedRows {
   std::vector<float> dxl, xl, xs;
   std::vector<int32_t> off;
 
-  // x [rows, k] float32; `offset`: the weight type's integer offset (q8_offset).
-  QuantizedRows(const float* x, int64_t rows, int64_t k, int offset)
+  // x [rows, k] float32; `offset`: the weight type's integer offset (q8_offset); `interleaved`: the 32-blocks
+  // of every 256 values stored in the order 0 2 1 3 4 6 5 7 (q8_interleaved).
+  QuantizedRows(const float* x, int64_t rows, int64_t k, int offset, bool interleaved)
       : q(rows * k), dxl(rows * k / 4), xl(rows * k / 4), xs(rows * k / 32), off(rows * k / 4) {
     // the rows' blocks of 32 back to back (threads split them: deterministic mode quantizes whole prompts)
     at::parallel_for(0, rows * k / 32, 256, [&](int64_t g0, int64_t g1) {
-      for (int64_t g = g0; g < g1; ++g) quantize_block(x, g, offset);
+      for (int64_t g = g0; g < g1; ++g) quantize_block(x, g, interleaved ? stored_at(g) : g, offset);
     });
   }
   Q8Act act(int64_t k) const { return {q.data(), dxl.data(), off.data(), xl.data(), xs.data(), k}; }
 
  private:
-  void quantize_block(const float* x, int64_t g, int offset) {
+  static int64_t stored_at(int64_t g) {   // the place of 32-block g when each 256 values' pairs are swapped
+    static constexpr int64_t order[8] = {0, 2, 1, 3, 4, 6, 5, 7};
+    return (g & ~int64_t(7)) + order[g & 7];
+  }
+
+  // Block g of x, stored as block `to` of q and of the per-lane terms (its sum xs stays at g).
+  void quantize_block(const float* x, int64_t g, int64_t to, int offset) {
     const float* xg = x + 32 * g;
     float amax = 0.0f;
     for (int i = 0; i < 32; ++i) amax = std::max(amax, std::fabs(xg[i]));
@@ -241,12 +249,12 @@ struct QuantizedRows {
       int32_t lane_sum = 0;
       for (int i = 4 * lane; i < 4 * lane + 4; ++i) {
         const int32_t v = static_cast<int32_t>(std::nearbyint(xg[i] * id));   // |v| <= 127; to nearest even
-        q[32 * g + i] = static_cast<int8_t>(v);
+        q[32 * to + i] = static_cast<int8_t>(v);
         lane_sum += v;
       }
-      dxl[8 * g + lane] = d;
-      off[8 * g + lane] = -offset * lane_sum;
-      xl[8 * g + lane] = d * static_cast<float>(lane_sum);
+      dxl[8 * to + lane] = d;
+      off[8 * to + lane] = -offset * lane_sum;
+      xl[8 * to + lane] = d * static_cast<float>(lane_sum);
       sum += lane_sum;
     }
     xs[g] = d * static_cast<float>(sum);
@@ -271,7 +279,8 @@ at::Tensor gemv_f32(const at::Tensor& x, const at::Tensor& blocks, int64_t type,
     const Q8Kernel kernel = q8_for(variant);
     TORCH_CHECK(has_q8_kernel(static_cast<int>(type)), "gguf_gemv: the 8-bit variants have no kernel for type ", type);
     TORCH_CHECK(k % kernel.step == 0, "gguf_gemv: variant ", variant, " needs K a multiple of ", kernel.step);
-    const QuantizedRows quantized(xp, rows, k, kernel.offset(static_cast<int>(type)));
+    const QuantizedRows quantized(xp, rows, k, kernel.offset(static_cast<int>(type)),
+                                  kernel.interleaved(static_cast<int>(type)));
     const Q8Act act = quantized.act(k);
     at::parallel_for(0, n, GRAIN, [&](int64_t n0, int64_t n1) {
       with_scratch([&](float* scratch) { kernel.fn(static_cast<int>(type), act, rows, wp, row_bytes, n0, n1, op, n, scratch); });

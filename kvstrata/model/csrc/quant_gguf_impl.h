@@ -363,20 +363,6 @@ QG_INLINE qfloat spread32(float a, float b) {
 #endif
 }
 
-// Lane scales of a step from the int8 scales of its 16-value groups (Q6_K) at p, times d: lane i's scale
-// byte is moved to the top of its 32-bit lane and shifted back down with its sign (no byte conversions).
-QG_INLINE qfloat spread16(const uint8_t* p, float d) {
-  uint32_t bytes = 0;
-  __builtin_memcpy(&bytes, p, STEP / 16);
-#if QG_STEP == 64
-  const qint up = {24, 24, 24, 24, 16, 16, 16, 16, 8, 8, 8, 8, 0, 0, 0, 0};
-#else
-  const qint up = {24, 24, 24, 24, 16, 16, 16, 16};
-#endif
-  const qint lanes = (qint{} + static_cast<int32_t>(bytes)) << up;
-  return __builtin_convertvector(lanes >> 24, qfloat) * d;
-}
-
 #if defined(QG_DOT_VNNI512)
 constexpr int Q8_0_OFFSET = 128;   // Q8_0's signed weights go in as w + 128
 QG_INLINE qint dot_u8(qint acc, qbytes w, qbytes x) {
@@ -497,16 +483,79 @@ QG_INLINE void k_scales_f(const uint8_t* b, floats8* sc, floats8* mn) {
   *mn = __builtin_convertvector((m8 >> shifts) & 0xFFu, floats8);
 }
 
-// Lane scales of the step over sub-blocks s (and s + 1 where a step is two) from the block's 8 scales.
-QG_INLINE qfloat spread_k(floats8 sc, int s) {
 #if QG_STEP == 64
-  const qfloat twice = __builtin_shufflevector(sc, sc, 0, 1, 2, 3, 4, 5, 6, 7, 0, 1, 2, 3, 4, 5, 6, 7);
-  const qint idx = {0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1};
-  return __builtin_shuffle(twice, idx + s);
-#else
-  return __builtin_shuffle(sc, qint{} + s);
-#endif
+// With 64-value steps (AVX-512) a K-quant block is read 64 bytes at a time. Q4_K / Q5_K's 64 bytes hold
+// sub-blocks 4c and 4c + 2 in their low nibbles and 4c + 1, 4c + 3 in their high ones, so the activation of
+// these types comes with the sub-blocks of each 256 values stored in the order 0 2 1 3 4 6 5 7
+// (q8_interleaved): each nibble half then meets its 64 activation bytes with no byte shuffle (measured: the
+// shuffles and 32-byte loads of the natural order were a third of Q4_K's instructions).
+constexpr bool q8_interleaved(int type) { return type == Q4_K || type == Q5_K; }
+
+// Lane scales for sub-blocks a (lanes 0-7) and b (lanes 8-15) of a block's 8 scales.
+template <int A, int B>
+QG_INLINE qfloat spread_pair(floats8 sc) {
+  return __builtin_shufflevector(sc, sc, A, A, A, A, A, A, A, A, B, B, B, B, B, B, B, B);
 }
+
+// bytes >> shift & mask with one shift for the low 32 bytes and another for the high 32 (qh bit fields).
+QG_INLINE qbytes shr_mask_halves(qbytes v, int low, int high, unsigned mask) {
+  typedef uint64_t words __attribute__((vector_size(64)));
+  const words shifts = {uint64_t(low), uint64_t(low), uint64_t(low), uint64_t(low),
+                        uint64_t(high), uint64_t(high), uint64_t(high), uint64_t(high)};
+  return (qbytes)(((words)v >> shifts) & (0x0101010101010101ull * mask));
+}
+
+QG_INLINE qbytes twice32(const uint8_t* p) {   // 32 bytes in both halves
+  const b32 h = load32(p);
+  return __builtin_shufflevector(h, h, QG_I32(0), QG_I32(0));
+}
+
+// Q4_K / Q5_K: chunk c of 64 bytes of qs; Q5_K's fifth bit of sub-block s is bit s of qh[l].
+template <bool HIGH, typename Sink>
+QG_INLINE void q8_qk(const uint8_t* b, int64_t at, const Sink& r) {
+  floats8 sc, mn;
+  k_scales_f(b, &sc, &mn);
+  sc *= half_to_float(b);
+  const uint8_t* qs = b + (HIGH ? 48 : 16);
+  const qbytes qh = HIGH ? twice32(b + 16) : qbytes{};
+  const qbytes v0 = load_qb(qs), v1 = load_qb(qs + 64);
+  qbytes w0 = shr_mask(v0, 0, 0x0F), w1 = shr_mask(v0, 4, 0x0F);
+  qbytes w2 = shr_mask(v1, 0, 0x0F), w3 = shr_mask(v1, 4, 0x0F);
+  if (HIGH) {
+    w0 |= shl_small(shr_mask_halves(qh, 0, 2, 1), 4);
+    w1 |= shl_small(shr_mask_halves(qh, 1, 3, 1), 4);
+    w2 |= shl_small(shr_mask_halves(qh, 4, 6, 1), 4);
+    w3 |= shl_small(shr_mask_halves(qh, 5, 7, 1), 4);
+  }
+  r.template step<false, false>(w0, at, spread_pair<0, 2>(sc), 0);
+  r.template step<false, false>(w1, at + 64, spread_pair<1, 3>(sc), 1);
+  r.template step<false, false>(w2, at + 128, spread_pair<4, 6>(sc), 0);
+  r.template step<false, false>(w3, at + 192, spread_pair<5, 7>(sc), 1);
+  r.min8(mn * -half_to_float(b + 2), at / 32);
+}
+
+// Q6_K: half h's 64 bytes of ql hold values 128 h + 0..63 in their low nibbles and 128 h + 64..127 in their
+// high ones, in order; the high 2 bits of value 128 h + i are bits 2 (i / 32) of qh[32 h + i % 32]. Minus 32
+// (the offset), times d * scales[v / 16]: the 16 scales converted once per block.
+template <typename Sink>
+QG_INLINE void q8_q6_k(const uint8_t* b, int64_t at, const Sink& r) {
+  const qfloat sc = __builtin_convertvector(
+      (qint)_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 192))), qfloat) *
+      half_to_float(b + 208);
+  const qint lane_quarter = {0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3};
+  for (int h = 0; h < 2; ++h) {
+    const qbytes ql = load_qb(b + 64 * h), qh = twice32(b + 128 + 32 * h);
+    const qbytes w0 = shr_mask(ql, 0, 0x0F) | shl_small(shr_mask_halves(qh, 0, 2, 3), 4);
+    const qbytes w1 = shr_mask(ql, 4, 0x0F) | shl_small(shr_mask_halves(qh, 4, 6, 3), 4);
+    r.template step<true, false>(w0, at + 128 * h, __builtin_shuffle(sc, lane_quarter + 8 * h), 0);
+    r.template step<true, false>(w1, at + 128 * h + 64, __builtin_shuffle(sc, lane_quarter + (8 * h + 4)), 1);
+  }
+}
+#else
+constexpr bool q8_interleaved(int) { return false; }
+
+// Lane scales of the step over sub-block s from the block's 8 scales.
+QG_INLINE qfloat spread_k(floats8 sc, int s) { return __builtin_shuffle(sc, qint{} + s); }
 
 // Q4_K / Q5_K: sub-block s is nibble (s % 2) of qs[32 (s / 2) ...], Q5_K's fifth bit is bit s of qh[l].
 template <bool HIGH, typename Sink>
@@ -517,16 +566,22 @@ QG_INLINE void q8_qk(const uint8_t* b, int64_t at, const Sink& r) {
   const uint8_t* qs = b + (HIGH ? 48 : 16);
   const b32 qh = load32(b + 16);
 #pragma GCC unroll 8
-  for (int s = 0; s < 8; s += PIECES) {
-    b32 w[2];
-    for (int i = 0; i < PIECES; ++i) {
-      const int sb = s + i;
-      w[i] = shr_mask(load32(qs + 32 * (sb / 2)), (sb % 2) * 4, 0x0F);
-      if (HIGH) w[i] |= shl_small(shr_mask(qh, sb, 1), 4);
-    }
-    r.template step<false, false>(step_of(w[0], w[PIECES - 1]), at + 32 * s, spread_k(sc, s), (s / PIECES) % 2);
+  for (int s = 0; s < 8; ++s) {
+    b32 w = shr_mask(load32(qs + 32 * (s / 2)), (s % 2) * 4, 0x0F);
+    if (HIGH) w |= shl_small(shr_mask(qh, s, 1), 4);
+    r.template step<false, false>(w, at + 32 * s, spread_k(sc, s), s % 2);
   }
   r.min8(mn * -half_to_float(b + 2), at / 32);
+}
+
+// Lane scales of a 32-value step from the int8 scales of its 16-value groups (Q6_K) at p, times d: lane i's
+// scale byte is moved to the top of its 32-bit lane and shifted back down with its sign (no byte conversions).
+QG_INLINE qfloat spread16(const uint8_t* p, float d) {
+  uint16_t bytes = 0;
+  __builtin_memcpy(&bytes, p, 2);
+  const qint up = {24, 24, 24, 24, 16, 16, 16, 16};
+  const qint lanes = (qint{} + static_cast<int32_t>(bytes)) << up;
+  return __builtin_convertvector(lanes >> 24, qfloat) * d;
 }
 
 // Q6_K: value 128 h + r is nibble (r / 64) of ql[64 h + r % 64] with bits 2 (r / 32) of qh[32 h + r % 32] on
@@ -536,17 +591,13 @@ QG_INLINE void q8_q6_k(const uint8_t* b, int64_t at, const Sink& r) {
   const float d = half_to_float(b + 208);
 #pragma GCC unroll 8
   for (int v0 = 0; v0 < 256; v0 += STEP) {
-    const int h = v0 / 128;
-    const b32 qh = load32(b + 128 + 32 * h);
-    b32 w[2];
-    for (int i = 0; i < PIECES; ++i) {
-      const int r0 = v0 % 128 + 32 * i;
-      w[i] = shr_mask(load32(b + 64 * h + r0 % 64), 4 * (r0 / 64), 0x0F) | shl_small(shr_mask(qh, 2 * (r0 / 32), 3), 4);
-    }
-    r.template step<true, false>(step_of(w[0], w[PIECES - 1]), at + v0, spread16(b + 192 + v0 / 16, d),
-                                 (v0 / STEP) % 2);
+    const int h = v0 / 128, r0 = v0 % 128;
+    const b32 w = shr_mask(load32(b + 64 * h + r0 % 64), 4 * (r0 / 64), 0x0F) |
+                  shl_small(shr_mask(load32(b + 128 + 32 * h), 2 * (r0 / 32), 3), 4);
+    r.template step<true, false>(w, at + v0, spread16(b + 192 + v0 / 16, d), (v0 / STEP) % 2);
   }
 }
+#endif
 
 // Every step of one quantized row of k values (k a multiple of STEP).
 template <typename Sink>
