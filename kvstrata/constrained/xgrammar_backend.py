@@ -1,4 +1,10 @@
-"""The xgrammar backend: regex, JSON schema, JSON object and EBNF constraints as token bitmasks."""
+"""The xgrammar backend: regex, JSON schema, JSON object and EBNF constraints as token bitmasks.
+
+xgrammar is imported, and its tables of the vocabulary built, on the first constraint (in the compile pool,
+so the scheduler keeps stepping): a server whose clients never constrain output does not carry them (~45 MB
+of xgrammar, transformers and Pillow in the scheduler process), and the first constrained request waits for
+the vocabulary scan as vLLM's do.
+"""
 
 from __future__ import annotations
 
@@ -6,15 +12,18 @@ import importlib.util
 import logging
 import os
 import re
-from typing import Any, Optional
+import threading
+from typing import TYPE_CHECKING, Any, NamedTuple, Optional
 
 import torch
-import xgrammar as xgr
 
 from kvstrata.constrained import bitmask as bitmask_ops
 from kvstrata.constrained.base import Grammar, GrammarBackend
 from kvstrata.constrained.utf8_guard import SurrogateGuard
 from kvstrata.model.light_tokenizer import LightTokenizer
+
+if TYPE_CHECKING:
+    import xgrammar as xgr
 
 logger = logging.getLogger(__name__)
 
@@ -52,6 +61,8 @@ class XGrammarGrammar(Grammar):
         self._eos_token_ids = eos_token_ids
         self._keep_mask = keep_mask
         self._guard = guard
+        import xgrammar as xgr
+
         self._matcher = xgr.GrammarMatcher(compiled)
         # Per accepted token (and one for the start): does the text end with a bare UTF-8 lead byte ED?
         self._after_lead = [False]
@@ -107,6 +118,16 @@ class XGrammarGrammar(Grammar):
         return XGrammarGrammar(self._compiled, self._eos_token_ids, self._keep_mask, self._guard)
 
 
+class _Tables(NamedTuple):
+    """What the backend builds from the vocabulary on first use."""
+
+    info: xgr.TokenizerInfo
+    guard: SurrogateGuard
+    keep_mask: Optional[torch.Tensor]
+    compiler: xgr.GrammarCompiler
+    whitespace_rules: Optional[str]
+
+
 class XGrammarBackend(GrammarBackend):
     """Grammar backend on xgrammar's compiler and matcher.
 
@@ -122,20 +143,40 @@ class XGrammarBackend(GrammarBackend):
         super().__init__(tokenizer, vocab_size, eos_token_ids, max_workers, cache_size)
         self._any_whitespace = any_whitespace
         self._max_whitespace_cnt = max_whitespace_cnt
-        self._whitespace_rules = None
-        if any_whitespace and max_whitespace_cnt is None:
-            self._whitespace_rules = whitespace_rules(whitespace_pattern or DEFAULT_JSON_WHITESPACE)
-        # The model's vocab (lm_head rows) may exceed the tokenizer's: xgrammar masks the extra ids.
-        self.tokenizer_info = tokenizer_info(tokenizer, vocab_size, self.eos_token_ids)
-        self._guard = SurrogateGuard(self.tokenizer_info.decoded_vocab, vocab_size)
-        banned = sorted(set(_special_token_ids(tokenizer, vocab_size, self.eos_token_ids))
-                        | set(self._guard.banned_token_ids))
-        self._keep_mask = bitmask_ops.keep_mask(vocab_size, banned) if banned else None
-        threads = compile_threads or min(8, os.cpu_count() or 1)
-        # Our CompileCache does the caching: xgrammar's own cache would hold every grammar twice.
-        self._compiler = xgr.GrammarCompiler(self.tokenizer_info, max_threads=threads, cache_enabled=False)
+        self._whitespace_pattern = whitespace_pattern
+        self._compile_threads = compile_threads
+        self._tables_lock = threading.Lock()
+        self._built: Optional[_Tables] = None
+
+    @property
+    def tokenizer_info(self) -> xgr.TokenizerInfo:
+        """xgrammar's tables of the vocabulary (built on first use)."""
+        return self._tables().info
+
+    def _tables(self) -> _Tables:
+        """The vocabulary tables, masks and compiler, built once, on the first constraint."""
+        with self._tables_lock:
+            if self._built is None:
+                import xgrammar as xgr
+
+                # The model's vocab (lm_head rows) may exceed the tokenizer's: xgrammar masks the extra ids.
+                info = tokenizer_info(self.tokenizer, self.vocab_size, self.eos_token_ids)
+                guard = SurrogateGuard(info.decoded_vocab, self.vocab_size)
+                banned = sorted(set(_special_token_ids(self.tokenizer, self.vocab_size, self.eos_token_ids))
+                                | set(guard.banned_token_ids))
+                keep_mask = bitmask_ops.keep_mask(self.vocab_size, banned) if banned else None
+                threads = self._compile_threads or min(8, os.cpu_count() or 1)
+                # Our CompileCache does the caching: xgrammar's own cache would hold every grammar twice.
+                compiler = xgr.GrammarCompiler(info, max_threads=threads, cache_enabled=False)
+                rules = None
+                if self._any_whitespace and self._max_whitespace_cnt is None:
+                    rules = whitespace_rules(self._whitespace_pattern or DEFAULT_JSON_WHITESPACE)
+                self._built = _Tables(info, guard, keep_mask, compiler, rules)
+            return self._built
 
     def _parse(self, kind: str, text: str) -> None:
+        import xgrammar as xgr
+
         if kind == "regex":
             xgr.Grammar.from_regex(text)
         elif kind == "json_schema":
@@ -145,24 +186,29 @@ class XGrammarBackend(GrammarBackend):
         # json_object has nothing to check
 
     def _compile(self, kind: str, text: str) -> xgr.CompiledGrammar:
+        compiler = self._tables().compiler
         if kind == "regex":
-            return self._compiler.compile_regex(text)
+            return compiler.compile_regex(text)
         if kind == "json_schema":
-            return self._compiler.compile_grammar(self._json_schema_grammar(text))
+            return compiler.compile_grammar(self._json_schema_grammar(text))
         if kind == "json_object":
-            return self._compiler.compile_grammar(self._json_schema_grammar(_ANY_OBJECT_SCHEMA, strict=False))
-        return self._compiler.compile_grammar(text)
+            return compiler.compile_grammar(self._json_schema_grammar(_ANY_OBJECT_SCHEMA, strict=False))
+        return compiler.compile_grammar(text)
 
     def _new_grammar(self, compiled: xgr.CompiledGrammar) -> XGrammarGrammar:
-        return XGrammarGrammar(compiled, self.eos_token_ids, self._keep_mask, self._guard)
+        tables = self._tables()
+        return XGrammarGrammar(compiled, self.eos_token_ids, tables.keep_mask, tables.guard)
 
     def _json_schema_grammar(self, schema: str, strict: bool = True) -> xgr.Grammar:
+        import xgrammar as xgr
+
         grammar = xgr.Grammar.from_json_schema(schema, **self._json_options(), strict_mode=strict)
         ebnf = str(grammar)
         rewritten = ebnf.replace(_LOOSE_STRING_CHAR, _JSON_STRING_CHAR)
-        if self._whitespace_rules is not None:
+        rules = self._tables().whitespace_rules
+        if rules is not None:
             rewritten = rewritten.replace(_XGRAMMAR_ANY_WHITESPACE, _WS_RULE_PREFIX + "root")
-            rewritten += "\n" + self._whitespace_rules
+            rewritten += "\n" + rules
         if rewritten == ebnf:
             return grammar
         try:
@@ -183,6 +229,8 @@ class XGrammarBackend(GrammarBackend):
         if not (logits.device.type == "cpu" or (logits.device.type == "cuda" and _HAS_TRITON)):
             bitmask_ops.apply_bitmask_torch(logits, bitmask, rows)
             return
+        import xgrammar as xgr
+
         bitmask = bitmask.to(logits.device)
         indices = None if rows is None else [int(r) for r in rows.tolist()]
         xgr.apply_token_bitmask_inplace(logits, bitmask, indices=indices)
@@ -190,6 +238,8 @@ class XGrammarBackend(GrammarBackend):
 
 def whitespace_rules(pattern: str) -> str:
     """EBNF rules for `pattern` whose start rule is `json_ws_root` (to stand for JSON's whitespace runs)."""
+    import xgrammar as xgr
+
     rules = str(xgr.Grammar.from_regex(pattern))
     for name in sorted(set(re.findall(r"^(\w+) ::=", rules, re.M)), key=len, reverse=True):
         rules = re.sub(rf"\b{name}\b", _WS_RULE_PREFIX + name, rules)
@@ -204,6 +254,8 @@ def tokenizer_info(tokenizer: Any, vocab_size: int, stop_token_ids: list[int]) -
     where AutoTokenizer builds that class: model/tokenizer_check.py); loaded without AutoTokenizer's model-config
     imports and dropped once the tables are built.
     """
+    import xgrammar as xgr
+
     if isinstance(tokenizer, LightTokenizer):
         from transformers import TokenizersBackend
 

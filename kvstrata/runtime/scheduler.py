@@ -71,7 +71,7 @@ class Scheduler:
         self.empty_steps = 0
         self.empty_step_cpu_s = 0.0
         self._grammar = None
-        self.grammar_backend()   # built now: its vocabulary scan would otherwise stall the first request
+        self.grammar_backend()   # cheap: xgrammar and its vocabulary scan load in its compile pool on first use
         self.handoff: Optional[Handoff] = None   # PD disaggregation (None when co-located)
         if args.disaggregation_mode != "null":
             if handoff_factory is None:
