@@ -23,6 +23,7 @@ import tempfile
 from typing import Any, Optional
 
 from kvstrata.args import ConfigError, ServerArgs
+from kvstrata.platform import return_free_heap
 from kvstrata.runtime.heartbeat import Heartbeat
 
 logger = logging.getLogger(__name__)
@@ -122,6 +123,7 @@ def serve(args: ServerArgs) -> int:
                                 timeout_keep_alive=30, http=functools.partial(GuardedH11Protocol, guard=guard),
                                 backlog=accept_backlog(limit))
         server = DrainingServer(config, on_drain=lambda: drain(client, args.graceful_shutdown_timeout))
+        return_free_heap()    # what loading the tokenizer freed (its JSON parse: ~14 MB for SmolLM2's)
         server.run(sockets=[sock])
         return exit_code["value"]
     except (SchedulerStartError, TokenizerLoadError, ModelLoadError) as e:
