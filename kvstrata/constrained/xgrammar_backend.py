@@ -125,7 +125,6 @@ class _Tables(NamedTuple):
     guard: SurrogateGuard
     keep_mask: Optional[torch.Tensor]
     compiler: xgr.GrammarCompiler
-    whitespace_rules: Optional[str]
 
 
 class XGrammarBackend(GrammarBackend):
@@ -144,6 +143,7 @@ class XGrammarBackend(GrammarBackend):
         self._any_whitespace = any_whitespace
         self._max_whitespace_cnt = max_whitespace_cnt
         self._whitespace_pattern = whitespace_pattern
+        self._whitespace_rules: Optional[str] = None
         self._compile_threads = compile_threads
         self._tables_lock = threading.Lock()
         self._built: Optional[_Tables] = None
@@ -168,11 +168,15 @@ class XGrammarBackend(GrammarBackend):
                 threads = self._compile_threads or min(8, os.cpu_count() or 1)
                 # Our CompileCache does the caching: xgrammar's own cache would hold every grammar twice.
                 compiler = xgr.GrammarCompiler(info, max_threads=threads, cache_enabled=False)
-                rules = None
-                if self._any_whitespace and self._max_whitespace_cnt is None:
-                    rules = whitespace_rules(self._whitespace_pattern or DEFAULT_JSON_WHITESPACE)
-                self._built = _Tables(info, guard, keep_mask, compiler, rules)
+                self._built = _Tables(info, guard, keep_mask, compiler)
             return self._built
+
+    def _json_whitespace(self) -> Optional[str]:
+        """The rules JSON grammars use for whitespace (None: xgrammar's own), built once; no vocabulary scan, so
+        `validate` stays a parse."""
+        if self._whitespace_rules is None and self._any_whitespace and self._max_whitespace_cnt is None:
+            self._whitespace_rules = whitespace_rules(self._whitespace_pattern or DEFAULT_JSON_WHITESPACE)
+        return self._whitespace_rules
 
     def _parse(self, kind: str, text: str) -> None:
         import xgrammar as xgr
@@ -205,7 +209,7 @@ class XGrammarBackend(GrammarBackend):
         grammar = xgr.Grammar.from_json_schema(schema, **self._json_options(), strict_mode=strict)
         ebnf = str(grammar)
         rewritten = ebnf.replace(_LOOSE_STRING_CHAR, _JSON_STRING_CHAR)
-        rules = self._tables().whitespace_rules
+        rules = self._json_whitespace()
         if rules is not None:
             rewritten = rewritten.replace(_XGRAMMAR_ANY_WHITESPACE, _WS_RULE_PREFIX + "root")
             rewritten += "\n" + rules

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 import threading
 
 import pytest
@@ -165,3 +168,24 @@ def test_registry(tokenizer, model_vocab_size):
         assert backend.eos_token_ids == [tokenizer.eos_token_id], "eos defaults to the tokenizer's"
     finally:
         backend.close()
+
+
+def test_xgrammar_loads_on_the_first_constraint_not_before():
+    # In a fresh interpreter: creating the backend (as the scheduler does at start) must not import xgrammar (and so
+    # not scan the vocabulary); the first compile does, off the caller's thread, and then works as before.
+    code = (
+        "import sys\n"
+        "from tests.constrained.conftest import build_tokenizer\n"
+        "from kvstrata.constrained import create_grammar_backend\n"
+        "tok = build_tokenizer()\n"
+        "backend = create_grammar_backend('xgrammar', tok, len(tok), [tok.eos_token_id])\n"
+        "assert 'xgrammar' not in sys.modules, 'xgrammar imported at start'\n"
+        "grammar = backend.compile('regex', 'ab')\n"
+        "assert 'xgrammar' in sys.modules\n"
+        "assert not grammar.is_terminated()\n"
+        "backend.close()\n"
+        "print('ok')\n"
+    )
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    done = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-2000:]
