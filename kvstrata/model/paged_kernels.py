@@ -201,6 +201,20 @@ def argmax_op() -> Optional[Callable]:
     return torch.ops.kvstrata.row_argmax if _loaded() else None
 
 
+class ShmOps(NamedTuple):
+    """The shared-memory collectives' compiled round (csrc/shm_collectives.cpp)."""
+
+    publish_wait: Callable   # (piece, sems, line, slots, slot_bytes, rank, size, spin_s, publish) -> first missing peer or -1
+    sum_slots_: Callable     # (out, slots, slot_bytes, size): the slots' rank-order sum into out
+
+
+def shm_ops() -> Optional[ShmOps]:
+    """The shared-memory collectives' poll and sum, or None where the library is not built."""
+    if not _loaded():
+        return None
+    return ShmOps(torch.ops.kvstrata.shm_publish_wait, torch.ops.kvstrata.shm_sum_slots_)
+
+
 def rope_op() -> Optional[Callable]:
     """`op(x [T, H, D], cos, signed_sin [T, 1, D]) -> rope.apply_rotary(x, ...)` in one pass, or None."""
     return torch.ops.kvstrata.rope_rotate if _loaded() else None

@@ -64,8 +64,8 @@ class TensorParallel:
 
     Every collective is timed (`comm_s`, `comm_calls`: the benchmark's communication cost) and turns a
     torch.distributed error into RankFailure naming this rank and the operation. The model's all-reduce and
-    all-gather go through `shm` (shared memory, ranks of one machine) when the group has it, else through
-    torch.distributed; plans and checks always go through torch.distributed.
+    all-gather, and the plans' broadcasts, go through `shm` (shared memory, ranks of one machine) when the
+    group has it, else through torch.distributed; checks (all_min) always go through torch.distributed.
     """
 
     def __init__(self, rank: int, size: int, deterministic: bool = False,
@@ -90,18 +90,20 @@ class TensorParallel:
 
     @classmethod
     def init(cls, rank: int, size: int, init_addr: str, backend: str, timeout_s: float,
-             deterministic: bool, expert_parallel: bool = False, shm: bool = False) -> TensorParallel:
+             deterministic: bool, expert_parallel: bool = False, shm: bool = False,
+             compiled: bool = True) -> TensorParallel:
         """Join the group at `init_addr` (host:port of rank 0's TCP store) as `rank`, waiting up to
         JOIN_TIMEOUT_S for the others (a process that imports torch on a busy machine takes a while);
         collectives then time out after `timeout_s`. `shm`: all ranks are on this machine, so map a
-        shared-memory segment for the model's collectives (gloo stays when any rank cannot)."""
+        shared-memory segment for the model's collectives and the plans (gloo stays when any rank cannot);
+        `compiled`: its rounds through the CPU kernel library where it is built."""
         try:
             dist.init_process_group(backend, init_method=f"tcp://{init_addr}", rank=rank, world_size=size,
                                     timeout=timedelta(seconds=max(timeout_s, JOIN_TIMEOUT_S)))
             group = dist.new_group(list(range(size)), timeout=timedelta(seconds=timeout_s), backend=backend)
             tp = cls(rank, size, deterministic, group, expert_parallel, plan_group=dist.group.WORLD)
             if shm:
-                tp.shm = ShmCollectives.join(rank, size, group, timeout_s)
+                tp.shm = ShmCollectives.join(rank, size, group, timeout_s, compiled)
         except Exception as e:   # a rank that never came up: the store's wait timed out, or the address is wrong
             raise RankFailure(f"rank {rank}: joining the tensor-parallel group at {init_addr} failed: {e}") from e
         return tp
@@ -146,7 +148,11 @@ class TensorParallel:
 
     def broadcast(self, x: torch.Tensor, src: int = 0) -> torch.Tensor:
         """Rank `src`'s `x` on every rank (in place; a plan: waits up to JOIN_TIMEOUT_S); returns it."""
-        self._run("broadcast", lambda: dist.broadcast(x, src, group=self.plan_group))
+        shm = self.shm
+        if shm is not None:
+            self._run("broadcast", lambda: shm.broadcast(x, src, max(shm.timeout_s, JOIN_TIMEOUT_S)))
+        else:
+            self._run("broadcast", lambda: dist.broadcast(x, src, group=self.plan_group))
         return x
 
     def all_min(self, values: list[int]) -> list[int]:

@@ -121,7 +121,7 @@ def join_group(args: ServerArgs, rank: int, init_addr: str) -> TensorParallel:
     backend = "nccl" if args.device == "cuda" else "gloo"
     return TensorParallel.init(rank, args.tp_size, init_addr, backend, args.dist_timeout or DEFAULT_TIMEOUT_S,
                                args.enable_deterministic_inference, expert_parallel=args.ep_size > 1,
-                               shm=uses_shm_collectives(args))
+                               shm=uses_shm_collectives(args), compiled=not args.disable_cpu_kernels)
 
 
 def uses_shm_collectives(args: ServerArgs) -> bool:

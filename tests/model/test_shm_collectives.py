@@ -1,8 +1,9 @@
 """The shared-memory all-reduce and all-gather (kvstrata/model/shm_collectives.py) between two real processes.
 
 One pair of spawned ranks runs every case (each process imports torch: seconds), reports what it saw to the
-test process, and the tests below read the report: sums and gathers in bf16 and float32 against a plain torch
-reference and against gloo, chunked and tiled through the segment; no segment left in /dev/shm; a rank that
+test process, and the tests below read the report: sums, gathers and broadcasts in bf16 and float32 against a
+plain torch reference and against gloo, chunked and tiled through the segment, through the compiled rounds
+(csrc/shm_collectives.cpp) and the plain-torch ones; no segment left in /dev/shm; a rank that
 never arrives makes the other raise within the timeout; one that exited fails it at once; a rank that cannot
 map the segment makes every rank keep gloo.
 """
@@ -21,6 +22,7 @@ from kvstrata.args import ServerArgs
 from kvstrata.model import shm_collectives
 from kvstrata.net import free_port
 from kvstrata.runtime.ranks import uses_shm_collectives
+from tests.capabilities import requires_cpu_kernels
 from tests.server.conftest import pid_alive
 
 SIZE = 2
@@ -30,6 +32,7 @@ DTYPES = (torch.bfloat16, torch.float32)
 # (rows, features): a decode row, a batch, and sizes over one slot (chunked / tiled through the segment)
 REDUCE_SHAPES = ((1, 512), (16, 512), (700, 1000))
 GATHER_SHAPES = ((1, 256), (16, 256), (1500, 256), (2, 300_000))
+BROADCASTS = ((7, 0), (1, 1), (300_000, 0))   # (int64 words, source rank): a plan's header, a word, three slots
 
 
 def _inputs(shape: tuple[int, ...], dtype: torch.dtype, case: int) -> list[torch.Tensor]:
@@ -56,26 +59,38 @@ def _rank(rank: int, addr: str, results) -> None:
                     "timeout_s": tp.shm.timeout_s if tp.shm is not None else None}
     report["segment"] = tp.shm.name if tp.shm is not None else ""
     report["segment_left"] = bool(report["segment"]) and os.path.exists(f"/dev/shm/{report['segment']}")
-    case = 0
-    for dtype in DTYPES:
-        for shape in REDUCE_SHAPES:
+    compiled_ops = tp.shm.ops
+    report["compiled"] = compiled_ops is not None
+    report["non_contiguous"] = []
+    for path in ("compiled", "torch"):      # the kernel library's rounds, then the plain-torch ones
+        tp.shm.ops = compiled_ops if path == "compiled" else None
+        case = 0
+        for dtype in DTYPES:
+            for shape in REDUCE_SHAPES:
+                case += 1
+                parts = _inputs(shape, dtype, case)
+                got = tp.all_reduce(parts[rank].clone())
+                gloo = parts[rank].clone()
+                dist.all_reduce(gloo, group=tp.group)
+                report["cases"].append((path, "all_reduce", str(dtype), shape,
+                                        torch.equal(got, _reference_sum(parts)), torch.equal(got, gloo)))
+            for shape in GATHER_SHAPES:
+                case += 1
+                parts = _inputs(shape, dtype, case)
+                got = tp.all_gather(parts[rank])
+                report["cases"].append((path, "all_gather", str(dtype), shape, torch.equal(got, torch.cat(parts, -1)),
+                                        True))
+        for n, src in BROADCASTS:     # plans: int64 words, one slot or several, from either rank
             case += 1
-            parts = _inputs(shape, dtype, case)
-            got = tp.all_reduce(parts[rank].clone())
-            gloo = parts[rank].clone()
-            dist.all_reduce(gloo, group=tp.group)
-            report["cases"].append(("all_reduce", str(dtype), shape, torch.equal(got, _reference_sum(parts)),
-                                    torch.equal(got, gloo)))
-        for shape in GATHER_SHAPES:
-            case += 1
-            parts = _inputs(shape, dtype, case)
-            got = tp.all_gather(parts[rank])
-            report["cases"].append(("all_gather", str(dtype), shape, torch.equal(got, torch.cat(parts, -1)), True))
-    # a transposed (non-contiguous) input is summed in place like a contiguous one
-    parts = [p.t() for p in _inputs((64, 32), torch.float32, 99)]
-    got = parts[rank].clone().t().contiguous().t()
-    tp.all_reduce(got)
-    report["non_contiguous"] = torch.equal(got, _reference_sum(parts))
+            sent = torch.arange(n, dtype=torch.long) * (case + src)
+            got = tp.broadcast(sent.clone() if rank == src else torch.zeros(n, dtype=torch.long), src)
+            report["cases"].append((path, "broadcast", str(torch.long), (n, src), torch.equal(got, sent), True))
+        # a transposed (non-contiguous) input is summed in place like a contiguous one
+        parts = [p.t() for p in _inputs((64, 32), torch.float32, 99)]
+        got = parts[rank].clone().t().contiguous().t()
+        tp.all_reduce(got)
+        report["non_contiguous"].append(torch.equal(got, _reference_sum(parts)))
+    tp.shm.ops = compiled_ops
 
     # a second group whose rank 1 cannot map the segment: both ranks keep torch.distributed
     second = dist.new_group([0, 1], backend="gloo")
@@ -134,10 +149,16 @@ def reports() -> dict[int, dict]:
 def test_all_reduce_and_all_gather_match_the_torch_reference_and_gloo_bit_for_bit(reports):
     for rank, report in reports.items():
         assert report["collectives"] == "shm" and report["timeout_s"] == GROUP_TIMEOUT_S, report
-        assert len(report["cases"]) == len(DTYPES) * (len(REDUCE_SHAPES) + len(GATHER_SHAPES))
-        wrong = [c for c in report["cases"] if not (c[3] and c[4])]
+        per_path = len(DTYPES) * (len(REDUCE_SHAPES) + len(GATHER_SHAPES)) + len(BROADCASTS)
+        assert len(report["cases"]) == 2 * per_path
+        wrong = [c for c in report["cases"] if not (c[4] and c[5])]
         assert not wrong, (rank, wrong)
-        assert report["non_contiguous"]
+        assert report["non_contiguous"] == [True, True]
+
+
+@requires_cpu_kernels
+def test_the_ranks_poll_and_sum_with_the_compiled_ops_where_the_library_builds(reports):
+    assert reports[0]["compiled"] and reports[1]["compiled"]
 
 
 def test_the_segment_is_unlinked_once_mapped_and_none_is_left_after_the_ranks_exit(reports):
