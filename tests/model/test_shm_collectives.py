@@ -29,8 +29,8 @@ SIZE = 2
 GROUP_TIMEOUT_S = 30          # --dist-timeout: generous while the cases run on a loaded machine
 TIMEOUT_S = 1.5               # then, for the rank that never arrives
 DTYPES = (torch.bfloat16, torch.float32)
-# (rows, features): a decode row, a batch, and sizes over one slot (chunked / tiled through the segment)
-REDUCE_SHAPES = ((1, 512), (16, 512), (700, 1000))
+# (rows, features): a decode row, batches (an odd size too), and sizes over one slot (chunked / tiled through it)
+REDUCE_SHAPES = ((1, 512), (16, 512), (64, 512), (3, 33_333), (700, 1000))
 GATHER_SHAPES = ((1, 256), (16, 256), (1500, 256), (2, 300_000))
 BROADCASTS = ((7, 0), (1, 1), (300_000, 0))   # (int64 words, source rank): a plan's header, a word, three slots
 
