@@ -261,11 +261,13 @@ class ServerArgs:
         "Tensor parallel size: the model is split over this many processes (ranks), one per GPU from "
         "--base-gpu-id on CUDA, one per set of cores on CPU ($SGLANG_CPU_OMP_THREADS_BIND, e.g. '0-27|28-55', "
         "else the cores split evenly). Rank 0 schedules; the others run the same forwards on their shard. "
-        "Not yet with the storage tier (L3), the L2 snapshot or PD disaggregation; MoE models need --ep-size N.",
+        "Not yet with the storage tier (L3), the L2 snapshot or PD disaggregation. On an MoE model every rank "
+        "holds its slice of every expert (SGLang's default), unless --ep-size N splits whole experts.",
         aliases=("--tp", "--tensor-parallel-size")))
     ep_size: int = field(default=1, metadata=_opt(
-        "Expert parallel size for MoE models: 1, or --tp-size (each rank holds num_experts / N whole experts; "
-        "each token's expert outputs are combined in the same order as on one rank).",
+        "Expert parallel size for MoE models: 1 (with --tp-size N each rank holds 1/N of every expert's "
+        "intermediate features), or --tp-size (each rank holds num_experts / N whole experts; each token's "
+        "expert outputs are combined in the same order as on one rank).",
         aliases=("--expert-parallel-size",)))
     nnodes: int = field(default=1, metadata=_opt(
         "Number of machines the --tp-size ranks are spread over (evenly; needs --dist-init-addr)."))

@@ -242,6 +242,13 @@ class RMSNorm(nn.Module):
         return self(residual), residual
 
 
+# torch's vectorized CPU loops run two vectors at a time (32 float32 values with AVX-512) and a row's remaining
+# values on a scalar path whose silu rounds differently. A tensor-parallel rank's slice of the intermediate
+# features would put other values on that path than one rank's whole row, so silu runs on rows padded to a
+# multiple of this: every value then takes the vector path, whatever the slice (deterministic TP's bits).
+SILU_VECTOR_VALUES = 32
+
+
 class SiluAndMul(nn.Module):
     """silu(gate) * up of a fused `[T, 2 * inter]` gate|up product -> `[T, inter]`."""
 
@@ -256,6 +263,9 @@ class SiluAndMul(nn.Module):
         if self.op is not None and gate_up.dtype == torch.bfloat16 and gate_up.device.type == "cpu":
             return self.op(gate_up)   # same bits as the two torch ops below
         gate, up = gate_up.split(self.intermediate_size, dim=-1)
+        pad = -self.intermediate_size % SILU_VECTOR_VALUES
+        if pad and gate.device.type == "cpu":
+            return F.silu(F.pad(gate, (0, pad)))[..., :self.intermediate_size] * up
         return F.silu(gate) * up
 
 

@@ -115,7 +115,17 @@ def load_dummy_model(config: ModelConfig, dtype: torch.dtype, device: torch.devi
     """
     if tp is not None and tp.size > 1:
         return _shard_of_dummy(config, dtype, device, relayout, seed, tp, quantization)
-    device = torch.device(device)
+    model = _draw_dummy(config, dtype, torch.device(device), seed)
+    bind_experts(model)
+    if quantization == "int8":
+        quantize_int8_in_place(model, dtype)
+    if relayout:
+        model.optimize_layout()
+    return model.eval()
+
+
+def _draw_dummy(config: ModelConfig, dtype: torch.dtype, device: torch.device, seed: int) -> torch.nn.Module:
+    """The one-rank model of `config` with load_dummy_model's weights drawn, its experts still stacked (unbound)."""
     with torch.device("meta"):
         model = LlamaForCausalLM(config)
     model = to_empty(model.to(dtype=dtype), device)
@@ -130,12 +140,7 @@ def load_dummy_model(config: ModelConfig, dtype: torch.dtype, device: torch.devi
             else:
                 values = torch.rand(param.shape, generator=generator, dtype=torch.float32) * 2 - 1
                 param.copy_(values.mul_(half_width))
-    bind_experts(model)
-    if quantization == "int8":
-        quantize_int8_in_place(model, dtype)
-    if relayout:
-        model.optimize_layout()
-    return model.eval()
+    return model
 
 
 def to_empty(model: torch.nn.Module, device: torch.device) -> torch.nn.Module:
@@ -256,8 +261,8 @@ def _shard_of_dummy(config: ModelConfig, dtype: torch.dtype, device: torch.devic
                     tp: TensorParallel, quantization: Optional[str]) -> torch.nn.Module:
     """A rank's shard of the one-rank dummy model: that model is drawn whole on CPU, then read back tensor by
     tensor under its checkpoint names and cut like a checkpoint (so every TP size serves the same weights;
-    int8 layers are quantized as a checkpoint's are)."""
-    whole = load_dummy_model(config, dtype, torch.device("cpu"), relayout=False, seed=seed)
+    int8 layers are quantized as a checkpoint's are). Its experts stay stacked: they are read like the others."""
+    whole = _draw_dummy(config, dtype, torch.device("cpu"), seed)
     whole_params = dict(whole.named_parameters(remove_duplicate=False))
     whole_targets = whole.checkpoint_targets()
     with torch.device("meta"):

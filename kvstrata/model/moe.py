@@ -19,6 +19,18 @@ in GatedMLP, and `down_proj` `[E, H, I]`), filled expert by expert. `bind()` the
 mode, the compiled GEMV, oneDNN prepacking: layers.make_batch_invariant / use_decode_linear /
 use_onednn_weights walk these Linears like any other). A GGUF file's quantized experts are bound the same
 way, each Linear holding its expert's QuantizedWeight (Linear.set_quantized) instead of a float slice.
+
+Under tensor parallelism (model/parallel.py) the experts are split one of two ways:
+
+    inside each expert (--tp-size alone, SGLang's default): every rank holds every expert's slice of the
+              intermediate features (gate|up rows, down columns). The combine is linear, so the rank's
+              combined output (plus its slice of the shared expert's) is a partial sum: one all-reduce per
+              layer (SparseMoeBlock). Deterministic mode: down is split by output features instead; each rank
+              computes its activation slice of every grouped row, one all-gather makes them whole, each rank
+              computes its output features of every row, a second all-gather makes them whole, and the
+              combine runs on the same rows as one rank's: the same bits.
+    whole experts (--ep-size N): each rank computes the rows routed to its experts; an all-reduce of the
+              (token, k) rows fills each from the one rank that computed it, then one rank's combine.
 """
 
 from __future__ import annotations
@@ -31,10 +43,10 @@ from torch import nn
 
 from kvstrata.model.config import MoeConfig
 from kvstrata.model.layers import GatedMLP, Linear, SiluAndMul, use_decode_linear
+from kvstrata.model.parallel import ShardLayout, TensorParallel, row_parallel_linear
 
 if TYPE_CHECKING:
     from kvstrata.model.paged_kernels import DecodeLinear
-    from kvstrata.model.parallel import ShardLayout, TensorParallel
     from kvstrata.model.quant.base import QuantizedWeight
 
 
@@ -63,10 +75,16 @@ def combine_ranks(expert_out: torch.Tensor, weights: torch.Tensor) -> torch.Tens
 class FusedExperts(nn.Module):
     """E routed SiLU-gated experts over stacked weights; `forward(x, weights, ids)` runs only the active ones.
 
-    Expert parallelism (`tp` given, --ep-size): this rank holds experts [first_expert, first_expert +
-    num_experts) of `total_experts`, computes the (token, k) rows routed to them exactly as one rank holding
-    every expert would, leaves the others zero, and an all-reduce fills each row from the one rank that
-    computed it (adding zeros: exact); every rank then combines the full rows as one rank would.
+    Expert parallelism (`tp` given with `tp.expert_parallel`, --ep-size): this rank holds experts
+    [first_expert, first_expert + num_experts) of `total_experts`, computes the (token, k) rows routed to them
+    exactly as one rank holding every expert would, leaves the others zero, and an all-reduce fills each row
+    from the one rank that computed it (adding zeros: exact); every rank then combines the full rows as one
+    rank would.
+
+    A split inside each expert: `intermediate_size` is this rank's slice. Default mode (no `tp`): down holds
+    the slice's input columns and the output is this rank's partial sum (the block all-reduces it).
+    Deterministic mode (`tp` given, not expert-parallel): down holds this rank's output features over the
+    whole intermediate, between two all-gathers (module docstring).
     """
 
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int,
@@ -76,10 +94,15 @@ class FusedExperts(nn.Module):
         self.first_expert = first_expert
         self.total_experts = total_experts or num_experts
         self.tp = tp
+        self.gathers = tp is not None and not tp.expert_parallel   # deterministic split inside each expert
         self.intermediate_size = intermediate_size
         self.hidden_size = hidden_size
+        # down `[E, down_features, down_in]`: this rank's output features over the whole intermediate when it
+        # gathers, else every output feature over this rank's intermediate features
+        self.down_in = intermediate_size * tp.size if self.gathers else intermediate_size
+        self.down_features = hidden_size // tp.size if self.gathers else hidden_size
         self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size, hidden_size))
-        self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size))
+        self.down_proj = nn.Parameter(torch.empty(num_experts, self.down_features, self.down_in))
         self.gate_up: Optional[nn.ModuleList] = None    # per-expert Linears over the stacked slices (bind)
         self.down: Optional[nn.ModuleList] = None
         self.act = SiluAndMul(intermediate_size)
@@ -110,7 +133,7 @@ class FusedExperts(nn.Module):
 
         hidden, inter = self.hidden_size, self.intermediate_size
         self.gate_up = linears(self.gate_up_proj.data, gate_up, 2 * inter, hidden)
-        self.down = linears(self.down_proj.data, down, hidden, inter)
+        self.down = linears(self.down_proj.data, down, self.down_features, self.down_in)
         del self.gate_up_proj, self.down_proj
 
     def expert_mlp(self, expert: int, rows: torch.Tensor) -> torch.Tensor:
@@ -121,12 +144,12 @@ class FusedExperts(nn.Module):
         """`x` `[T, H]` through each row's experts `ids` `[T, k]`, weighted by `weights` `[T, k]` -> `[T, H]`."""
         tokens, top_k = ids.shape
         kernel = self.combine if x.device.type == "cpu" and x.dtype in (torch.bfloat16, torch.float32) else None
-        if self.tp is not None:
+        if self.tp is not None and not self.gathers:     # expert parallelism
             ranked = self._ranked_rows(x, ids)
             if kernel is not None:
                 return kernel(ranked, torch.arange(tokens * top_k).view(tokens, top_k), weights)
             return combine_ranks(ranked.view(tokens, top_k, -1), weights)
-        if tokens == 1:   # a lone decode row: its k experts in rank order, no grouping to do
+        if tokens == 1 and not self.gathers:   # a lone decode row: its k experts in rank order, no grouping
             rows = torch.stack([self.expert_mlp(e, x)[0] for e in ids[0].tolist()])
             if kernel is not None:
                 return kernel(rows, torch.arange(top_k).view(1, top_k), weights)
@@ -135,12 +158,9 @@ class FusedExperts(nn.Module):
         order = torch.argsort(flat, stable=True)            # (token, rank) pairs grouped by expert
         counts = torch.bincount(flat, minlength=self.num_experts)
         active = counts.nonzero().flatten()
+        groups = list(zip(active.tolist(), counts[active].cumsum(0).tolist(), strict=True))   # (expert, end row)
         rows = x.index_select(0, order // top_k)
-        out = torch.empty_like(rows)
-        start = 0
-        for expert, count in zip(active.tolist(), counts[active].tolist(), strict=True):
-            out[start:start + count] = self.expert_mlp(expert, rows[start:start + count])
-            start += count
+        out = self._gathered_products(rows, groups) if self.gathers else self._products(rows, groups)
         if kernel is not None:   # each (token, rank)'s row in `out`: the inverse of `order`
             slots = torch.empty_like(order).index_copy_(0, order, torch.arange(order.numel()))
             return kernel(out, slots.view(tokens, top_k), weights)
@@ -153,6 +173,32 @@ class FusedExperts(nn.Module):
             acc += ranked[:, rank]
         return acc.to(x.dtype)
 
+    def _products(self, rows: torch.Tensor, groups: list[tuple[int, int]]) -> torch.Tensor:
+        """Each group's expert over its rows of `rows` `[n, H]` (grouped by expert; `groups`: (expert, end
+        row) in row order) -> `[n, H]` in the same order."""
+        out = torch.empty_like(rows)
+        start = 0
+        for expert, end in groups:
+            out[start:end] = self.expert_mlp(expert, rows[start:end])
+            start = end
+        return out
+
+    def _gathered_products(self, rows: torch.Tensor, groups: list[tuple[int, int]]) -> torch.Tensor:
+        """`_products` split inside each expert by output features (deterministic mode): every output feature
+        is computed by one rank over the whole row, as one rank computes it (batch-invariant products are
+        column-invariant), and gathered; two all-gathers for all the groups."""
+        act = rows.new_empty(rows.shape[0], self.intermediate_size)
+        start = 0
+        for expert, end in groups:
+            act[start:end] = self.act(self.gate_up[expert](rows[start:end]))
+            start = end
+        act = self.tp.all_gather(act)    # [n, I]: the ranks' slices side by side, as one rank's activations
+        out = rows.new_empty(rows.shape[0], self.down_features)
+        start = 0
+        for expert, end in groups:
+            out[start:end] = self.down[expert](act[start:end])
+            start = end
+        return self.tp.all_gather(out)   # [n, H]
 
     def _ranked_rows(self, x: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """Expert parallelism: every (token, k) pair's expert output `[T * k, H]`, in (token, k) order, after
@@ -179,48 +225,69 @@ class SparseMoeBlock(nn.Module):
 
     def __init__(self, hidden_size: int, moe: MoeConfig, layout: Optional[ShardLayout] = None,
                  tp: Optional[TensorParallel] = None):
-        """`layout`, `tp`: this rank's experts under expert parallelism (model/parallel.py); all of them without."""
+        """`layout`, `tp`: this rank's experts, or slices of them, under tensor parallelism (module docstring)."""
         super().__init__()
         self.top_k = moe.top_k
         self.norm_topk_prob = moe.norm_topk_prob
         self.gate = Linear(hidden_size, moe.num_experts, bias=False)   # the router
-        if layout is not None and layout.size > 1:
+        sliced = layout is not None and layout.slices_experts
+        # Split inside each expert in the default mode: the rank's output is a partial sum, all-reduced here.
+        self.partial_sums = tp if sliced and not layout.row_parallel_by_output else None
+        if layout is not None and layout.expert_parallel:
             self.experts = FusedExperts(layout.experts, hidden_size, moe.expert_intermediate_size,
                                         layout.first_expert, moe.num_experts, tp)
+        elif sliced:
+            self.experts = FusedExperts(moe.num_experts, hidden_size, layout.expert_intermediate,
+                                        tp=None if self.partial_sums else tp)
         else:
             self.experts = FusedExperts(moe.num_experts, hidden_size, moe.expert_intermediate_size)
         shared = moe.shared_expert_intermediate_size
-        self.shared_expert = GatedMLP(hidden_size, shared) if shared else None
+        self.shared_expert = _shared_expert(hidden_size, shared, layout if sliced else None, tp) if shared else None
         self.shared_expert_gate = Linear(hidden_size, 1, bias=False) if shared else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Apply the block to `x` `[T, H]`."""
         weights, ids = route(self.gate(x), self.top_k, self.norm_topk_prob)
         out = self.experts(x, weights, ids)
-        if self.shared_expert is not None:
+        if self.shared_expert is not None:   # a partial sum too where the experts' is: the gate is per token
             out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
-        return out
+        return out if self.partial_sums is None else self.partial_sums.all_reduce(out)
 
     def checkpoint_targets(self, ours: str, theirs: str, mixtral: bool) -> dict[str, tuple]:
         """HF tensor name -> (parameter, first row, end row[, expert]) for this block at `ours` (our module
         path) read from `theirs` (the checkpoint's: `...mlp` or Mixtral's `...block_sparse_moe`)."""
-        inter = self.experts.intermediate_size
+        inter = self.experts.intermediate_size      # this rank's (its slice under a split inside the experts)
         names = ("w1", "w3", "w2") if mixtral else ("gate_proj", "up_proj", "down_proj")
         gate_up, down = f"{ours}.experts.gate_up_proj", f"{ours}.experts.down_proj"
-        hidden = self.experts.hidden_size
         targets: dict[str, tuple] = {f"{theirs}.gate.weight": (f"{ours}.gate.weight", 0, self.gate.out_features)}
         for e in range(self.experts.num_experts):    # this rank's experts (all without expert parallelism)
             expert = f"{theirs}.experts.{self.experts.first_expert + e}"
             targets[f"{expert}.{names[0]}.weight"] = (gate_up, 0, inter, e)
             targets[f"{expert}.{names[1]}.weight"] = (gate_up, inter, 2 * inter, e)
-            targets[f"{expert}.{names[2]}.weight"] = (down, 0, hidden, e)
+            targets[f"{expert}.{names[2]}.weight"] = (down, 0, self.experts.down_features, e)
         if self.shared_expert is not None:
             shared, fused = self.shared_expert.intermediate_size, f"{ours}.shared_expert.gate_up_proj.weight"
             targets[f"{theirs}.shared_expert.gate_proj.weight"] = (fused, 0, shared)
             targets[f"{theirs}.shared_expert.up_proj.weight"] = (fused, shared, 2 * shared)
-            targets[f"{theirs}.shared_expert.down_proj.weight"] = (f"{ours}.shared_expert.down_proj.weight", 0, hidden)
+            targets[f"{theirs}.shared_expert.down_proj.weight"] = (f"{ours}.shared_expert.down_proj.weight", 0,
+                                                                   self.shared_expert.down_proj.out_features)
             targets[f"{theirs}.shared_expert_gate.weight"] = (f"{ours}.shared_expert_gate.weight", 0, 1)
         return targets
+
+
+def _shared_expert(hidden_size: int, intermediate_size: int, layout: Optional[ShardLayout],
+                   tp: Optional[TensorParallel]) -> GatedMLP:
+    """Qwen2-MoE's shared expert: whole, or (`layout` given: a split inside the experts) this rank's slice of
+    its intermediate features like a dense MLP's: in deterministic mode its down is the row-parallel Linear
+    (gathered), else a plain Linear over the slice, whose partial sum the block adds to the experts' before
+    its one all-reduce."""
+    if layout is None:
+        return GatedMLP(hidden_size, intermediate_size)
+    if layout.row_parallel_by_output:
+        down = row_parallel_linear(intermediate_size, hidden_size, False, tp)
+    else:
+        down = Linear(layout.shared_intermediate, hidden_size, bias=False)
+    return GatedMLP(hidden_size, layout.shared_intermediate, down_proj=down)
 
 
 def bind_experts(model: nn.Module) -> None:

@@ -10,8 +10,14 @@ Which rows or columns of each checkpoint tensor a rank holds (`ShardLayout`, `Sh
 |                                 | output rows (determ.)    | all-gather of the inputs, then the outputs  |
 | embed_tokens / lm_head          | vocabulary rows (padded) | embedding: all-reduce; logits: all-gather   |
 | norms                           | replicated               |                                             |
+| MoE routed experts (default)    | inside each expert: its  | all-reduce of the block's combined output   |
+|                                 | gate/up rows and down    | (determ.: down by output rows, between an   |
+|                                 | columns, like an MLP     | all-gather of the activations and one of    |
+|                                 |                          | the outputs; then one rank's combine)       |
 | MoE routed experts (--ep-size)  | whole experts, by id     | all-reduce of each (token, k) output row    |
-| MoE router, shared expert       | replicated               |                                             |
+| MoE shared expert (Qwen2-MoE)   | like the routed experts  | added before the block's all-reduce         |
+|                                 | (--ep-size: replicated)  | (determ.: gathered like a dense MLP)        |
+| MoE router, shared expert gate  | replicated               |                                             |
 
 KV heads are split like q heads when there are at least as many as ranks; with fewer, each rank holds the
 one KV head its q heads read (replicated across the ranks that share it).
@@ -22,7 +28,8 @@ every rank gathers the full input row, multiplies it by its output rows of the w
 summed over the whole input in one GEMM, as at TP=1: the batch-invariant Linear's products are
 column-invariant, tests/model/test_tensor_parallel.py checks it) and the outputs are gathered in rank
 order. Weight memory stays sharded; the communication is two all-gathers per layer instead of one
-all-reduce.
+all-reduce. The MoE experts split inside each expert follow the same rule over all of a layer's grouped rows
+at once (moe.FusedExperts): two all-gathers per MoE layer, and the same products and combine as one rank.
 
 Quantized weights are cut the same way (`ShardLayout.cut`), in their format, with their scales and zero
 points: output rows split anywhere (every format's blocks run along the input); an input split must fall on
@@ -169,6 +176,8 @@ class TensorParallel:
 
 
 VOCAB_MODULES = ("embed_tokens", "lm_head")
+GATE_UP_MODULES = ("gate_proj", "up_proj", "w1", "w3")     # w1 / w3 / w2: Mixtral's expert names
+DOWN_MODULES = ("down_proj", "w2")
 WHOLE = slice(None)
 
 
@@ -204,8 +213,11 @@ class ShardLayout:
     hidden: int           # the model's hidden size
     vocab: int            # the model's vocabulary
     vocab_rows: int       # vocabulary rows per rank (the last rank's tail is zero padding)
-    experts: int = 0      # MoE: routed experts on this rank (whole ones), starting at first_expert
+    experts: int = 0      # MoE: routed experts on this rank, starting at first_expert (all of them but with EP)
     first_expert: int = 0
+    expert_parallel: bool = False   # --ep-size: whole experts split across the ranks
+    expert_intermediate: int = 0    # MoE: gate/up rows (down columns) of each routed expert on this rank
+    shared_intermediate: int = 0    # Qwen2-MoE: the same of the shared expert
 
     @classmethod
     def of(cls, config: ModelConfig, tp: Optional[TensorParallel]) -> ShardLayout:
@@ -214,10 +226,17 @@ class ShardLayout:
         c = config
         problems = []
         experts = c.moe.num_experts if c.moe is not None else 0
-        if experts and size > 1 and not tp.expert_parallel:
-            problems.append(f"an MoE model needs --ep-size {size} (its experts split across the ranks)")
-        if experts % size:
+        expert_parallel = bool(experts) and size > 1 and tp.expert_parallel
+        inside = bool(experts) and size > 1 and not expert_parallel     # a split inside each expert
+        expert_inter = c.moe.expert_intermediate_size if experts else 0
+        shared_inter = c.moe.shared_expert_intermediate_size if experts else 0
+        if expert_parallel and experts % size:
             problems.append(f"{experts} experts")
+        if inside and expert_inter % size:
+            problems.append(f"MoE intermediate size {expert_inter} (each expert's; --ep-size {size} "
+                            f"splits whole experts instead)")
+        if inside and shared_inter % size:
+            problems.append(f"shared expert intermediate size {shared_inter}")
         if c.num_heads % size:
             problems.append(f"{c.num_heads} attention heads")
         if c.num_kv_heads % size and size % c.num_kv_heads:
@@ -234,8 +253,12 @@ class ShardLayout:
                    q_heads=c.num_heads // size, q_head0=rank * (c.num_heads // size),
                    kv_heads=kv_heads, kv_head0=kv_head0, head_dim=c.head_dim,
                    intermediate=c.intermediate_size // size, hidden=c.hidden_size, vocab=c.vocab_size,
-                   vocab_rows=-(-c.vocab_size // size), experts=experts // size,
-                   first_expert=rank * (experts // size))
+                   vocab_rows=-(-c.vocab_size // size),
+                   experts=experts // size if expert_parallel else experts,
+                   first_expert=rank * (experts // size) if expert_parallel else 0,
+                   expert_parallel=expert_parallel,
+                   expert_intermediate=expert_inter // size if inside else expert_inter,
+                   shared_intermediate=shared_inter // size if inside else shared_inter)
 
     def holds(self, name: str) -> bool:
         """Whether this rank loads checkpoint tensor `name` at all (not another rank's routed expert)."""
@@ -252,6 +275,12 @@ class ShardLayout:
         """Whether o_proj / down_proj are split by output features (deterministic mode) rather than input."""
         return self.size > 1 and self.deterministic
 
+    @property
+    def slices_experts(self) -> bool:
+        """Whether every rank holds every routed expert, its slice of their intermediate features (MoE under
+        --tp-size without --ep-size), rather than whole experts or all of them."""
+        return self.size > 1 and self.experts > 0 and not self.expert_parallel
+
     def cut(self, name: str) -> Optional[Cut]:
         """This rank's output rows and input columns of checkpoint tensor `name` (a `[out, in]` weight; a bias:
         its rows), or None where every rank holds it whole. Vocabulary rows may run past the vocabulary (the
@@ -259,26 +288,38 @@ class ShardLayout:
         if self.size == 1:
             return None
         parts = name.split(".")
-        if "experts" in parts or "shared_expert" in parts or "block_sparse_moe" in parts:
-            return None     # MoE: routed experts are whole on their rank; the shared expert is replicated
         module = parts[-2] if len(parts) >= 2 else ""
+        if "experts" in parts or "shared_expert" in parts:
+            if not self.slices_experts:
+                return None     # --ep-size: routed experts are whole on their rank, the shared expert replicated
+            return self._mlp_cut(module, self.expert_intermediate if "experts" in parts else self.shared_intermediate)
         hd = self.head_dim
         if module == "q_proj":
             rows = _span(self.q_head0 * hd, self.q_heads * hd)
         elif module in ("k_proj", "v_proj"):
             rows = _span(self.kv_head0 * hd, self.kv_heads * hd)
-        elif module in ("gate_proj", "up_proj"):
-            rows = _span(self.rank * self.intermediate, self.intermediate)
         elif module in VOCAB_MODULES:
             rows = _span(self.rank * self.vocab_rows, self.vocab_rows)
-        elif module in ("o_proj", "down_proj") and self.row_parallel_by_output:
-            rows = _span(self.rank * (self.hidden // self.size), self.hidden // self.size)
-        elif module in ("o_proj", "down_proj"):
-            width = self.q_heads * hd if module == "o_proj" else self.intermediate
-            return Cut(WHOLE, _span(self.rank * width, width))
+        elif module == "o_proj":
+            return self._row_parallel_cut(self.q_heads * hd)
         else:
-            return None
+            return self._mlp_cut(module, self.intermediate)   # the MoE router (`gate`) and norms: None
         return Cut(rows, WHOLE)
+
+    def _mlp_cut(self, module: str, width: int) -> Optional[Cut]:
+        """The cut of a gated MLP's `module` (a dense MLP or an expert) holding `width` intermediate features
+        on this rank: gate/up rows, down as a row-parallel layer; None for any other module."""
+        if module in GATE_UP_MODULES:
+            return Cut(_span(self.rank * width, width), WHOLE)
+        if module in DOWN_MODULES:
+            return self._row_parallel_cut(width)
+        return None
+
+    def _row_parallel_cut(self, width: int) -> Cut:
+        """o_proj / down_proj: this rank's `width` input columns, or (deterministic mode) its output rows."""
+        if self.row_parallel_by_output:
+            return Cut(_span(self.rank * (self.hidden // self.size), self.hidden // self.size), WHOLE)
+        return Cut(WHOLE, _span(self.rank * width, width))
 
     def shard(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
         """This rank's part of checkpoint tensor `name` (a Hugging Face name), shaped as its parameter holds it."""

@@ -3,15 +3,21 @@ the deterministic row-parallel layers rely on. No processes here: tests/runtime/
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
 from kvstrata.model.builtin import BUILTIN_SPECS, resolve_model_path
 from kvstrata.model.config import ModelConfig
 from kvstrata.model.layers import Linear, make_batch_invariant, use_decode_linear
+from kvstrata.model.loader import load_dummy_model
 from kvstrata.model.paged_kernels import decode_linear_op
 from kvstrata.model.parallel import ShardError, ShardLayout, TensorParallel
 from kvstrata.runtime.ranks import cpu_sets
+from tests.model.gguf_files import MOE_CONFIG
+
+CPU = torch.device("cpu")
 
 
 def _config(name: str = "tiny") -> ModelConfig:
@@ -61,8 +67,36 @@ def test_vocabulary_shards_are_padded_to_equal_rows():
 def test_models_that_do_not_split_are_refused_by_name():
     with pytest.raises(ShardError, match="--tp-size 3 cannot split .*4 attention heads"):
         _layout(3, 0)
-    with pytest.raises(ShardError, match="an MoE model needs --ep-size 2"):
-        _layout(2, 0, name="bench-moe")
+    moe = _config("bench-moe")
+    odd = replace(moe, moe=replace(moe.moe, expert_intermediate_size=383, shared_expert_intermediate_size=90))
+    with pytest.raises(ShardError, match=r"--tp-size 2 cannot split Qwen3MoeForCausalLM: MoE intermediate size 383 "
+                                         r"\(each expert's; --ep-size 2 splits whole experts instead\)"):
+        ShardLayout.of(odd, TensorParallel(0, 2))
+    with pytest.raises(ShardError, match="--tp-size 4 cannot split .*shared expert intermediate size 90"):
+        ShardLayout.of(replace(odd, moe=replace(odd.moe, expert_intermediate_size=384)), TensorParallel(0, 4))
+    whole_experts = ShardLayout.of(odd, TensorParallel(0, 2, expert_parallel=True))   # whole experts: any size
+    assert (whole_experts.experts, whole_experts.expert_intermediate) == (16, 383)
+
+
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_a_split_inside_the_experts_cuts_each_expert_like_a_dense_mlp(deterministic):
+    """--tp-size without --ep-size on an MoE model: every rank holds every expert, its rows of gate/up and
+    its columns of down (deterministic mode: its output rows); the router stays whole."""
+    layouts = [ShardLayout.of(_config("bench-moe"), TensorParallel(r, 2, deterministic)) for r in (0, 1)]
+    assert all(x.slices_experts and (x.first_expert, x.experts, x.expert_intermediate) == (0, 32, 192)
+               for x in layouts)
+    name = "model.layers.3.mlp.experts.{}.{}.weight"
+    assert all(x.holds(name.format(e, "up_proj")) for x in layouts for e in (0, 31))
+    up, down = torch.randn(384, 512), torch.randn(512, 384)
+    assert torch.equal(torch.cat([x.shard(name.format(7, "up_proj"), up) for x in layouts]), up)
+    halves = [x.shard(name.format(7, "down_proj"), down) for x in layouts]
+    assert all(h.shape == ((256, 384) if deterministic else (512, 192)) for h in halves)
+    assert torch.equal(torch.cat(halves, dim=0 if deterministic else 1), down)
+    mixtral = "model.layers.0.block_sparse_moe.experts.3.{}.weight"     # Mixtral's w1 (gate) and w2 (down)
+    assert layouts[1].cut(mixtral.format("w1")).rows == slice(192, 384)
+    assert layouts[1].cut(mixtral.format("w2")) == layouts[1].cut(name.format(3, "down_proj"))
+    router = torch.randn(32, 512)
+    assert all(x.shard("model.layers.3.mlp.gate.weight", router) is router for x in layouts)
 
 
 def test_expert_parallel_ranks_hold_whole_experts_and_skip_the_others():
@@ -74,6 +108,31 @@ def test_expert_parallel_ranks_hold_whole_experts_and_skip_the_others():
     assert all(x.holds("model.layers.3.mlp.gate.weight") for x in layouts)       # the router: on every rank
     expert = torch.randn(512, 384)
     assert layouts[1].shard(name.format(20), expert) is expert                    # whole, not sliced
+
+
+@pytest.mark.parametrize("deterministic, expert_parallel", [(False, False), (True, False), (False, True)])
+def test_dummy_moe_shards_are_the_layouts_cuts_of_the_one_rank_weights(deterministic, expert_parallel):
+    """--load-format dummy under tensor parallelism: each rank's experts (or slices of them) are cut from the
+    one-rank model's, so every TP size and split serves the same weights."""
+    config = ModelConfig.from_dict(MOE_CONFIG)
+    whole = load_dummy_model(config, torch.float32, CPU).model.layers[1].mlp.experts
+    for rank in range(2):
+        shard = load_dummy_model(config, torch.float32, CPU,
+                                 tp=TensorParallel(rank, 2, deterministic, expert_parallel=expert_parallel))
+        layout, experts = shard.layout, shard.model.layers[1].mlp.experts
+        assert len(experts.down) == layout.experts == (2 if expert_parallel else 4)
+        for e in range(layout.experts):
+            one = layout.first_expert + e
+            for kind, linears, whole_linears in (("down_proj", experts.down, whole.down),
+                                                 ("up_proj", experts.gate_up, whole.gate_up)):
+                name = f"model.layers.1.mlp.experts.{one}.{kind}.weight"
+                weight = whole_linears[one].weight
+                if kind == "up_proj":     # gate|up: the up rows of each
+                    weight, mine = weight[config.moe.expert_intermediate_size:], linears[e].weight
+                    mine = mine[mine.shape[0] // 2:]
+                else:
+                    mine = linears[e].weight
+                assert torch.equal(mine, layout.shard(name, weight)), (rank, e, kind)
 
 
 def test_cpu_binding_follows_sglang_format_or_splits_the_cores_evenly():

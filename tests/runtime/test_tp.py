@@ -46,18 +46,25 @@ def test_tp2_greedy_output_is_identical_to_tp1_in_deterministic_mode_with_l1_and
     assert two["tp_ranks_agree"] and two["tp_ranks"][1]["copies"] > 0, two["tp_ranks"]
 
 
-def test_ep2_moe_greedy_output_is_identical_to_one_rank_in_deterministic_mode(tmp_path):
+@pytest.mark.parametrize("dtype", NUMERIC_DTYPES)
+def test_moe_tp2_greedy_output_is_identical_to_one_rank_in_deterministic_mode(tmp_path, dtype):
+    """--tp-size 2 alone splits inside each expert (shared memory), in both dtypes; --ep-size 2 splits whole
+    experts (gloo), in float32."""
     moe = write_servable_moe_checkpoint(str(tmp_path / "tiny-moe"))
-    opts = {"model_path": moe, "num_threads": 1, "max_total_tokens": 1024}
+    opts = {"model_path": moe, "num_threads": 1, "max_total_tokens": 1024, "dtype": dtype}
     with make_engine(**opts) as one:
         expected = [o["output_ids"] for o in one.generate(list(PROMPTS), GREEDY)]     # batched: many experts active
-    # --disable-custom-all-reduce: this engine's collectives go through gloo (the other TP tests: shared memory)
-    with make_engine(**opts, tp_size=2, ep_size=2, disable_custom_all_reduce=True) as two:
-        got = [o["output_ids"] for o in two.generate(list(PROMPTS), GREEDY)]
-        lone = two.generate(PROMPTS[0], GREEDY)["output_ids"]                          # the one-row decode path
-        assert two.get_server_info()["internal_states"][0]["tp_collectives"] == "gloo"
-    assert got == expected and lone == expected[0]
     assert len({tuple(o) for o in expected}) > 1
+    splits = {"inside experts": {}}
+    if dtype == "float32":     # --disable-custom-all-reduce: collectives through gloo (the others: shared memory)
+        splits["whole experts"] = {"ep_size": 2, "disable_custom_all_reduce": True}
+    for split, flags in splits.items():
+        with make_engine(**opts, tp_size=2, **flags) as two:
+            got = [o["output_ids"] for o in two.generate(list(PROMPTS), GREEDY)]
+            lone = two.generate(PROMPTS[0], GREEDY)["output_ids"]                      # the one-row decode path
+            state = two.get_server_info()["internal_states"][0]
+        assert got == expected and lone == expected[0], split
+        assert state["tp_collectives"] == ("gloo" if flags else "shm"), split
 
 
 def _health(url: str) -> int:

@@ -4,7 +4,9 @@ TP=1's logits: bitwise in deterministic mode (o_proj / down_proj split by output
 with the default split of their input columns (partial sums, then an all-reduce). An input split inside a
 block is refused before any weight is read, naming the tensor, its block and the TP size. int8 shards are
 exact cuts of the one-rank int8 weights (scales of whole rows). A Qwen3-MoE GGUF file under --ep-size 2: each
-rank reads only its experts' slabs and its part of every other tensor, and gives TP=1's logits."""
+rank reads only its experts' slabs and its part of every other tensor, and gives TP=1's logits. MoE models
+split inside each expert (--tp-size alone: Qwen3-MoE and Qwen2-MoE's shared expert from safetensors, a
+Qwen3-MoE GGUF file's quantized slabs): TP=1's logits the same two ways."""
 
 from __future__ import annotations
 
@@ -25,6 +27,7 @@ from kvstrata.model.loader import load_model
 from kvstrata.model.parallel import ShardError, TensorParallel
 from kvstrata.net import free_port
 from tests.model.gguf_files import MOE_CONFIG, write_kquant_gguf, write_moe_gguf
+from tests.model.hf_ckpt import write_checkpoint, write_servable_moe_checkpoint
 from tests.model.quant_ckpt import write_float_llama, write_quantized
 
 CPU = torch.device("cpu")
@@ -58,12 +61,13 @@ def _load(job: tuple[str, str, str | None], tp: TensorParallel | None) -> torch.
     kind, path, quantization = job
     if kind == "gguf-moe" and tp is not None:     # experts split across the ranks (--ep-size = --tp-size)
         tp = TensorParallel(tp.rank, tp.size, tp.deterministic, tp.group, expert_parallel=True)
-    if kind.startswith("gguf"):
-        shape = MOE_CONFIG if kind == "gguf-moe" else GGUF_SHAPE
+    if kind.startswith("gguf"):     # gguf-moe-tp: a split inside each expert (--tp-size alone)
+        shape = MOE_CONFIG if kind.startswith("gguf-moe") else GGUF_SHAPE
         model = load_gguf_model(path, ModelConfig.from_dict(shape), torch.float32, CPU, tp=tp)
         use_gguf_kernels(model, gguf_ops())      # as the runner does (None: the plain-torch path)
         return model
-    return load_model(path, ModelConfig.from_dict(SHAPE), torch.float32, CPU, tp=tp, quantization=quantization)
+    config = ModelConfig.from_path(path) if kind == "moe" else ModelConfig.from_dict(SHAPE)
+    return load_model(path, config, torch.float32, CPU, tp=tp, quantization=quantization)
 
 
 def _logits(model: torch.nn.Module, deterministic: bool) -> torch.Tensor:
@@ -77,7 +81,8 @@ def _logits(model: torch.nn.Module, deterministic: bool) -> torch.Tensor:
     pool = DeviceKVPool(32, 16, c.num_layers, model.layout.kv_heads, c.head_dim, torch.float32, CPU)
     seqs = PagedSequences(pool)
     seqs.batch_invariant = deterministic
-    prefill = model(*seqs.batch([(0, PROMPTS[0]), (1, PROMPTS[1])]), pool)
+    prompts = [[t % c.vocab_size for t in p] for p in PROMPTS]
+    prefill = model(*seqs.batch([(0, prompts[0]), (1, prompts[1])]), pool)
     decode = model(*seqs.batch([(0, [11]), (1, [12])]), pool)
     return torch.cat([prefill, decode])
 
@@ -131,7 +136,7 @@ def _run_ranks(jobs: dict, out: Path) -> list[dict[str, torch.Tensor]]:
 
 def _check_tp1_logits(jobs: dict, ranks: list[dict[str, torch.Tensor]], dropped_linears: int = 0) -> None:
     """Every rank's logits equal TP=1's (bitwise in deterministic mode); each holds under 55% of the weights,
-    every quantized Linear but the `dropped_linears` (other ranks' experts) still quantized."""
+    every quantized Linear but the `dropped_linears` (other ranks' experts) still quantized (a float job: none)."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)      # as each rank: MKL sums a float32 product differently over more threads
     try:
@@ -150,7 +155,8 @@ def _check_tp1_logits(jobs: dict, ranks: list[dict[str, torch.Tensor]], dropped_
             held, quantized = _held(whole).tolist()
             for r in ranks:     # each rank holds its half, every quantized Linear still quantized
                 rank_held, rank_quantized = r[f"{label}-held"].tolist()
-                assert rank_quantized == quantized - dropped_linears > 0, label
+                assert rank_quantized == quantized - dropped_linears, label
+                assert (quantized > 0) == (job[0] != "moe"), label
                 assert rank_held < 0.55 * held, (label, rank_held, held)
     finally:
         torch.set_num_threads(threads)
@@ -166,6 +172,30 @@ def test_tp2_ep2_moe_gguf_ranks_hold_their_experts_and_give_tp1_logits(tmp_path)
     ranks = _run_ranks(jobs, tmp_path)
     c = MOE_CONFIG       # each rank lacks the other rank's half of the experts (a gate|up and a down Linear each)
     _check_tp1_logits(jobs, ranks, dropped_linears=c["num_hidden_layers"] * c["num_experts"])
+
+
+def test_tp2_moe_split_inside_each_expert_gives_tp1_logits(tmp_path):
+    """--tp-size 2 without --ep-size: every rank holds half of every expert's intermediate features (and of
+    Qwen2-MoE's shared expert); deterministic mode gathers down's output features (bitwise TP=1), the default
+    mode all-reduces each block's partial sums once. The GGUF file's down blocks (Q8_0: 32 values) split on a
+    boundary; its gate/up K-quants are split by rows."""
+    jobs = {"qwen3-moe": ("moe", write_servable_moe_checkpoint(str(tmp_path / "qwen3-moe")), None),
+            "qwen2-moe": ("moe", write_checkpoint("qwen2_moe", str(tmp_path / "qwen2-moe")), None),
+            "gguf-moe-tp": ("gguf-moe-tp", write_moe_gguf(str(tmp_path), {"gate": "Q4_K", "up": "Q5_K",
+                                                                           "down": "Q8_0"})[0], None)}
+    _check_tp1_logits(jobs, _run_ranks(jobs, tmp_path))
+
+
+def test_a_split_inside_each_expert_refuses_a_quantized_down_block_it_would_cut(tmp_path):
+    """Each rank takes 128 of a Q6_K expert down_proj's 256 input columns: half a super-block, refused from
+    the header naming the tensor; deterministic mode splits down by output rows and loads."""
+    path, _ = write_moe_gguf(str(tmp_path), {"gate": "Q8_0", "up": "Q8_0", "down": "Q6_K"})
+    with pytest.raises(ShardError, match=r"--tp-size 2 cannot split model\.layers\.0\.mlp\.experts\.0\.down_proj"
+                                         r"\.weight: each rank takes 128 .* block of 256 values"):
+        _load(("gguf-moe-tp", path, None), TensorParallel(1, 2))
+    model = _load(("gguf-moe-tp", path, None), TensorParallel(1, 2, deterministic=True))
+    experts = model.model.layers[1].mlp.experts
+    assert experts.down[3].quantized.out_features == MOE_CONFIG["hidden_size"] // 2
 
 
 class _CountingFile:
@@ -191,10 +221,10 @@ class _CountingFile:
         return got
 
 
-@pytest.mark.parametrize("kind", ["gguf", "gguf-moe"])
+@pytest.mark.parametrize("kind", ["gguf", "gguf-moe", "gguf-moe-tp"])
 def test_a_rank_reads_only_its_part_of_the_gguf_file(kind, jobs, tmp_path, monkeypatch):
-    """Rows, whole blocks of input columns and experts are read at their offsets: a rank of two reads about
-    half the tensor bytes TP=1 reads (norms and the MoE router are whole on every rank)."""
+    """Rows, whole blocks of input columns and experts (or their slices) are read at their offsets: a rank of
+    two reads about half the tensor bytes TP=1 reads (norms and the MoE router are whole on every rank)."""
     path = jobs["gguf-k"][1] if kind == "gguf" else write_moe_gguf(str(tmp_path), {"gate": "Q8_0", "up": "Q8_0",
                                                                                     "down": "Q8_0"})[0]
     monkeypatch.setattr(gguf_loader, "open", _CountingFile, raising=False)
