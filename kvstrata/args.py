@@ -261,7 +261,7 @@ class ServerArgs:
         "Tensor parallel size: the model is split over this many processes (ranks), one per GPU from "
         "--base-gpu-id on CUDA, one per set of cores on CPU ($SGLANG_CPU_OMP_THREADS_BIND, e.g. '0-27|28-55', "
         "else the cores split evenly). Rank 0 schedules; the others run the same forwards on their shard. "
-        "Not yet with the storage tier (L3), the L2 snapshot or PD disaggregation. On an MoE model every rank "
+        "Every cache tier, the L2 snapshot and PD disaggregation are sharded per rank. On an MoE model every rank "
         "holds its slice of every expert (SGLang's default), unless --ep-size N splits whole experts.",
         aliases=("--tp", "--tensor-parallel-size")))
     ep_size: int = field(default=1, metadata=_opt(
@@ -325,11 +325,13 @@ class ServerArgs:
         False, "the host (L2) and storage (L3) tiers are built in: use --enable-hierarchical-cache and "
         "--hicache-storage-backend", "LMCache (not supported)."))
     moe_runner_backend: Optional[str] = field(default=None, metadata=_only(
-        None, "MoE models are not supported yet", "MoE kernels (not supported)."))
+        None, "MoE layers run on the built-in fused experts (no other runner)", "MoE kernels (not supported)."))
     moe_a2a_backend: Optional[str] = field(default=None, metadata=_only(
-        None, "MoE models are not supported yet", "MoE all-to-all backend (not supported)."))
+        None, "expert parallelism (--ep-size) combines the experts' rows with one all-reduce, not an all-to-all",
+        "MoE all-to-all backend (not supported)."))
     enable_eplb: bool = field(default=False, metadata=_only(
-        False, "MoE models are not supported yet", "Expert load balancing (not supported)."))
+        False, "experts are placed by id (--ep-size), not rebalanced by load", "Expert load balancing (not "
+        "supported)."))
 
     # --- SGLang flags accepted with no effect on this engine (logged once at start) ---
     trust_remote_code: bool = field(default=False, metadata=_no_effect(
