@@ -241,6 +241,10 @@ class SparseMoeBlock(nn.Module):
                                         tp=None if self.partial_sums else tp)
         else:
             self.experts = FusedExperts(moe.num_experts, hidden_size, moe.expert_intermediate_size)
+        # Rank 0 routes for every rank: each computes the same router product, but a rank whose product
+        # rounded differently (another thread count, another CPU) would pick another expert at a near tie, and
+        # the all-reduce would then add partial sums of different experts: a wrong answer, silently.
+        self.routing_from = tp if layout is not None and layout.size > 1 else None
         shared = moe.shared_expert_intermediate_size
         self.shared_expert = _shared_expert(hidden_size, shared, layout if sliced else None, tp) if shared else None
         self.shared_expert_gate = Linear(hidden_size, 1, bias=False) if shared else None
@@ -248,6 +252,9 @@ class SparseMoeBlock(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Apply the block to `x` `[T, H]`."""
         weights, ids = route(self.gate(x), self.top_k, self.norm_topk_prob)
+        if self.routing_from is not None:
+            ids = self.routing_from.broadcast(ids.contiguous(), plan=False)
+            self.routing_from.broadcast(weights, plan=False)
         out = self.experts(x, weights, ids)
         if self.shared_expert is not None:   # a partial sum too where the experts' is: the gate is per token
             out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)

@@ -17,7 +17,8 @@ Which rows or columns of each checkpoint tensor a rank holds (`ShardLayout`, `Sh
 | MoE routed experts (--ep-size)  | whole experts, by id     | all-reduce of each (token, k) output row    |
 | MoE shared expert (Qwen2-MoE)   | like the routed experts  | added before the block's all-reduce         |
 |                                 | (--ep-size: replicated)  | (determ.: gathered like a dense MLP)        |
-| MoE router, shared expert gate  | replicated               |                                             |
+| MoE router                      | replicated               | rank 0's expert ids and weights broadcast   |
+| MoE shared expert gate          | replicated               |                                             |
 
 KV heads are split like q heads when there are at least as many as ranks; with fewer, each rank holds the
 one KV head its q heads read (replicated across the ranks that share it).
@@ -153,13 +154,16 @@ class TensorParallel:
         self._run("all-gather", lambda: dist.all_gather(parts, x, group=self.group))
         return torch.cat(parts, dim=-1)
 
-    def broadcast(self, x: torch.Tensor, src: int = 0) -> torch.Tensor:
-        """Rank `src`'s `x` on every rank (in place; a plan: waits up to JOIN_TIMEOUT_S); returns it."""
+    def broadcast(self, x: torch.Tensor, src: int = 0, plan: bool = True) -> torch.Tensor:
+        """Rank `src`'s `x` on every rank (in place); returns it. A plan waits up to JOIN_TIMEOUT_S; `plan`
+        False: a decision inside the forward, with the model's collectives' timeout."""
         shm = self.shm
         if shm is not None:
-            self._run("broadcast", lambda: shm.broadcast(x, src, max(shm.timeout_s, JOIN_TIMEOUT_S)))
+            timeout_s = max(shm.timeout_s, JOIN_TIMEOUT_S) if plan else shm.timeout_s
+            self._run("broadcast", lambda: shm.broadcast(x, src, timeout_s))
         else:
-            self._run("broadcast", lambda: dist.broadcast(x, src, group=self.plan_group))
+            group = self.plan_group if plan else self.group
+            self._run("broadcast", lambda: dist.broadcast(x, src, group=group))
         return x
 
     def all_min(self, values: list[int]) -> list[int]:

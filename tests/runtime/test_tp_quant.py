@@ -41,6 +41,7 @@ SHAPE = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_s
 GGUF_SHAPE = {**SHAPE, "tie_word_embeddings": True}        # the lm_head shares the quantized embedding's blocks
 PROMPTS = [[5, 17, 300, 999, 1000, 42, 7], [1, 2, 3, 4, 800]]
 RANK_TIMEOUT_S = 240
+SCRAMBLED_ROUTER = "+scrambled-router"     # a job kind's suffix: rank 1's MoE routers get other weights
 
 
 def _checkpoints(root: Path) -> dict[str, tuple[str, str, str | None]]:
@@ -59,15 +60,22 @@ def _load(job: tuple[str, str, str | None], tp: TensorParallel | None) -> torch.
     from kvstrata.model.quant.gguf_weight import use_gguf_kernels
 
     kind, path, quantization = job
+    kind = kind.removesuffix(SCRAMBLED_ROUTER)
     if kind == "gguf-moe" and tp is not None:     # experts split across the ranks (--ep-size = --tp-size)
         tp = TensorParallel(tp.rank, tp.size, tp.deterministic, tp.group, expert_parallel=True)
     if kind.startswith("gguf"):     # gguf-moe-tp: a split inside each expert (--tp-size alone)
         shape = MOE_CONFIG if kind.startswith("gguf-moe") else GGUF_SHAPE
         model = load_gguf_model(path, ModelConfig.from_dict(shape), torch.float32, CPU, tp=tp)
         use_gguf_kernels(model, gguf_ops())      # as the runner does (None: the plain-torch path)
-        return model
-    config = ModelConfig.from_path(path) if kind == "moe" else ModelConfig.from_dict(SHAPE)
-    return load_model(path, config, torch.float32, CPU, tp=tp, quantization=quantization)
+    else:
+        config = ModelConfig.from_path(path) if kind == "moe" else ModelConfig.from_dict(SHAPE)
+        model = load_model(path, config, torch.float32, CPU, tp=tp, quantization=quantization)
+    if SCRAMBLED_ROUTER in job[0] and tp is not None and tp.rank == 1:
+        # rank 1's routers would pick other experts than rank 0's: only rank 0's routing may count
+        for name, param in model.named_parameters():
+            if name.endswith("mlp.gate.weight"):
+                param.data.copy_(torch.randn(param.shape, generator=torch.Generator().manual_seed(7)))
+    return model
 
 
 def _logits(model: torch.nn.Module, deterministic: bool) -> torch.Tensor:
@@ -156,7 +164,7 @@ def _check_tp1_logits(jobs: dict, ranks: list[dict[str, torch.Tensor]], dropped_
             for r in ranks:     # each rank holds its half, every quantized Linear still quantized
                 rank_held, rank_quantized = r[f"{label}-held"].tolist()
                 assert rank_quantized == quantized - dropped_linears, label
-                assert (quantized > 0) == (job[0] != "moe"), label
+                assert (quantized > 0) == (not job[0].startswith("moe")), label
                 assert rank_held < 0.55 * held, (label, rank_held, held)
     finally:
         torch.set_num_threads(threads)
@@ -178,11 +186,13 @@ def test_tp2_moe_split_inside_each_expert_gives_tp1_logits(tmp_path):
     """--tp-size 2 without --ep-size: every rank holds half of every expert's intermediate features (and of
     Qwen2-MoE's shared expert); deterministic mode gathers down's output features (bitwise TP=1), the default
     mode all-reduces each block's partial sums once. The GGUF file's down blocks (Q8_0: 32 values) split on a
-    boundary; its gate/up K-quants are split by rows."""
+    boundary; its gate/up K-quants are split by rows. With rank 1's routers scrambled the logits are still
+    TP=1's: every rank runs rank 0's routing."""
     jobs = {"qwen3-moe": ("moe", write_servable_moe_checkpoint(str(tmp_path / "qwen3-moe")), None),
             "qwen2-moe": ("moe", write_checkpoint("qwen2_moe", str(tmp_path / "qwen2-moe")), None),
             "gguf-moe-tp": ("gguf-moe-tp", write_moe_gguf(str(tmp_path), {"gate": "Q4_K", "up": "Q5_K",
                                                                            "down": "Q8_0"})[0], None)}
+    jobs["qwen3-moe-scrambled"] = ("moe" + SCRAMBLED_ROUTER, jobs["qwen3-moe"][1], None)   # rank 0 routes
     _check_tp1_logits(jobs, _run_ranks(jobs, tmp_path))
 
 
