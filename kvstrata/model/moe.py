@@ -64,6 +64,14 @@ def route(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[t
     return weights.contiguous(), ids
 
 
+def rank0_routing(tp: TensorParallel, weights: torch.Tensor, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rank 0's (weights, ids) of `route` on every rank: one int64 broadcast of the ids and the weights' float32
+    bits side by side (one collective per MoE layer instead of two)."""
+    top_k = ids.shape[1]
+    packed = tp.broadcast(torch.cat([ids, weights.view(torch.int32).long()], dim=1), plan=False)
+    return packed[:, top_k:].to(torch.int32).view(torch.float32), packed[:, :top_k].contiguous()
+
+
 def combine_ranks(expert_out: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
     """sum_r weights[:, r] * expert_out[:, r] `[T, k, H]` -> `[T, H]`, accumulated in float32 rank by rank."""
     acc = expert_out[:, 0].float() * weights[:, :1]
@@ -253,8 +261,7 @@ class SparseMoeBlock(nn.Module):
         """Apply the block to `x` `[T, H]`."""
         weights, ids = route(self.gate(x), self.top_k, self.norm_topk_prob)
         if self.routing_from is not None:
-            ids = self.routing_from.broadcast(ids.contiguous(), plan=False)
-            self.routing_from.broadcast(weights, plan=False)
+            weights, ids = rank0_routing(self.routing_from, weights, ids)
         out = self.experts(x, weights, ids)
         if self.shared_expert is not None:   # a partial sum too where the experts' is: the gate is per token
             out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
