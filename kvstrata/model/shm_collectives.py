@@ -141,10 +141,14 @@ class ShmCollectives:
 
     def all_reduce(self, x: torch.Tensor) -> None:
         """Sum `x` over the ranks in place, in rank order; every rank ends with the same bits."""
+        compiled = self.ops is not None and x.dtype in COMPILED_SUM_DTYPES
+        if compiled and x.is_contiguous() and x.numel() * x.element_size() <= SLOT_BYTES:   # a decode step's
+            self._publish_wait(x)
+            self.ops.sum_slots_(x, self._slot_base[(self._round - 1) % 2], SLOT_BYTES, self.size)
+            return
         work = x if x.is_contiguous() else x.contiguous()
         flat = work.view(-1)
         per = SLOT_BYTES // x.element_size()
-        compiled = self.ops is not None and x.dtype in COMPILED_SUM_DTYPES
         for start in range(0, flat.numel(), per):
             piece = flat[start:start + per]
             if compiled:
@@ -176,6 +180,13 @@ class ShmCollectives:
     def broadcast(self, x: torch.Tensor, src: int, timeout_s: float) -> None:
         """Rank `src`'s `x` into every rank's `x` (same shape and dtype on every rank), waiting up to
         `timeout_s` for the others (a plan: rank 0 may be long between two)."""
+        nbytes = x.numel() * x.element_size()
+        if self.ops is not None and x.is_contiguous() and nbytes <= SLOT_BYTES:   # a plan, a layer's routing
+            b = self._round % 2
+            self._publish_wait(x, publish=self.rank == src, timeout_s=timeout_s)
+            if self.rank != src:
+                x.view(-1).copy_(self._slots[b][src][:nbytes].view(x.dtype))
+            return
         work = x if x.is_contiguous() else x.contiguous()
         flat = work.view(-1)
         per = SLOT_BYTES // x.element_size()
