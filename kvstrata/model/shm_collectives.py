@@ -142,9 +142,8 @@ class ShmCollectives:
     def all_reduce(self, x: torch.Tensor) -> None:
         """Sum `x` over the ranks in place, in rank order; every rank ends with the same bits."""
         compiled = self.ops is not None and x.dtype in COMPILED_SUM_DTYPES
-        if compiled and x.is_contiguous() and x.numel() * x.element_size() <= SLOT_BYTES:   # a decode step's
-            self._publish_wait(x)
-            self.ops.sum_slots_(x, self._slot_base[(self._round - 1) % 2], SLOT_BYTES, self.size)
+        if compiled and x.is_contiguous() and x.numel() * x.element_size() <= SLOT_BYTES:
+            self._sum_compiled(x)        # a decode step's activation: no chunk loop, no views
             return
         work = x if x.is_contiguous() else x.contiguous()
         flat = work.view(-1)
@@ -152,8 +151,7 @@ class ShmCollectives:
         for start in range(0, flat.numel(), per):
             piece = flat[start:start + per]
             if compiled:
-                self._publish_wait(piece)
-                self.ops.sum_slots_(piece, self._slot_base[(self._round - 1) % 2], SLOT_BYTES, self.size)
+                self._sum_compiled(piece)
             else:
                 self._sum(self._exchange(piece), piece)
         if work is not x:
@@ -180,21 +178,14 @@ class ShmCollectives:
     def broadcast(self, x: torch.Tensor, src: int, timeout_s: float) -> None:
         """Rank `src`'s `x` into every rank's `x` (same shape and dtype on every rank), waiting up to
         `timeout_s` for the others (a plan: rank 0 may be long between two)."""
-        nbytes = x.numel() * x.element_size()
-        if self.ops is not None and x.is_contiguous() and nbytes <= SLOT_BYTES:   # a plan, a layer's routing
-            b = self._round % 2
-            self._publish_wait(x, publish=self.rank == src, timeout_s=timeout_s)
-            if self.rank != src:
-                x.view(-1).copy_(self._slots[b][src][:nbytes].view(x.dtype))
+        if x.is_contiguous() and x.numel() * x.element_size() <= SLOT_BYTES:
+            self._take(x.view(-1), src, timeout_s)     # a plan, a layer's routing: no chunk loop
             return
         work = x if x.is_contiguous() else x.contiguous()
         flat = work.view(-1)
         per = SLOT_BYTES // x.element_size()
         for start in range(0, max(flat.numel(), 1), per):
-            piece = flat[start:start + per]
-            parts = self._exchange(piece, publish=self.rank == src, timeout_s=timeout_s)
-            if self.rank != src:
-                piece.copy_(parts[src])
+            self._take(flat[start:start + per], src, timeout_s)
         if work is not x:
             x.copy_(work)
 
@@ -219,6 +210,17 @@ class ShmCollectives:
                 if peer != self.rank:
                     self._wait(peer, timeout_s)
         return [slot[:nbytes].view(piece.dtype) for slot in buf]
+
+    def _sum_compiled(self, piece: torch.Tensor) -> None:
+        """One compiled round of a contiguous `piece` and the rank-order sum of its slots into it."""
+        self._publish_wait(piece)
+        self.ops.sum_slots_(piece, self._slot_base[(self._round - 1) % 2], SLOT_BYTES, self.size)
+
+    def _take(self, piece: torch.Tensor, src: int, timeout_s: float) -> None:
+        """One round of a broadcast: `src` publishes `piece`, the others arrive and copy its slot into theirs."""
+        parts = self._exchange(piece, publish=self.rank == src, timeout_s=timeout_s)
+        if self.rank != src:
+            piece.copy_(parts[src])
 
     def _publish_wait(self, piece: torch.Tensor, publish: bool = True, timeout_s: Optional[float] = None) -> None:
         """The compiled round: publish a contiguous `piece` and poll the peers for SPIN_S, then sleep on the
