@@ -11,7 +11,7 @@ import pytest
 import torch
 from gguf.quants import dequantize as gguf_dequantize
 
-from kvstrata.model.quant.gguf_blocks import FORMATS, dequantize_rows, quantize_activation_q8
+from kvstrata.model.quant.gguf_blocks import FORMATS, dequantize_rows, q8_block, quantize_activation_q8
 from tests.capabilities import requires_avx2, requires_avx512_vnni, requires_cpu_kernels
 from tests.model.gguf_blocks_gen import GENERATORS, random_rows
 
@@ -58,16 +58,17 @@ def _reference(x: torch.Tensor, raw: torch.Tensor, name: str) -> tuple[torch.Ten
 # fused into one FMA (d * q + m): error well below 1e-5 of the sum of |products|. The 8-bit variants compute
 # exactly (integers) on the activation as quantize_activation_q8 rounds it, so they meet the same tolerance
 # against that activation; against the float activation they differ by the rounding, at most half a step
-# (max|x| / 254 of each 32-value block) per value: Q8_STEP_BOUND.
+# (max|x| / 254 of each activation block: 32 values, 256 for the K-quants) per value: _q8_step_bound.
 REL_TOL = 1e-5
 
 
 def _q8_step_bound(x: torch.Tensor, raw: torch.Tensor, name: str) -> torch.Tensor:
     """Sum over k of |W[j, k]| x half the quantization step of x[t, k]: how far the 8-bit activation's product
     may be from the float one."""
-    half_step = x.double().abs().reshape(x.shape[0], -1, 32).amax(-1, keepdim=True) / 254
+    block = q8_block(BY_NAME[name])
+    half_step = x.double().abs().reshape(x.shape[0], -1, block).amax(-1, keepdim=True) / 254
     w = dequantize_rows(raw, BY_NAME[name], VALUES).double()
-    return half_step.expand(-1, -1, 32).reshape(x.shape) @ w.abs().T
+    return half_step.expand(-1, -1, block).reshape(x.shape) @ w.abs().T
 
 
 def _check(out, x, raw, name, variant):
@@ -76,7 +77,7 @@ def _check(out, x, raw, name, variant):
     label = f"{name} {GGUF_VARIANT_NAMES[variant]} rows={x.shape[0]}"
     exact, exact_bound = _reference(x, raw, name)
     if variant in GGUF_Q8_VARIANTS:
-        expected, bound = _reference(quantize_activation_q8(x), raw, name)
+        expected, bound = _reference(quantize_activation_q8(x, q8_block(BY_NAME[name])), raw, name)
         step_err = (out.double() - exact).abs()
         assert bool((step_err <= _q8_step_bound(x, raw, name) + REL_TOL * exact_bound + 1e-7).all()), \
             f"{label}: off the float product by more than the activation's rounding ({step_err.max():.3g})"

@@ -124,7 +124,7 @@ CHECK = textwrap.dedent("""
     assert torch.equal(paged_kernels.rope_op()(qk, rotation.cos, rotation.signed_sin), apply_rotary(qk, rotation))
     # the GGUF GEMV (quant_gguf.cpp): every variant of this build, de-quantizing in registers or with 8-bit
     # activations (AVX2 maddubs; AVX-512 VNNI where the target has it), against torch
-    from kvstrata.model.quant.gguf_blocks import FORMATS, dequantize_rows, quantize_activation_q8
+    from kvstrata.model.quant.gguf_blocks import FORMATS, dequantize_rows, q8_block, quantize_activation_q8
     from tests.model.gguf_blocks_gen import random_rows
     gguf = paged_kernels.gguf_ops()
     assert {1, 2, 4, 5} <= set(paged_kernels.gguf_variants())
@@ -133,7 +133,7 @@ CHECK = textwrap.dedent("""
         w = dequantize_rows(raw, fmt, 512).double()
         x = torch.randn(3, 512, generator=g)
         for variant in paged_kernels.gguf_variants(fmt.type_id):
-            xr = quantize_activation_q8(x) if variant in paged_kernels.GGUF_Q8_VARIANTS else x
+            xr = quantize_activation_q8(x, q8_block(fmt)) if variant in paged_kernels.GGUF_Q8_VARIANTS else x
             err = (gguf.gemv(x, raw, fmt.type_id, variant).double() - xr.double() @ w.T).abs()
             assert (err <= 1e-5 * (xr.double().abs() @ w.abs().T) + 1e-7).all(), (fmt.name, variant)
     print("ok")

@@ -5,11 +5,12 @@
 //   are de-quantized in registers and multiplied into every input row: the weight is read once per product
 //   (decode is a stream over it). Row-invariant (quant_gguf_impl.h), so deterministic mode runs every
 //   product through it.
-// The same product with 8-bit activations (variants Q8_*): each input row is quantized to int8 in blocks of 32
-//   (scale max|x| / 127, rounded to nearest even: QuantizedRows below; gguf_blocks.quantize_activation_q8 is the
-//   torch reference) and multiplied with the blocks in integer dot products (AVX-512 VNNI, AVX2, portable C),
-//   as llama.cpp does. Also row-invariant. BEST picks, per type, the faster of the two ways on this build
-//   (best_variant, measured in docs/benchmarks.md).
+// The same product with 8-bit activations (variants Q8_*): each input row is quantized to int8, one scale per
+//   q8_block(type) values (32; 256 for the K-quants, llama.cpp's Q8_K: scale max|x| / 127, rounded to nearest
+//   even: QuantizedRows below; gguf_blocks.quantize_activation_q8 is the torch reference) and multiplied with the
+//   blocks in integer dot products (AVX-512 VNNI, AVX2, portable C), as llama.cpp does. Also row-invariant.
+//   BEST picks, per type, the faster of the two ways on this build (best_variant, measured in
+//   docs/benchmarks.md).
 // gguf_dequantize(blocks [R, row_bytes], type, K) -> [R, K] float32: the tiles of a prefill's GEMM, and
 //   embedding rows.
 //
@@ -54,16 +55,21 @@ inline int64_t type_size(int type) {
   }
 }
 
+// Values per activation scale for a product with `type`'s weight: a K-quant block's 8 or 16 sub-blocks then
+// sum in integers, scaled once per block (llama.cpp's Q8_K); other types' blocks are 32 values.
+inline int64_t q8_block(int type) { return type >= Q4_K ? 256 : 32; }
+
 // Input rows quantized to int8 for the 8-bit GEMV: per row, k values q, and per 32-bit lane (4 values) the
-// scale of the value's 32-block (dxl), -offset x the lane's sum of q (off: the weight type's integer offset,
-// exact) and the scale x the lane's sum of q (xl: Q4_1's min terms); per 32-block its scale x its sum of q
-// (xs: the K-quants' min terms).
+// scale of the value's activation block (dxl), -offset x the lane's sum of q (off: the weight type's integer
+// offset, exact) and the scale x the lane's sum of q (xl: Q4_1's min terms); per 32 values the scale x their sum
+// of q (xs: Q4_K / Q5_K's min terms), and per 16 values the same (x16: Q6_K's offset terms).
 struct Q8Act {
   const int8_t* q;       // [rows, k]
   const float* dxl;      // [rows, k / 4]
   const int32_t* off;    // [rows, k / 4]
   const float* xl;       // [rows, k / 4]
   const float* xs;       // [rows, k / 32]
+  const float* x16;      // [rows, k / 16]
   int64_t k;
 };
 
@@ -217,47 +223,56 @@ constexpr int64_t GRAIN = 16;   // output rows per task
 // Input rows quantized for the 8-bit GEMV, in buffers this object owns.
 struct QuantizedRows {
   std::vector<int8_t> q;
-  std::vector<float> dxl, xl, xs;
+  std::vector<float> dxl, xl, xs, x16;
   std::vector<int32_t> off;
 
-  // x [rows, k] float32; `offset`: the weight type's integer offset (q8_offset); `interleaved`: the 32-blocks
-  // of every 256 values stored in the order 0 2 1 3 4 6 5 7 (q8_interleaved).
-  QuantizedRows(const float* x, int64_t rows, int64_t k, int offset, bool interleaved)
-      : q(rows * k), dxl(rows * k / 4), xl(rows * k / 4), xs(rows * k / 32), off(rows * k / 4) {
-    // the rows' blocks of 32 back to back (threads split them: deterministic mode quantizes whole prompts)
-    at::parallel_for(0, rows * k / 32, 256, [&](int64_t g0, int64_t g1) {
-      for (int64_t g = g0; g < g1; ++g) quantize_block(x, g, interleaved ? stored_at(g) : g, offset);
+  // x [rows, k] float32; `block`: values per scale (q8_block); `offset`: the weight type's integer offset
+  // (q8_offset); `interleaved`: the 32-value pieces of every 256 values stored in the order 0 2 1 3 4 6 5 7
+  // (q8_interleaved).
+  QuantizedRows(const float* x, int64_t rows, int64_t k, int64_t block, int offset, bool interleaved)
+      : q(rows * k), dxl(rows * k / 4), xl(rows * k / 4), xs(rows * k / 32), x16(rows * k / 16), off(rows * k / 4) {
+    // the rows' blocks back to back (threads split them: deterministic mode quantizes whole prompts)
+    at::parallel_for(0, rows * k / block, 8192 / block, [&](int64_t g0, int64_t g1) {
+      for (int64_t g = g0; g < g1; ++g) quantize_block(x, g, block, offset, interleaved);
     });
   }
-  Q8Act act(int64_t k) const { return {q.data(), dxl.data(), off.data(), xl.data(), xs.data(), k}; }
+  Q8Act act(int64_t k) const { return {q.data(), dxl.data(), off.data(), xl.data(), xs.data(), x16.data(), k}; }
 
  private:
-  static int64_t stored_at(int64_t g) {   // the place of 32-block g when each 256 values' pairs are swapped
+  static int64_t stored_at(int64_t p) {   // the place of 32-value piece p when each 256 values' pairs are swapped
     static constexpr int64_t order[8] = {0, 2, 1, 3, 4, 6, 5, 7};
-    return (g & ~int64_t(7)) + order[g & 7];
+    return (p & ~int64_t(7)) + order[p & 7];
   }
 
-  // Block g of x, stored as block `to` of q and of the per-lane terms (its sum xs stays at g).
-  void quantize_block(const float* x, int64_t g, int64_t to, int offset) {
-    const float* xg = x + 32 * g;
+  // Activation block g of x (`block` values, one scale); its 32-value pieces stored in place, or interleaved.
+  // The sums xs and x16 stay in the natural order.
+  void quantize_block(const float* x, int64_t g, int64_t block, int offset, bool interleaved) {
+    const float* xg = x + block * g;
     float amax = 0.0f;
-    for (int i = 0; i < 32; ++i) amax = std::max(amax, std::fabs(xg[i]));
+    for (int64_t i = 0; i < block; ++i) amax = std::max(amax, std::fabs(xg[i]));
     const float d = amax / 127.0f;
     const float id = d != 0.0f ? 1.0f / d : 0.0f;
-    int32_t sum = 0;
-    for (int lane = 0; lane < 8; ++lane) {
-      int32_t lane_sum = 0;
-      for (int i = 4 * lane; i < 4 * lane + 4; ++i) {
-        const int32_t v = static_cast<int32_t>(std::nearbyint(xg[i] * id));   // |v| <= 127; to nearest even
-        q[32 * to + i] = static_cast<int8_t>(v);
-        lane_sum += v;
+    for (int64_t piece = block / 32 * g; piece < block / 32 * (g + 1); ++piece) {
+      const int64_t to = interleaved ? stored_at(piece) : piece;
+      const float* xp = x + 32 * piece;
+      int32_t sum = 0, half = 0;
+      for (int lane = 0; lane < 8; ++lane) {
+        int32_t lane_sum = 0;
+        for (int i = 4 * lane; i < 4 * lane + 4; ++i) {
+          const int32_t v = static_cast<int32_t>(std::nearbyint(xp[i] * id));   // |v| <= 127; to nearest even
+          q[32 * to + i] = static_cast<int8_t>(v);
+          lane_sum += v;
+        }
+        dxl[8 * to + lane] = d;
+        off[8 * to + lane] = -offset * lane_sum;
+        xl[8 * to + lane] = d * static_cast<float>(lane_sum);
+        sum += lane_sum;
+        if (lane == 3) half = sum;
       }
-      dxl[8 * to + lane] = d;
-      off[8 * to + lane] = -offset * lane_sum;
-      xl[8 * to + lane] = d * static_cast<float>(lane_sum);
-      sum += lane_sum;
+      xs[piece] = d * static_cast<float>(sum);
+      x16[2 * piece] = d * static_cast<float>(half);
+      x16[2 * piece + 1] = d * static_cast<float>(sum - half);
     }
-    xs[g] = d * static_cast<float>(sum);
   }
 };
 
@@ -270,7 +285,8 @@ at::Tensor gemv_f32(const at::Tensor& x, const at::Tensor& blocks, int64_t type,
   const uint8_t* wp = blocks.data_ptr<uint8_t>();
   float* op = out.data_ptr<float>();
   const int64_t row_bytes = blocks.size(1);
-  // per task: rows x 4 accumulators of up to 16 floats (the 8-bit GEMV: 3), 64-byte aligned
+  // per task: rows x 4 accumulators of up to 16 floats (the 8-bit GEMV's float, min and integer sums),
+  // 64-byte aligned
   const auto with_scratch = [rows](auto&& body) {
     std::vector<float> scratch(static_cast<size_t>(rows * 4 * 16 + 16));
     body(reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(scratch.data()) + 63) & ~uintptr_t(63)));
@@ -279,7 +295,7 @@ at::Tensor gemv_f32(const at::Tensor& x, const at::Tensor& blocks, int64_t type,
     const Q8Kernel kernel = q8_for(variant);
     TORCH_CHECK(has_q8_kernel(static_cast<int>(type)), "gguf_gemv: the 8-bit variants have no kernel for type ", type);
     TORCH_CHECK(k % kernel.step == 0, "gguf_gemv: variant ", variant, " needs K a multiple of ", kernel.step);
-    const QuantizedRows quantized(xp, rows, k, kernel.offset(static_cast<int>(type)),
+    const QuantizedRows quantized(xp, rows, k, q8_block(static_cast<int>(type)), kernel.offset(static_cast<int>(type)),
                                   kernel.interleaved(static_cast<int>(type)));
     const Q8Act act = quantized.act(k);
     at::parallel_for(0, n, GRAIN, [&](int64_t n0, int64_t n1) {

@@ -206,43 +206,46 @@ QG_INLINE void block_q6_k(const uint8_t* b, int64_t at, const Sink& r) {
   }
 }
 
+// A GEMV streams its weight once, from memory rather than cache. Each block (or step) asks for the bytes
+// PREFETCH_BYTES ahead of its own into every cache level as it starts, so that one prefetch goes out per 64
+// bytes computed and those loads are in flight while the block computes. Measured on the 1B-class Q4_K_M
+// model, all of its products on 2 threads (docs/benchmarks.md, issue 47): 87 ms with no prefetch; 50 ms with
+// each row's bytes asked for in one burst as the row started; then, with the 8-bit kernels and huge pages,
+// 15.7-17.5 GB/s with the row's burst against 18.5-19.9 GB/s spread over the blocks (a burst of 18 prefetches
+// finds the core's 16 line-fill buffers busy and waits). Prefetches past the task's rows are harmless: x86
+// prefetches never fault, and the next rows are the next task's.
+constexpr int64_t PREFETCH_BYTES = 16384;
+template <int BYTES>
+QG_INLINE void prefetch_ahead(const uint8_t* p) {
+  for (int at = 0; at < BYTES; at += 64) __builtin_prefetch(p + PREFETCH_BYTES + at, 0, 3);
+  if (BYTES % 64 != 0) __builtin_prefetch(p + PREFETCH_BYTES + BYTES - 1, 0, 3);
+}
+
 // Every block of one quantized row of k values, handed to the sink (one loop per type).
-#define QG_EACH_BLOCK(call)                                                 \
+#define QG_EACH_BLOCK(SIZE, call)                                           \
   for (int64_t at = 0, i = 0; at < k; at += block, ++i) {                   \
-    const uint8_t* b = row + i * size;                                      \
+    const uint8_t* b = row + i * SIZE;                                      \
+    prefetch_ahead<SIZE>(b);                                                \
     call;                                                                   \
   }                                                                         \
   break;
 
 template <typename Sink>
 QG_INLINE void for_blocks(int type, const uint8_t* row, int64_t k, const Sink& r) {
-  const int64_t block = block_size(type), size = type_size(type);
+  const int64_t block = block_size(type);
   switch (type) {
-    case Q8_0: QG_EACH_BLOCK(block_q8_0(b, at, r))
-    case Q4_0: QG_EACH_BLOCK((block_q4_q5<false, false>(b, at, r)))
-    case Q4_1: QG_EACH_BLOCK((block_q4_q5<false, true>(b, at, r)))
-    case Q5_0: QG_EACH_BLOCK((block_q4_q5<true, false>(b, at, r)))
-    case Q5_1: QG_EACH_BLOCK((block_q4_q5<true, true>(b, at, r)))
-    case Q4_K: QG_EACH_BLOCK(block_qk<false>(b, at, r))
-    case Q5_K: QG_EACH_BLOCK(block_qk<true>(b, at, r))
-    case Q6_K: QG_EACH_BLOCK(block_q6_k(b, at, r))
+    case Q8_0: QG_EACH_BLOCK(34, block_q8_0(b, at, r))
+    case Q4_0: QG_EACH_BLOCK(18, (block_q4_q5<false, false>(b, at, r)))
+    case Q4_1: QG_EACH_BLOCK(20, (block_q4_q5<false, true>(b, at, r)))
+    case Q5_0: QG_EACH_BLOCK(22, (block_q4_q5<true, false>(b, at, r)))
+    case Q5_1: QG_EACH_BLOCK(24, (block_q4_q5<true, true>(b, at, r)))
+    case Q4_K: QG_EACH_BLOCK(144, block_qk<false>(b, at, r))
+    case Q5_K: QG_EACH_BLOCK(176, block_qk<true>(b, at, r))
+    case Q6_K: QG_EACH_BLOCK(210, block_q6_k(b, at, r))
     default: break;
   }
 }
 #undef QG_EACH_BLOCK
-
-// A GEMV streams its weight once, from memory rather than cache. Row j asks for the bytes PREFETCH_BYTES
-// ahead of it (up to row n1, where this task's rows end) into every cache level, so that those loads are in
-// flight while row j computes. Measured on the 1B-class Q4_K_M model, all of its products in a row on 2
-// threads (docs/benchmarks.md, issue 47): 87 ms without, 50 ms at 16 KB ahead (1 KB: 60 ms, 64 KB: 52 ms);
-// the non-temporal hint (locality 0) gained nothing.
-constexpr int64_t PREFETCH_BYTES = 16384;
-QG_INLINE void prefetch_ahead(const uint8_t* w, int64_t row_bytes, int64_t j, int64_t n1) {
-  const uint8_t* end = w + n1 * row_bytes;
-  for (const uint8_t* p = w + j * row_bytes + PREFETCH_BYTES; p < w + (j + 1) * row_bytes + PREFETCH_BYTES && p < end;
-       p += 64)
-    __builtin_prefetch(p, 0, 3);
-}
 
 template <int T>
 void gemv_typed(int type, const float* x, int64_t rows, int64_t k, const uint8_t* w, int64_t row_bytes,
@@ -253,7 +256,6 @@ void gemv_typed(int type, const float* x, int64_t rows, int64_t k, const uint8_t
   const Rows<T> r{x, k, rows, acc};
   for (int64_t j = n0; j < n1; ++j) {
     for (int64_t i = 0; i < r.count() * NACC; ++i) acc[i] = vfloat{};
-    prefetch_ahead(w, row_bytes, j, n1);
     const uint8_t* row = w + j * row_bytes;
     for_blocks(type, row, k, r);
     for (int64_t t = 0; t < r.count(); ++t) {   // fixed reduction order: accumulators, then lanes
@@ -283,14 +285,20 @@ inline void dequantize(int type, int64_t k, const uint8_t* w, int64_t row_bytes,
 
 // ---------------------------------------------------------------------------------------------------------
 // The 8-bit-activation GEMV (gemv_q8), where the including file picked a dot product (QG_DOT_*): each input
-// row comes quantized to int8 in blocks of 32 (Q8Act, quant_gguf.cpp), and the weight's blocks meet it in
-// integer dot products, 4 values per 32-bit lane: AVX-512 VNNI's vpdpbusd (u8 x s8 summed into s32, no
-// saturation), AVX2's vpmaddubsw + vpmaddwd (pairs summed to s16 first: the unsigned weights stay <= 63 and
-// |x| <= 127, so no pair saturates; Q8_0's signed weights go in as |w| times x with w's sign), or plain C.
-// Each lane's sum is scaled once, in float32, by (weight scale x activation scale). Offsets (Q4_0's -8, Q6_K's
-// -32, Q8_0's +128 on VNNI) are exact integer terms prepared with the activation (Q8Act::off); mins (Q4_1,
-// Q4_K, Q5_K) are float terms over the activation's lane or block sums (Q8Act::xl, Q8Act::xs), kept in a vector
-// per row. Weight bytes are unpacked once per step and used by every input row.
+// row comes quantized to int8 (Q8Act, quant_gguf.cpp), and the weight's blocks meet it in integer dot products,
+// 4 values per 32-bit lane: AVX-512 VNNI's vpdpbusd (u8 x s8 summed into s32, no saturation), AVX2's
+// vpmaddubsw + vpmaddwd (pairs summed to s16 first: the unsigned weights stay <= 63 and |x| <= 127, so no pair
+// saturates; Q8_0's signed weights go in as |w| times x with w's sign), or plain C.
+// - Q8_0 / Q4_0 / Q4_1 (activation scales per 32 values): each lane's sum is scaled once, in float32, by
+//   (weight scale x activation scale). Offsets (Q4_0's -8, Q8_0's +128 on VNNI) are exact integer terms
+//   prepared with the activation (Q8Act::off).
+// - K-quants (one activation scale per 256-value block, llama.cpp's Q8_K): the pair sums are multiplied by the
+//   sub-blocks' integer scales and summed in int32 over the whole block (dot_scaled: vpmaddubsw + vpdpwssd,
+//   or vpmaddwd), then scaled once per block in float32. Before, every 64 values took a conversion, a multiply
+//   and an FMA in float: Q4_K's GEMV spent more time there than in its dot products.
+// Mins (Q4_1, Q4_K, Q5_K) and Q6_K's -32 are float terms over the activation's lane, 32- or 16-value sums
+// (Q8Act::xl, xs, x16), kept in a vector per row. Weight bytes are unpacked once per step and used by every
+// input row.
 #if defined(QG_DOT_VNNI512) || defined(QG_DOT_MADDUBS) || defined(QG_DOT_SCALAR)
 
 #if QG_LANES == 16
@@ -301,6 +309,9 @@ inline void dequantize(int type, int64_t k, const uint8_t* w, int64_t row_bytes,
 constexpr int STEP = QG_STEP;          // values per step: 4 per 32-bit lane
 constexpr int PIECES = QG_STEP / 32;   // 32-value pieces (blocks, K-quant sub-blocks) per step
 typedef uint8_t qbytes __attribute__((vector_size(QG_STEP)));
+typedef int16_t qshorts __attribute__((vector_size(QG_STEP)));   // one scale per pair of values
+typedef int16_t shorts8 __attribute__((vector_size(16)));
+typedef int16_t shorts16 __attribute__((vector_size(32)));
 typedef int32_t qint __attribute__((vector_size(QG_STEP)));
 typedef float qfloat __attribute__((vector_size(QG_STEP)));
 typedef uint8_t b16 __attribute__((vector_size(16)));
@@ -369,6 +380,10 @@ QG_INLINE qint dot_u8(qint acc, qbytes w, qbytes x) {
   return (qint)_mm512_dpbusd_epi32((__m512i)acc, (__m512i)w, (__m512i)x);
 }
 QG_INLINE qint dot_s8(qint acc, qbytes w, qbytes x) { return dot_u8(acc, w ^ 0x80, x); }
+// acc + each lane's two pair sums of w x x (w unsigned), each times its pair's scale in sc
+QG_INLINE qint dot_scaled(qint acc, qbytes w, qbytes x, qshorts sc) {
+  return (qint)_mm512_dpwssd_epi32((__m512i)acc, _mm512_maddubs_epi16((__m512i)w, (__m512i)x), (__m512i)sc);
+}
 #elif defined(QG_DOT_MADDUBS)
 // GCC's builtins rather than the intrinsics, for the reason given at half_to_float.
 constexpr int Q8_0_OFFSET = 0;
@@ -380,6 +395,9 @@ QG_INLINE qint pair_sums(sbytes w, sbytes x) {
 QG_INLINE qint dot_u8(qint acc, qbytes w, qbytes x) { return acc + pair_sums((sbytes)w, (sbytes)x); }
 QG_INLINE qint dot_s8(qint acc, qbytes w, qbytes x) {
   return acc + pair_sums(__builtin_ia32_psignb256((sbytes)w, (sbytes)w), __builtin_ia32_psignb256((sbytes)x, (sbytes)w));
+}
+QG_INLINE qint dot_scaled(qint acc, qbytes w, qbytes x, qshorts sc) {
+  return acc + (qint)__builtin_ia32_pmaddwd256(__builtin_ia32_pmaddubsw256((sbytes)w, (sbytes)x), (shorts)sc);
 }
 #else
 constexpr int Q8_0_OFFSET = 0;
@@ -397,26 +415,35 @@ QG_INLINE qint dot_c(qint acc, qbytes w, qbytes x) {
 }
 QG_INLINE qint dot_u8(qint acc, qbytes w, qbytes x) { return dot_c<false>(acc, w, x); }
 QG_INLINE qint dot_s8(qint acc, qbytes w, qbytes x) { return dot_c<true>(acc, w, x); }
+QG_INLINE qint dot_scaled(qint acc, qbytes w, qbytes x, qshorts sc) {
+  for (int i = 0; i < STEP / 2; ++i) {
+    const int32_t pair = w[2 * i] * static_cast<int8_t>(x[2 * i]) + w[2 * i + 1] * static_cast<int8_t>(x[2 * i + 1]);
+    acc[i / 2] += pair * sc[i];
+  }
+  return acc;
+}
 #endif
 
-// The integer offset each type's weight bytes carry (the activation's `off` is -offset x its lane sums).
+// The integer offset each type's weight bytes carry (the activation's `off` is -offset x its lane sums; Q6_K's
+// -32 is a float term over x16 instead, as its sums are scaled in integers first).
 inline int q8_offset(int type) {
   switch (type) {
     case Q8_0: return Q8_0_OFFSET;
     case Q4_0: return 8;
-    case Q6_K: return 32;
     default: return 0;
   }
 }
 
 // The input rows of a product with 8-bit activations; acc: 2 vectors per row, macc: 1 vector per row (the min
-// terms, kept in lanes: a scalar sum per block was a dependency chain that took a third of Q4_K's time).
+// terms, kept in lanes: a scalar sum per block was a dependency chain that took a third of Q4_K's time), iacc:
+// 1 vector per row (a K-quant block's integer sums).
 template <int T>
 struct Q8Rows {
   const Q8Act& a;
   int64_t n;
   qfloat* acc;
   qfloat* macc;
+  qint* iacc;
   QG_INLINE int64_t count() const { return T > 0 ? T : n; }
   // Values [at, at + STEP) of every row: weight bytes w (signed for Q8_0), lane scales ws.
   template <bool OFFSET, bool SIGNED>
@@ -427,6 +454,26 @@ struct Q8Rows {
       const qint init = OFFSET ? load_qi(a.off + t * lanes + at / 4) : qint{};
       const qint dot = SIGNED ? dot_s8(init, w, x) : dot_u8(init, w, x);
       acc[t * 2 + slot] += __builtin_convertvector(dot, qfloat) * (ws * load_qf(a.dxl + t * lanes + at / 4));
+    }
+  }
+  // Weight bytes w (unsigned) of values [at, at + STEP) times every row's, pairs scaled by sc, into iacc
+  QG_INLINE void scaled(qbytes w, int64_t at, qshorts sc) const {
+    for (int64_t t = 0; t < count(); ++t) iacc[t] = dot_scaled(iacc[t], w, load_qb(a.q + t * a.k + at), sc);
+  }
+  // The end of a K-quant block at `at`: every row's integer sums times d (the weight's scale) x the row's
+  // activation scale, into the row's first accumulator (a fixed one: an index that alternates by block kept
+  // the accumulators on the stack, in the block's dependency chain)
+  QG_INLINE void close_block(float d, int64_t at) const {
+    const int64_t lanes = a.k / 4;
+    for (int64_t t = 0; t < count(); ++t) {
+      acc[t * 2] += __builtin_convertvector(iacc[t], qfloat) * (d * a.dxl[t * lanes + at / 4]);
+      iacc[t] = qint{};
+    }
+  }
+  // m[i] times the sum of every row's values in 16-value group at / 16 + i, for i < 16 (m: 16 floats)
+  QG_INLINE void min16(const qfloat* m, int64_t at) const {
+    for (int64_t t = 0; t < count(); ++t) {
+      for (int i = 0; i < 64 / STEP; ++i) macc[t] += m[i] * load_qf(a.x16 + t * (a.k / 16) + at / 16 + i * (STEP / 4));
     }
   }
   // Lane scales m times every row's lane sums of values [at, at + STEP) (the mins of 32-value blocks)
@@ -464,12 +511,13 @@ QG_INLINE void q8_q4(const uint8_t* b, int64_t at, const Sink& r, int slot) {
   if (MIN) r.min(spread32(half_to_float(b + 2), half_to_float(last + 2)), at);
 }
 
-// The 8 six-bit scales and mins of a Q4_K / Q5_K block (ggml's get_scale_min_k4), as floats, by word
-// operations on the 12 packed bytes: scale j < 4 is q[j] & 63, min j < 4 q[j + 4] & 63; for j >= 4 the low
-// four bits come from q[j + 4] (scale: low nibble, min: high nibble), the top two from q[j - 4] (scale) or
-// q[j] (min) >> 6. Each half's 4 bytes are spread over 32-bit lanes by variable shifts, not byte converts.
-// Returned times d (scales) and -dmin (mins: the terms the block's sums are subtracted with).
-QG_INLINE void k_scales_f(const uint8_t* b, floats8* sc, floats8* mn) {
+// The 8 six-bit scales and mins of a Q4_K / Q5_K block (ggml's get_scale_min_k4), by word operations on the
+// 12 packed bytes: scale j < 4 is q[j] & 63, min j < 4 q[j + 4] & 63; for j >= 4 the low four bits come from
+// q[j + 4] (scale: low nibble, min: high nibble), the top two from q[j - 4] (scale) or q[j] (min) >> 6. Each
+// half's 4 bytes are spread over 32-bit lanes by variable shifts, not byte converts. The scales are returned as
+// integers (they scale the integer sums), the mins as floats times -dmin (the terms the block's sums are
+// subtracted with).
+QG_INLINE void k_scales(const uint8_t* b, shorts8* sc, floats8* mn) {
   uint32_t w0, w1, w2;
   __builtin_memcpy(&w0, b + 4, 4);
   __builtin_memcpy(&w1, b + 8, 4);
@@ -480,7 +528,7 @@ QG_INLINE void k_scales_f(const uint8_t* b, floats8* sc, floats8* mn) {
   const words8 shifts = {0, 8, 16, 24, 0, 8, 16, 24};
   const words8 s8 = {w0 & low6, w0 & low6, w0 & low6, w0 & low6, sc_hi, sc_hi, sc_hi, sc_hi};
   const words8 m8 = {w1 & low6, w1 & low6, w1 & low6, w1 & low6, mn_hi, mn_hi, mn_hi, mn_hi};
-  *sc = __builtin_convertvector((s8 >> shifts) & 0xFFu, floats8) * half_to_float(b);
+  *sc = __builtin_convertvector((s8 >> shifts) & 0xFFu, shorts8);
   *mn = __builtin_convertvector((m8 >> shifts) & 0xFFu, floats8) * -half_to_float(b + 2);
 }
 
@@ -492,10 +540,22 @@ QG_INLINE void k_scales_f(const uint8_t* b, floats8* sc, floats8* mn) {
 // 512 x 2048 Q4_K weight in L2: 0.056 -> 0.045 ms; the natural order took two 32-byte loads and a permute).
 constexpr bool q8_interleaved(int type) { return type == Q4_K || type == Q5_K; }
 
-// Lane scales for sub-blocks a (lanes 0-7) and b (lanes 8-15) of a block's 8 scales.
+// Pair scales for sub-blocks A (the step's first 32 values) and B (the last 32) of a block's 8 scales. One
+// permute of the scales' register (GCC's shufflevector from 8 lanes to 32 went through the stack, and the
+// 64-byte load of a 16-byte store stalled: Q4_K's GEMV took twice as long).
 template <int A, int B>
-QG_INLINE qfloat spread_pair(floats8 sc) {
-  return __builtin_shufflevector(sc, sc, A, A, A, A, A, A, A, A, B, B, B, B, B, B, B, B);
+QG_INLINE qshorts pair_scales(shorts8 sc) {
+  const qshorts index = {A, A, A, A, A, A, A, A, A, A, A, A, A, A, A, A, B, B, B, B, B, B, B, B, B, B, B, B, B, B, B, B};
+  return (qshorts)_mm512_permutexvar_epi16((__m512i)index, _mm512_castsi128_si512((__m128i)sc));
+}
+
+// Pair scales of a step over 16-value groups G .. G + 3 of a block's 16 scales.
+template <int G>
+QG_INLINE qshorts quad_scales(shorts16 sc) {
+  const qshorts index = {G, G, G, G, G, G, G, G, G + 1, G + 1, G + 1, G + 1, G + 1, G + 1, G + 1, G + 1,
+                         G + 2, G + 2, G + 2, G + 2, G + 2, G + 2, G + 2, G + 2, G + 3, G + 3, G + 3, G + 3, G + 3,
+                         G + 3, G + 3, G + 3};
+  return (qshorts)_mm512_permutexvar_epi16((__m512i)index, _mm512_castsi256_si512((__m256i)sc));
 }
 
 // bytes >> shift & mask with one shift for the low 32 bytes and another for the high 32 (qh bit fields).
@@ -515,8 +575,9 @@ QG_INLINE qbytes twice32(const uint8_t* p) {   // 32 bytes in both halves
 // fifth bit of value l of sub-block s is bit s of qh[l].
 template <bool HIGH, typename Sink>
 QG_INLINE void q8_qk(const uint8_t* b, int64_t at, const Sink& r) {
-  floats8 sc, mn;
-  k_scales_f(b, &sc, &mn);
+  shorts8 sc;
+  floats8 mn;
+  k_scales(b, &sc, &mn);
   const uint8_t* qs = b + (HIGH ? 48 : 16);
   const qbytes qh = HIGH ? twice32(b + 16) : qbytes{};
   const qbytes v0 = load_qb(qs), v1 = load_qb(qs + 64);
@@ -528,104 +589,115 @@ QG_INLINE void q8_qk(const uint8_t* b, int64_t at, const Sink& r) {
     w2 |= shl_small(shr_mask_halves(qh, 4, 6, 1), 4);
     w3 |= shl_small(shr_mask_halves(qh, 5, 7, 1), 4);
   }
-  r.template step<false, false>(w0, at, spread_pair<0, 2>(sc), 0);
-  r.template step<false, false>(w1, at + 64, spread_pair<1, 3>(sc), 1);
-  r.template step<false, false>(w2, at + 128, spread_pair<4, 6>(sc), 0);
-  r.template step<false, false>(w3, at + 192, spread_pair<5, 7>(sc), 1);
+  r.scaled(w0, at, pair_scales<0, 2>(sc));
+  r.scaled(w1, at + 64, pair_scales<1, 3>(sc));
+  r.scaled(w2, at + 128, pair_scales<4, 6>(sc));
+  r.scaled(w3, at + 192, pair_scales<5, 7>(sc));
+  r.close_block(half_to_float(b), at);
   r.min8(mn, at / 32);
 }
 
 // Q6_K: half h's 64 bytes of ql hold values 128 h + 0..63 in their low nibbles and 128 h + 64..127 in their
-// high ones, in order; the high 2 bits of value 128 h + i are bits 2 (i / 32) of qh[32 h + i % 32]. Minus 32
-// (the offset), times d * scales[v / 16]: the 16 scales converted once per block.
+// high ones, in order; the high 2 bits of value 128 h + i are bits 2 (i / 32) of qh[32 h + i % 32]. Times
+// scales[v / 16] in integers, d once per block; the -32 is a float term: -32 d scales[g] x the sum of group g.
 template <typename Sink>
 QG_INLINE void q8_q6_k(const uint8_t* b, int64_t at, const Sink& r) {
-  const qfloat sc = __builtin_convertvector(
-      (qint)_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 192))), qfloat) *
-      half_to_float(b + 208);
-  const qint lane_quarter = {0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3};
+  const __m128i scale_bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 192));
+  const shorts16 sc = (shorts16)_mm256_cvtepi8_epi16(scale_bytes);
+  const float d = half_to_float(b + 208);
   for (int h = 0; h < 2; ++h) {
     const qbytes ql = load_qb(b + 64 * h), qh = twice32(b + 128 + 32 * h);
     const qbytes w0 = shr_mask(ql, 0, 0x0F) | shl_small(shr_mask_halves(qh, 0, 2, 3), 4);
     const qbytes w1 = shr_mask(ql, 4, 0x0F) | shl_small(shr_mask_halves(qh, 4, 6, 3), 4);
-    r.template step<true, false>(w0, at + 128 * h, __builtin_shuffle(sc, lane_quarter + 8 * h), 0);
-    r.template step<true, false>(w1, at + 128 * h + 64, __builtin_shuffle(sc, lane_quarter + (8 * h + 4)), 1);
+    r.scaled(w0, at + 128 * h, h == 0 ? quad_scales<0>(sc) : quad_scales<8>(sc));
+    r.scaled(w1, at + 128 * h + 64, h == 0 ? quad_scales<4>(sc) : quad_scales<12>(sc));
   }
+  r.close_block(d, at);
+  const qfloat offset = __builtin_convertvector((qint)_mm512_cvtepi8_epi32(scale_bytes), qfloat) * (-32.0f * d);
+  r.min16(&offset, at);
 }
 #else
 constexpr bool q8_interleaved(int) { return false; }
 
-// Lane scales of the step over sub-block s from the block's 8 scales.
-QG_INLINE qfloat spread_k(floats8 sc, int s) { return __builtin_shuffle(sc, qint{} + s); }
-
 // Q4_K / Q5_K: sub-block s is nibble (s % 2) of qs[32 (s / 2) ...], Q5_K's fifth bit is bit s of qh[l].
 template <bool HIGH, typename Sink>
 QG_INLINE void q8_qk(const uint8_t* b, int64_t at, const Sink& r) {
-  floats8 sc, mn;
-  k_scales_f(b, &sc, &mn);
+  shorts8 sc;
+  floats8 mn;
+  k_scales(b, &sc, &mn);
   const uint8_t* qs = b + (HIGH ? 48 : 16);
   const b32 qh = load32(b + 16);
 #pragma GCC unroll 8
   for (int s = 0; s < 8; ++s) {
     b32 w = shr_mask(load32(qs + 32 * (s / 2)), (s % 2) * 4, 0x0F);
     if (HIGH) w |= shl_small(shr_mask(qh, s, 1), 4);
-    r.template step<false, false>(w, at + 32 * s, spread_k(sc, s), s % 2);
+    r.scaled(w, at + 32 * s, qshorts{} + sc[s]);
   }
+  r.close_block(half_to_float(b), at);
   r.min8(mn, at / 32);
 }
 
-// Lane scales of a 32-value step from the int8 scales of its 16-value groups (Q6_K) at p, times d: lane i's
-// scale byte is moved to the top of its 32-bit lane and shifted back down with its sign (no byte conversions).
-QG_INLINE qfloat spread16(const uint8_t* p, float d) {
-  uint16_t bytes = 0;
-  __builtin_memcpy(&bytes, p, 2);
-  const qint up = {24, 24, 24, 24, 16, 16, 16, 16};
-  const qint lanes = (qint{} + static_cast<int32_t>(bytes)) << up;
-  return __builtin_convertvector(lanes >> 24, qfloat) * d;
-}
-
 // Q6_K: value 128 h + r is nibble (r / 64) of ql[64 h + r % 64] with bits 2 (r / 32) of qh[32 h + r % 32] on
-// top, minus 32 (the offset), times d * scales[v / 16].
+// top, times scales[v / 16] in integers and d once per block; the -32 is a float term: -32 d scales[g] x the
+// sum of group g.
 template <typename Sink>
 QG_INLINE void q8_q6_k(const uint8_t* b, int64_t at, const Sink& r) {
+  const int8_t* scales = reinterpret_cast<const int8_t*>(b + 192);
   const float d = half_to_float(b + 208);
+  const qshorts first_group = {0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1};
 #pragma GCC unroll 8
   for (int v0 = 0; v0 < 256; v0 += STEP) {
     const int h = v0 / 128, r0 = v0 % 128;
     const b32 w = shr_mask(load32(b + 64 * h + r0 % 64), 4 * (r0 / 64), 0x0F) |
                   shl_small(shr_mask(load32(b + 128 + 32 * h), 2 * (r0 / 32), 3), 4);
-    r.template step<true, false>(w, at + v0, spread16(b + 192 + v0 / 16, d), (v0 / STEP) % 2);
+    const int16_t s0 = scales[v0 / 16], s1 = scales[v0 / 16 + 1];
+    r.scaled(w, at + v0, first_group == 0 ? qshorts{} + s0 : qshorts{} + s1);
   }
+  r.close_block(d, at);
+  qfloat offset[2];
+  for (int i = 0; i < 16; ++i) offset[i / 8][i % 8] = static_cast<float>(scales[i]) * (-32.0f * d);
+  r.min16(offset, at);
 }
 #endif
 
-// Every step of one quantized row of k values (k a multiple of STEP).
+// Every step of one quantized row of k values (k a multiple of STEP), each prefetching its bytes ahead.
+#define QG_EACH_STEP(VALUES, SIZE, call)                                    \
+  for (int64_t at = 0; at < k; at += VALUES) {                              \
+    const uint8_t* b = row + at / VALUES * SIZE;                            \
+    prefetch_ahead<SIZE>(b);                                                \
+    call;                                                                   \
+  }                                                                         \
+  break;
+
 template <typename Sink>
 QG_INLINE void q8_blocks(int type, const uint8_t* row, int64_t k, const Sink& r) {
   switch (type) {
-    case Q8_0: for (int64_t at = 0; at < k; at += STEP) q8_q8_0(row + at / 32 * 34, at, r, (at / STEP) % 2); break;
-    case Q4_0: for (int64_t at = 0; at < k; at += STEP) q8_q4<false>(row + at / 32 * 18, at, r, (at / STEP) % 2); break;
-    case Q4_1: for (int64_t at = 0; at < k; at += STEP) q8_q4<true>(row + at / 32 * 20, at, r, (at / STEP) % 2); break;
-    case Q4_K: for (int64_t at = 0; at < k; at += 256) q8_qk<false>(row + at / 256 * 144, at, r); break;
-    case Q5_K: for (int64_t at = 0; at < k; at += 256) q8_qk<true>(row + at / 256 * 176, at, r); break;
-    case Q6_K: for (int64_t at = 0; at < k; at += 256) q8_q6_k(row + at / 256 * 210, at, r); break;
+    case Q8_0: QG_EACH_STEP(STEP, PIECES * 34, q8_q8_0(b, at, r, (at / STEP) % 2))
+    case Q4_0: QG_EACH_STEP(STEP, PIECES * 18, q8_q4<false>(b, at, r, (at / STEP) % 2))
+    case Q4_1: QG_EACH_STEP(STEP, PIECES * 20, q8_q4<true>(b, at, r, (at / STEP) % 2))
+    case Q4_K: QG_EACH_STEP(256, 144, q8_qk<false>(b, at, r))
+    case Q5_K: QG_EACH_STEP(256, 176, q8_qk<true>(b, at, r))
+    case Q6_K: QG_EACH_STEP(256, 210, q8_q6_k(b, at, r))
     default: break;
   }
 }
+#undef QG_EACH_STEP
 
 template <int T>
 void gemv_q8_typed(int type, const Q8Act& a, int64_t rows, const uint8_t* w, int64_t row_bytes, int64_t n0,
                    int64_t n1, float* out, int64_t n, float* scratch) {
   qfloat local[T > 0 ? 2 * T : 1], mlocal[T > 0 ? T : 1];
+  qint ilocal[T > 0 ? T : 1];
   qfloat* acc = T > 0 ? local : reinterpret_cast<qfloat*>(scratch);
   qfloat* macc = T > 0 ? mlocal : acc + 2 * rows;
-  const Q8Rows<T> r{a, rows, acc, macc};
+  qint* iacc = T > 0 ? ilocal : reinterpret_cast<qint*>(acc + 3 * rows);
+  const Q8Rows<T> r{a, rows, acc, macc, iacc};
   for (int64_t j = n0; j < n1; ++j) {
     for (int64_t i = 0; i < r.count(); ++i) {
       acc[2 * i] = acc[2 * i + 1] = qfloat{};
       macc[i] = qfloat{};
+      iacc[i] = qint{};
     }
-    prefetch_ahead(w, row_bytes, j, n1);
     q8_blocks(type, w + j * row_bytes, a.k, r);
     for (int64_t t = 0; t < r.count(); ++t) {   // fixed order: the accumulators, then the lanes as a tree
       out[t * n + j] = lane_sum((acc[2 * t] + acc[2 * t + 1]) + macc[t]);
@@ -634,7 +706,7 @@ void gemv_q8_typed(int type, const Q8Act& a, int64_t rows, const uint8_t* w, int
 }
 
 // out[t, j] = sum_k x[t, k] * W[j, k] with x quantized in `a`, for output rows j in [n0, n1); `scratch`:
-// rows x 3 vectors, aligned to 64 bytes (unused for one row).
+// rows x 4 vectors, aligned to 64 bytes (unused for one row).
 inline void gemv_q8(int type, const Q8Act& a, int64_t rows, const uint8_t* w, int64_t row_bytes, int64_t n0,
                     int64_t n1, float* out, int64_t n, float* scratch) {
   // A fixed row count keeps the accumulators in registers (measured on the 1B-class Q4_K_M model: 8 rows

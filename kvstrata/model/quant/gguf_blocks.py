@@ -156,14 +156,20 @@ def dequantize_rows(rows: torch.Tensor, fmt: BlockFormat, values: int) -> torch.
     return fmt.dequantize(blocks).reshape(rows.shape[0], values)
 
 
-Q8_BLOCK = 32   # values per scale of an activation quantized to 8 bits
+Q8_BLOCK = 32   # values per scale of an activation quantized to 8 bits, for Q8_0 / Q4_0 / Q4_1 weights
 
 
-def quantize_activation_q8(x: torch.Tensor) -> torch.Tensor:
-    """The 8-bit GEMV's view of x `[T, K]` float32 (the compiled kernels' quantize_q8, in plain torch): per block
-    of 32 values, scale d = max|x| / 127 and q = round(x / d) to nearest even, as int8; returns q * d float32."""
+def q8_block(fmt: BlockFormat) -> int:
+    """Values per activation scale in the 8-bit GEMV with a weight of this format: a K-quant super-block (QK_K,
+    llama.cpp's Q8_K, so its sub-blocks sum in integers), else Q8_BLOCK (the compiled kernels' q8_block)."""
+    return QK_K if fmt.block_size == QK_K else Q8_BLOCK
+
+
+def quantize_activation_q8(x: torch.Tensor, block: int = Q8_BLOCK) -> torch.Tensor:
+    """The 8-bit GEMV's view of x `[T, K]` float32 (the compiled kernels' QuantizedRows, in plain torch): per
+    `block` values, scale d = max|x| / 127 and q = round(x / d) to nearest even, as int8; returns q * d float32."""
     rows = x.shape[0]
-    blocks = x.float().reshape(rows, -1, Q8_BLOCK)
+    blocks = x.float().reshape(rows, -1, block)
     d = blocks.abs().amax(dim=-1, keepdim=True) / 127.0
     inverse = torch.where(d != 0, 1.0 / d, torch.zeros_like(d))
     q = torch.round(blocks * inverse).to(torch.int8)
