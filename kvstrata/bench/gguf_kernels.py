@@ -4,7 +4,14 @@ side, per block type, weight shape and thread count.
 Variants: blocks de-quantized in registers (portable / AVX2 / AVX-512) and activations quantized to 8 bits for
 integer dot products (portable / AVX2 / AVX-512 VNNI); `best` is variant 0, the build's choice per type. Each
 cell is the fastest of --repeat calls (the least disturbed estimate on a shared machine), in ms, with the
-weight's bytes read per second. The weights are random valid blocks (scales set to small finite values).
+weight's bytes read per second. The weights are random valid blocks (scales set to small finite values), and
+each is timed over and over, so a weight smaller than the last-level cache is read from there.
+
+With --model-path FILE.gguf: a decode step's products from memory, against the machine's read bandwidth.
+Every quantized weight of the file takes one product of one bf16 row in turn (2 threads unless --threads
+names one count), as a decode step does; rounds alternate it with torch's `sum` and `max` over a 700 MB
+float32 tensor, since this bandwidth moves by 10-20% within an hour on a shared host. Each round prints both
+and their ratio (issue 47's target: products within 1.3x of the read).
 """
 
 from __future__ import annotations
@@ -70,6 +77,46 @@ def measure(types: list[str], shapes: list[tuple[int, int]], threads: list[int],
     return out
 
 
+def stream_rounds(path: str, threads: int, rounds: int, repeat: int = 3, read_mb: int = 700) -> list[dict]:
+    """Per round: the read bandwidth (GB/s over `read_mb` of float32, the faster of `sum` and `max`) and all of
+    a decode step's products' (GB/s of blocks, and the step's MB), each the fastest of `repeat`."""
+    from kvstrata.model.builtin import resolve_model_path
+    from kvstrata.model.config import ModelConfig
+    from kvstrata.model.gguf_loader import load_gguf_model
+    from kvstrata.model.paged_kernels import gguf_ops
+    from kvstrata.model.quant.gguf_weight import GGUFWeight
+
+    ops = gguf_ops()
+    if ops is None:
+        raise SystemExit("the compiled CPU kernels are not available")
+    model = load_gguf_model(path, ModelConfig.from_path(resolve_model_path(path)), torch.bfloat16,
+                            torch.device("cpu"))
+    # the weights a decode step multiplies: not an input embedding's table, unless the lm_head shares it
+    products = {id(m): m for name, m in model.named_modules(remove_duplicate=False)
+                if isinstance(m, GGUFWeight) and not name.endswith(".table")}
+    weights = list(products.values())
+    rows = {w.in_features: torch.randn(1, w.in_features).bfloat16() for w in weights}
+    total = sum(w.blocks.numel() for w in weights)
+    big = torch.rand(read_mb * 250_000)
+
+    def step() -> None:
+        for w in weights:
+            ops.gemv(rows[w.in_features], w.blocks, w.fmt.type_id, 0)
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    out = []
+    try:
+        for _ in range(rounds):
+            read = big.numel() * 4 / 1e6 / min(_best_ms(big.sum, (), repeat), _best_ms(big.max, (), repeat))
+            products = total / 1e6 / _best_ms(step, (), repeat)
+            out.append({"read_gb_s": read, "products_gb_s": products, "step_ms": total / 1e6 / products,
+                        "step_mb": total / 1e6, "short": read / products})
+    finally:
+        torch.set_num_threads(before)
+    return out
+
+
 def table(results: list[dict]) -> str:
     """A markdown table: ms (GB/s of blocks) per variant."""
     from kvstrata.model.paged_kernels import GGUF_VARIANT_NAMES
@@ -92,7 +139,16 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--threads", default="1,2", help="comma-separated thread counts")
     parser.add_argument("--rows", type=int, default=1, help="input rows per product (decode streams)")
     parser.add_argument("--repeat", type=int, default=20, help="calls per cell; the fastest is reported")
+    parser.add_argument("--model-path", default=None,
+                        help="a GGUF file: its decode step's products from memory against the read bandwidth")
+    parser.add_argument("--rounds", type=int, default=6, help="with --model-path: rounds of read and products")
     args = parser.parse_args(argv)
+    if args.model_path:
+        threads = int(args.threads.split(",")[-1])
+        for i, r in enumerate(stream_rounds(args.model_path, threads, args.rounds)):
+            print(f"round {i}: read {r['read_gb_s']:.1f} GB/s; a decode step's products {r['products_gb_s']:.1f} GB/s "
+                  f"({r['step_ms']:.1f} ms, {threads} threads): {r['short']:.2f}x short of the read")
+        return 0
     shapes = [tuple(int(d) for d in s.split("x")) for s in args.shapes.split(",")]
     results = measure(args.types.split(","), shapes, [int(t) for t in args.threads.split(",")], args.rows, args.repeat)
     print(f"ms per product, rows={args.rows} (GB/s of blocks read)")

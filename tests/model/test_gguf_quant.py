@@ -189,12 +189,19 @@ def test_gemv_refuses_blocks_that_do_not_fit_the_row():
         ops.gemv(torch.randn(1, VALUES + 32), raw, BY_NAME["Q8_0"].type_id, 0)
 
 
-def test_torch_q8_activation_rounds_each_block_to_127_steps():
-    x = torch.randn(2, 64, generator=torch.Generator().manual_seed(9))
-    x[1, 32:] = 0.0
-    q = quantize_activation_q8(x)
-    step = x.abs().reshape(2, 2, 32).amax(-1, keepdim=True) / 127
-    assert torch.equal(q[1, 32:], torch.zeros(32))
-    levels = (q.reshape(2, 2, 32)[:, :1] / step[:, :1])
+@pytest.mark.parametrize("block", [32, 256])
+def test_torch_q8_activation_rounds_each_block_to_127_steps(block):
+    x = torch.randn(2, 2 * block, generator=torch.Generator().manual_seed(9))
+    x[1, block:] = 0.0
+    q = quantize_activation_q8(x, block)
+    step = x.abs().reshape(2, 2, block).amax(-1, keepdim=True) / 127
+    assert torch.equal(q[1, block:], torch.zeros(block))
+    levels = (q.reshape(2, 2, block)[:, :1] / step[:, :1])
     assert torch.allclose(levels, levels.round(), atol=1e-4) and levels.abs().max() <= 127
-    assert bool(((q - x).abs().reshape(2, 2, 32) <= step / 2 * (1 + 1e-5)).all())
+    assert bool(((q - x).abs().reshape(2, 2, block) <= step / 2 * (1 + 1e-5)).all())
+
+
+def test_k_quants_take_one_activation_scale_per_super_block():
+    # llama.cpp's Q8_K: the K-quants' sub-blocks then sum in integers (quant_gguf.cpp's q8_block)
+    assert {name: q8_block(BY_NAME[name]) for name in Q8_TYPES} == {
+        "Q8_0": 32, "Q4_0": 32, "Q4_1": 32, "Q4_K": 256, "Q5_K": 256, "Q6_K": 256}
