@@ -1,12 +1,17 @@
 """Typed messages between the HTTP/tokenizer side and the scheduler (over ZMQ, or a queue in-process).
 
-Every message carries the request id (`rid`) it concerns. Direction is in the class docstring.
+Every message carries the request id (`rid`) it concerns. Direction is in the class docstring. Over ZMQ they
+travel as msgpack frames `[class name, fields]` (MessageCodec): the receiving side names the classes it
+accepts, and msgspec checks every field's type as it decodes. Nothing is unpickled: the sockets are owner-only
+files, but any process of the server's user can reach them.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Any, Optional
+
+import msgspec
 
 from kvstrata.args import ServerArgs
 from kvstrata.runtime.sampling_params import SamplingParams
@@ -132,3 +137,39 @@ class BootstrapInfo:
     def address(self) -> str:
         """ZMQ address of the prefill's bootstrap service."""
         return f"tcp://{self.host}:{self.port}"
+
+
+class MessageRejected(ValueError):
+    """A frame that is not one of the receiving side's message types, or whose fields do not check."""
+
+
+class MessageCodec:
+    """msgpack frames `[class name, fields]` for one side of the frontend <-> scheduler sockets."""
+
+    def __init__(self, accepts: tuple[type, ...]):
+        self._encoder = msgspec.msgpack.Encoder()
+        self._frame = msgspec.msgpack.Decoder(tuple[str, msgspec.Raw])
+        self._decoders = {cls.__name__: msgspec.msgpack.Decoder(cls) for cls in accepts}
+
+    def encode(self, msg: Any) -> bytes:
+        """One message as a frame."""
+        return self._encoder.encode((type(msg).__name__, msg))
+
+    def decode(self, frame: bytes) -> Any:
+        """The message in `frame`, typed and checked; MessageRejected names what is wrong."""
+        try:
+            kind, body = self._frame.decode(frame)
+        except (msgspec.DecodeError, msgspec.ValidationError) as e:
+            raise MessageRejected(f"not a message frame: {e}") from None
+        decoder = self._decoders.get(kind)
+        if decoder is None:
+            raise MessageRejected(f"unexpected message type {kind[:64]!r}")
+        try:
+            return decoder.decode(body)
+        except (msgspec.DecodeError, msgspec.ValidationError) as e:
+            raise MessageRejected(f"{kind}: {e}") from None
+
+
+# What each side accepts: the scheduler the frontend's requests, the frontend the scheduler's outputs.
+TO_SCHEDULER = (TokenizedGenerateReq, AbortReq, FlushCacheReq, GetStateReq, PrefetchReq, GetLoadReq)
+TO_FRONTEND = (BatchOutput, ControlOut)

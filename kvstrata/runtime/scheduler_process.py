@@ -1,8 +1,9 @@
 """The scheduler/model process of the HTTP server: a SchedulerLoop over ZMQ sockets.
 
 The frontend PUSHes messages (runtime/messages.py) to `recv_addr` and PULLs outputs from `send_addr`;
-this process binds both. They are pickled: the sockets are ipc:// files in a 0700 directory of the
-frontend's (server/launch.py), made 0600 here, so only the server's own user can reach them. Start-up result goes through `ready_conn`: a SchedulerReady (with the ServerArgs
+this process binds both. They travel as typed msgpack frames (messages.MessageCodec: a frame that is not one
+of the frontend's requests, or whose fields do not check, is logged and dropped); the sockets are ipc:// files
+in a 0700 directory of the frontend's (server/launch.py), made 0600 here. Start-up result goes through `ready_conn`: a SchedulerReady (with the ServerArgs
 resolved here, where torch is), a ConfigError, or an error string (and a non-zero exit).
 """
 
@@ -24,7 +25,7 @@ from kvstrata.platform import return_free_heap
 from kvstrata.runtime.handoff import HandoffFactory
 from kvstrata.runtime.heartbeat import Heartbeat
 from kvstrata.runtime.loop import SchedulerLoop
-from kvstrata.runtime.messages import SchedulerReady
+from kvstrata.runtime.messages import TO_SCHEDULER, MessageCodec, MessageRejected, SchedulerReady
 from kvstrata.runtime.ranks import RANK_FAILED_EXIT_CODE
 
 if TYPE_CHECKING:
@@ -71,6 +72,8 @@ def run_scheduler_process(server_args: ServerArgs, recv_addr: str, send_addr: st
     ready_conn.close()
     parent = os.getppid()
 
+    codec = MessageCodec(TO_SCHEDULER)
+
     def recv(block: bool) -> list:
         msgs = []
         if block and not pull.poll(timeout=100):
@@ -79,11 +82,14 @@ def run_scheduler_process(server_args: ServerArgs, recv_addr: str, send_addr: st
             return msgs
         while True:
             try:
-                msgs.append(pull.recv_pyobj(flags=zmq.NOBLOCK))
+                msgs.append(codec.decode(pull.recv(flags=zmq.NOBLOCK)))
+            except MessageRejected as e:
+                logger.warning("dropped a message: %s", e)
             except zmq.Again:
                 return msgs
 
-    loop = SchedulerLoop(scheduler, recv, push.send_pyobj, heartbeat.beat if heartbeat else lambda: None)
+    loop = SchedulerLoop(scheduler, recv, lambda msg: push.send(codec.encode(msg)),
+                         heartbeat.beat if heartbeat else lambda: None)
     signal.signal(signal.SIGTERM, lambda *_: loop.stop())
     failure = None
     try:
@@ -102,8 +108,8 @@ def run_scheduler_process(server_args: ServerArgs, recv_addr: str, send_addr: st
 
 
 def owner_only(addr: str) -> None:
-    """Make an ipc:// socket file readable and writable by its owner only (its directory is 0700 too):
-    the frontend and the scheduler exchange pickled messages, so no other user may connect."""
+    """Make an ipc:// socket file readable and writable by its owner only (its directory is 0700 too): no
+    other user may send the scheduler requests or read its outputs."""
     if addr.startswith("ipc://"):
         os.chmod(addr.removeprefix("ipc://"), 0o600)
 

@@ -92,7 +92,7 @@ def serve(args: ServerArgs) -> int:
 
     sock = bind_http_socket(args.host, args.port)
     remove_stale_ipc_dirs()
-    ipc_dir = tempfile.mkdtemp(prefix=f"{IPC_PREFIX}{os.getpid()}-")   # 0700: the IPC sockets carry pickles
+    ipc_dir = tempfile.mkdtemp(prefix=f"{IPC_PREFIX}{os.getpid()}-")   # 0700: only this user reaches the sockets
     os.chmod(ipc_dir, 0o700)          # whatever the platform's mkdtemp did
     recv_addr, send_addr = f"ipc://{ipc_dir}/to-scheduler", f"ipc://{ipc_dir}/from-scheduler"
     proc = None

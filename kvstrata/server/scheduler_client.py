@@ -7,7 +7,8 @@ went away), and asks control questions matched by id (serving/control.py). It to
 that it runs the frontend's tokenizing off the event loop (SGLang calls this part the SchedulerClient).
 
 Sockets: a plain (blocking-API) PUSH socket for sending — sends are non-blocking and can be made from
-`finally` blocks of cancelled coroutines — and an asyncio PULL socket read by one receive task.
+`finally` blocks of cancelled coroutines — and an asyncio PULL socket read by one receive task. Messages are
+typed msgpack frames (messages.MessageCodec), never pickles.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import zmq.asyncio
 
 from kvstrata.args import ServerArgs
 from kvstrata.runtime.messages import (
+    TO_FRONTEND,
     AbortReq,
     BatchOutput,
     ControlOut,
@@ -31,6 +33,8 @@ from kvstrata.runtime.messages import (
     FlushCacheReq,
     GetLoadReq,
     GetStateReq,
+    MessageCodec,
+    MessageRejected,
     PrefetchReq,
     SchedulerReady,
 )
@@ -59,6 +63,7 @@ class SchedulerClient:
         self.args = args
         self.tokenizer = tokenizer
         self.info = info
+        self._codec = MessageCodec(TO_FRONTEND)
         self._sync_ctx = zmq.Context()
         self._push = self._sync_ctx.socket(zmq.PUSH)
         self._push.setsockopt(zmq.LINGER, 0)
@@ -249,7 +254,7 @@ class SchedulerClient:
 
     def _send(self, msg: Any) -> None:
         try:
-            self._push.send_pyobj(msg, flags=zmq.NOBLOCK)
+            self._push.send(self._codec.encode(msg), flags=zmq.NOBLOCK)
         except zmq.Again:
             raise ApiError("the scheduler is not accepting requests (queue full)", 503) from None
 
@@ -262,11 +267,14 @@ class SchedulerClient:
     async def _recv_loop(self) -> None:
         while True:
             try:
-                msg = await self._pull.recv_pyobj()
+                msg = self._codec.decode(await self._pull.recv())
             except asyncio.CancelledError:
                 raise
             except zmq.ContextTerminated:
                 return
+            except MessageRejected as e:
+                logger.error("dropped a message from the scheduler's socket: %s", e)
+                continue
             except Exception:
                 logger.exception("bad message from the scheduler")
                 continue

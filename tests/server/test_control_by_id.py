@@ -15,7 +15,15 @@ import zmq.asyncio
 
 from kvstrata.args import ServerArgs
 from kvstrata.runtime.loop import SchedulerLoop
-from kvstrata.runtime.messages import ControlOut, FlushCacheReq, GetLoadReq, GetStateReq, SchedulerReady
+from kvstrata.runtime.messages import (
+    TO_SCHEDULER,
+    ControlOut,
+    FlushCacheReq,
+    GetLoadReq,
+    GetStateReq,
+    MessageCodec,
+    SchedulerReady,
+)
 from kvstrata.server.scheduler_client import SchedulerClient
 from tests.runtime.helpers import make_engine
 
@@ -37,12 +45,13 @@ async def _two_state_calls_answered_out_of_order(ipc_dir: str) -> tuple[dict, di
     try:
         full = asyncio.ensure_future(client.get_state(full=True))
         light = asyncio.ensure_future(client.get_state(full=False))
-        asked = [await asyncio.wait_for(inbox.recv_pyobj(), 10) for _ in range(2)]
+        codec = MessageCodec(TO_SCHEDULER)       # the scheduler's side of the wire
+        asked = [codec.decode(await asyncio.wait_for(inbox.recv(), 10)) for _ in range(2)]
         assert all(isinstance(m, GetStateReq) for m in asked)
         assert len({m.control_id for m in asked}) == 2          # each question has its own id
         for msg in reversed(asked):                              # the later question is answered first
-            await outbox.send_pyobj(ControlOut("state", True, "", {"full": msg.full},
-                                               control_id=msg.control_id))
+            await outbox.send(codec.encode(ControlOut("state", True, "", {"full": msg.full},
+                                                      control_id=msg.control_id)))
         return await asyncio.wait_for(full, 10), await asyncio.wait_for(light, 10)
     finally:
         await client.close()
