@@ -91,10 +91,14 @@ class TensorParallel:
 
     @property
     def collectives(self) -> str:
-        """Which path the model's all-reduce and all-gather take: "shm", or torch.distributed's backend."""
+        """Which path the model's all-reduce and all-gather take: "shm", or torch.distributed's backend ("nccl"
+        where CUDA tensors go through NCCL and CPU ones through gloo)."""
         if self.shm is not None:
             return "shm"
-        return str(dist.get_backend(self.group)) if self.group is not None else "none"
+        if self.group is None:
+            return "none"
+        backend = str(dist.get_backend(self.group))
+        return "nccl" if "nccl" in backend else backend
 
     @classmethod
     def init(cls, rank: int, size: int, init_addr: str, backend: str, timeout_s: float,

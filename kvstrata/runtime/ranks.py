@@ -115,10 +115,16 @@ def _ranges(cores: list[int]) -> str:
     return ",".join(str(c) for c in cores) if len(cores) < 4 else f"{cores[0]}-{cores[-1]} ({len(cores)})"
 
 
+# On CUDA the model's collectives run on CUDA tensors over NCCL, while the plans, the cache's agreements and
+# the start-up checks are CPU tensors, which NCCL cannot carry: torch.distributed routes each tensor by its
+# device to its own backend.
+CUDA_BACKEND = "cpu:gloo,cuda:nccl"
+
+
 def join_group(args: ServerArgs, rank: int, init_addr: str) -> TensorParallel:
-    """Join the tensor-parallel group as `rank` (gloo on CPU, NCCL on CUDA; the model's collectives through
-    shared memory when `uses_shm_collectives`)."""
-    backend = "nccl" if args.device == "cuda" else "gloo"
+    """Join the tensor-parallel group as `rank` (gloo on CPU; on CUDA, NCCL for CUDA tensors and gloo for
+    CPU ones; the model's collectives through shared memory when `uses_shm_collectives`)."""
+    backend = CUDA_BACKEND if args.device == "cuda" else "gloo"
     return TensorParallel.init(rank, args.tp_size, init_addr, backend, args.dist_timeout or DEFAULT_TIMEOUT_S,
                                args.enable_deterministic_inference, expert_parallel=args.ep_size > 1,
                                shm=uses_shm_collectives(args), compiled=not args.disable_cpu_kernels)

@@ -99,3 +99,20 @@ def test_sigkill_of_a_rank_stops_the_whole_server_non_zero_within_30s(tmp_path):
             if pid_alive(pid):
                 os.kill(pid, signal.SIGKILL)
         stop_server(handle)
+
+
+@pytest.mark.parametrize("device,backend", [("cpu", "gloo"), ("cuda", "cpu:gloo,cuda:nccl")])
+def test_cuda_ranks_send_cpu_tensors_over_gloo_and_cuda_tensors_over_nccl(monkeypatch, device, backend):
+    # The plans and the cache's agreements are CPU tensors, which NCCL cannot carry; no GPU here, so the
+    # group's backend is checked where it is chosen.
+    from types import SimpleNamespace
+
+    from kvstrata.runtime import ranks
+
+    asked = {}
+    monkeypatch.setattr(ranks.TensorParallel, "init", staticmethod(lambda *a, **kw: asked.update(backend=a[3], kw=kw)))
+    args = SimpleNamespace(device=device, tp_size=2, dist_timeout=None, enable_deterministic_inference=False,
+                           ep_size=1, nnodes=1, disable_custom_all_reduce=False, disable_cpu_kernels=False)
+    ranks.join_group(args, 0, "127.0.0.1:1")
+    assert asked["backend"] == backend
+    assert asked["kw"]["shm"] == (device == "cpu")    # shared memory only between CPU ranks
