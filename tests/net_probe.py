@@ -1,7 +1,10 @@
-"""Probes of what a listening port accepts: this machine's non-loopback address, and whether a port answers."""
+"""Probes of what a listening port accepts: this machine's non-loopback address, whether a port answers, and
+a pickle that shows whether anything unpickles what it is sent."""
 
 from __future__ import annotations
 
+import os
+import pickle
 import socket
 from typing import Optional
 
@@ -24,3 +27,16 @@ def answers(host: str, port: int) -> bool:
         return True
     except OSError:
         return False
+
+
+class _Exploit:
+    def __init__(self, marker: str):
+        self.marker = marker
+
+    def __reduce__(self):
+        return os.system, (f"touch {self.marker}",)
+
+
+def exploit_pickle(marker: str) -> bytes:
+    """A pickle whose loading creates the file `marker`: send it, then check that `marker` does not exist."""
+    return pickle.dumps(_Exploit(marker))

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import glob
 import os
-import pickle
 import socket
 import stat
 import time
@@ -19,15 +18,7 @@ from kvstrata.disagg.wire import FrameCodec
 from kvstrata.server.launch import IPC_PREFIX
 from tests.capabilities import requires_outside_ipv4
 from tests.disagg.conftest import SECRET, generate, greedy, state, wait_for
-from tests.net_probe import answers, outside_ipv4
-
-
-class _Exploit:
-    def __init__(self, marker: str):
-        self.marker = marker
-
-    def __reduce__(self):
-        return os.system, (f"touch {self.marker}",)
+from tests.net_probe import answers, exploit_pickle, outside_ipv4
 
 
 def listening_ports(server) -> set[int]:
@@ -77,7 +68,7 @@ def assert_pd_serves(pd) -> None:
 
 def test_pickle_and_garbage_on_every_pd_port_run_nothing(pd, tmp_path):
     marker = tmp_path / "pwned"
-    evil = pickle.dumps(_Exploit(str(marker)))
+    evil = exploit_pickle(str(marker))
     frames = [evil, os.urandom(512), b"", FrameCodec(SECRET).encode(KVTransferAbort(1, "x"))[:-1]]
     garbage = [evil, os.urandom(4096), b"\x00" * 64, b"\xff" * 64, b"GET / HTTP/1.1\r\n\r\n"]
     servers = (pd.prefill, pd.decode)

@@ -18,14 +18,7 @@ import requests
 import zmq
 
 from kvstrata.runtime.messages import TO_FRONTEND, BatchOutput, MessageCodec, MessageRejected
-
-
-class _Exploit:
-    def __init__(self, marker: str):
-        self.marker = marker
-
-    def __reduce__(self):
-        return os.system, (f"touch {self.marker}",)
+from tests.net_probe import exploit_pickle
 
 
 def _greedy(server) -> list[int]:
@@ -41,7 +34,7 @@ def test_pickles_and_bad_frames_on_the_scheduler_socket_run_nothing(server, tmp_
     assert len(sockets) == 1, sockets
     marker = tmp_path / "pwned"
     frames = [
-        pickle.dumps(_Exploit(str(marker))),
+        exploit_pickle(str(marker)),
         os.urandom(256),
         b"",
         msgspec.msgpack.encode(["BatchOutput", {"outputs": []}]),              # the scheduler's own type
