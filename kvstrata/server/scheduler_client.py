@@ -279,6 +279,10 @@ class SchedulerClient:
                 logger.exception("bad message from the scheduler")
                 continue
             self._dispatch(msg)
+            # A frame already in the socket makes recv() a finished future, and awaiting one does not yield:
+            # without this the loop would drain a backlog before any stream writes, merging a request's
+            # chunks (--stream-interval would send 1, 9, 13 instead of 1, 5, 9, 13 tokens).
+            await asyncio.sleep(0)
 
     def _dispatch(self, msg: Any) -> None:
         if isinstance(msg, BatchOutput):
