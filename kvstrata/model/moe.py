@@ -85,9 +85,11 @@ class FusedExperts(nn.Module):
 
     Expert parallelism (`tp` given with `tp.expert_parallel`, --ep-size): this rank holds experts
     [first_expert, first_expert + num_experts) of `total_experts`, computes the (token, k) rows routed to them
-    exactly as one rank holding every expert would, leaves the others zero, and an all-reduce fills each row
-    from the one rank that computed it (adding zeros: exact); every rank then combines the full rows as one
-    rank would.
+    exactly as one rank holding every expert would and leaves the others zero. Deterministic mode: an
+    all-reduce fills each row from the one rank that computed it (adding zeros: exact), and every rank then
+    combines the full rows as one rank would. Default mode: each rank combines its own rows (the weighted sum
+    of its experts' outputs per token) and one all-reduce of `[T, H]` adds the ranks' parts: top-k times
+    less to move than the rows, in another order of additions than one rank's.
 
     A split inside each expert: `intermediate_size` is this rank's slice. Default mode (no `tp`): down holds
     the slice's input columns and the output is this rank's partial sum (the block all-reduces it).
@@ -154,9 +156,13 @@ class FusedExperts(nn.Module):
         kernel = self.combine if x.device.type == "cpu" and x.dtype in (torch.bfloat16, torch.float32) else None
         if self.tp is not None and not self.gathers:     # expert parallelism
             ranked = self._ranked_rows(x, ids)
+            if self.tp.deterministic:     # every row whole on every rank, combined as one rank combines them
+                ranked = self.tp.all_reduce(ranked)
             if kernel is not None:
-                return kernel(ranked, torch.arange(tokens * top_k).view(tokens, top_k), weights)
-            return combine_ranks(ranked.view(tokens, top_k, -1), weights)
+                combined = kernel(ranked, torch.arange(tokens * top_k).view(tokens, top_k), weights)
+            else:
+                combined = combine_ranks(ranked.view(tokens, top_k, -1), weights)
+            return combined if self.tp.deterministic else self.tp.all_reduce(combined)
         if tokens == 1 and not self.gathers:   # a lone decode row: its k experts in rank order, no grouping
             rows = torch.stack([self.expert_mlp(e, x)[0] for e in ids[0].tolist()])
             if kernel is not None:
@@ -209,9 +215,9 @@ class FusedExperts(nn.Module):
         return self.tp.all_gather(out)   # [n, H]
 
     def _ranked_rows(self, x: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        """Expert parallelism: every (token, k) pair's expert output `[T * k, H]`, in (token, k) order, after
-        the all-reduce. The same groups and products as one rank with every expert (the lone-row path too:
-        each of its experts gets one row)."""
+        """Expert parallelism: every (token, k) pair's expert output `[T * k, H]` in (token, k) order, zero
+        where another rank holds the expert. The same groups and products as one rank with every expert (the
+        lone-row path too: each of its experts gets one row)."""
         top_k = ids.shape[1]
         flat = ids.reshape(-1)
         order = torch.argsort(flat, stable=True)
@@ -224,8 +230,7 @@ class FusedExperts(nn.Module):
             if count and 0 <= local < self.num_experts:
                 out[start:start + count] = self.expert_mlp(local, rows[start:start + count])
             start += count
-        ranked = torch.empty_like(out).index_copy_(0, order, out)
-        return self.tp.all_reduce(ranked)
+        return torch.empty_like(out).index_copy_(0, order, out)
 
 
 class SparseMoeBlock(nn.Module):
