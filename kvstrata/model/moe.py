@@ -29,7 +29,8 @@ Under tensor parallelism (model/parallel.py) the experts are split one of two wa
               computes its activation slice of every grouped row, one all-gather makes them whole, each rank
               computes its output features of every row, a second all-gather makes them whole, and the
               combine runs on the same rows as one rank's: the same bits.
-    whole experts (--ep-size N): each rank computes the rows routed to its experts; an all-reduce of the
+    whole experts (--ep-size N): each rank computes the rows routed to its experts and combines them; one
+              all-reduce per layer adds the ranks' combined outputs. Deterministic mode: an all-reduce of the
               (token, k) rows fills each from the one rank that computed it, then one rank's combine.
 """
 

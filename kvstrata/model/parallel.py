@@ -14,7 +14,8 @@ Which rows or columns of each checkpoint tensor a rank holds (`ShardLayout`, `Sh
 |                                 | gate/up rows and down    | (determ.: down by output rows, between an   |
 |                                 | columns, like an MLP     | all-gather of the activations and one of    |
 |                                 |                          | the outputs; then one rank's combine)       |
-| MoE routed experts (--ep-size)  | whole experts, by id     | all-reduce of each (token, k) output row    |
+| MoE routed experts (--ep-size)  | whole experts, by id     | all-reduce of the ranks' combined outputs   |
+|                                 |                          | (determ.: of each (token, k) output row)    |
 | MoE shared expert (Qwen2-MoE)   | like the routed experts  | added before the block's all-reduce         |
 |                                 | (--ep-size: replicated)  | (determ.: gathered like a dense MLP)        |
 | MoE router                      | replicated               | rank 0's expert ids and weights broadcast   |
