@@ -53,6 +53,7 @@ STORAGE_BACKENDS = ["file", "mooncake"]
 PREFETCH_POLICIES = ["best_effort", "wait_complete", "timeout"]
 DTYPES = ["auto", "bfloat16", "float32", "float16", "half", "float"]
 KV_CACHE_DTYPES = ["auto", "fp8_e4m3", "fp8_e5m2"]      # memory/kv_format.py's (SGLang's names)
+EXPERT_RECORDER_MODES = ["stat"]     # SGLang's per-pass and per-token modes are not kept
 _DTYPE_ALIASES = {"half": "float16", "float": "float32"}     # SGLang's (and vLLM's) short names
 LOAD_FORMATS = ["auto", "safetensors", "gguf", "dummy"]
 TOOL_CALL_PARSERS = ["hermes", "qwen", "qwen25", "qwen3", "llama3"]
@@ -270,6 +271,22 @@ class ServerArgs:
         "--enable-deterministic-inference each token's expert outputs are combined in the same order as on one "
         "rank).",
         aliases=("--expert-parallel-size",)))
+    ep_num_redundant_experts: int = field(default=0, metadata=_opt(
+        "With --ep-size N: this many spare expert copies per MoE layer, each on another rank than the "
+        "expert's first copy; a replicated expert's rows are split between its copies batch by batch so the "
+        "ranks' rows even out. Memory: (experts + this) / N experts per rank. Which experts get the copies: "
+        "--init-expert-location."))
+    init_expert_location: str = field(default="trivial", metadata=_opt(
+        "Where the experts live under --ep-size: 'trivial' (rank r holds a contiguous range; spare copies: "
+        "experts 0, 1, ...), or a .json file (or inline JSON) with a 'physical_to_logical_map' [layer][slot], "
+        "or with a 'logical_count' [layer][expert] as /dump_expert_distribution_record returns it: the copies "
+        "then go to the busiest experts and the ranks' recorded rows are evened out. SGLang's .pt dumps load "
+        "too (tensors only)."))
+    expert_distribution_recorder_mode: Optional[str] = field(default=None, metadata=_opt(
+        "'stat': count the rows the router sends to each (layer, expert) between "
+        "/start_expert_distribution_record and /stop_expert_distribution_record (admin routes); "
+        "/dump_expert_distribution_record returns the counts as JSON, which --init-expert-location reads.",
+        EXPERT_RECORDER_MODES))
     nnodes: int = field(default=1, metadata=_opt(
         "Number of machines the --tp-size ranks are spread over (evenly; needs --dist-init-addr)."))
     node_rank: int = field(default=0, metadata=_opt(
@@ -383,8 +400,8 @@ class ServerArgs:
 
     # --- hardening: admin actions, request limits, shutdown ---
     admin_api_key: Optional[str] = field(default=None, metadata=_opt(
-        "Key for admin actions (/abort_request); --api-key does not grant them. Without it, only loopback "
-        "clients may use them."))
+        "Key for admin actions (/abort_request, /prefetch, the expert distribution recorder's routes); "
+        "--api-key does not grant them. Without it, only loopback clients may use them."))
     max_request_body_bytes: int = field(default=16 << 20, metadata=_opt(
         "Largest accepted request body; larger ones get HTTP 413 before they are read."))
     watchdog_timeout: Optional[float] = field(default=300.0, metadata=_opt(

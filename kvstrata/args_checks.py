@@ -105,6 +105,11 @@ def _check_parallelism(args: ServerArgs) -> None:
     if args.ep_size not in (1, args.tp_size):
         raise ConfigError(f"--ep-size {args.ep_size} must be 1 or --tp-size ({args.tp_size}): experts are split "
                           f"across the tensor-parallel ranks")
+    if args.ep_num_redundant_experts < 0:
+        raise ConfigError("--ep-num-redundant-experts must be 0 or more")
+    if args.ep_size == 1 and (args.ep_num_redundant_experts or args.init_expert_location != "trivial"):
+        raise ConfigError("--ep-num-redundant-experts and --init-expert-location place experts across the "
+                          "ranks of --ep-size N > 1; with --ep-size 1 there is nothing to place")
     if not 0 <= args.node_rank < args.nnodes:
         raise ConfigError(f"--node-rank must be in 0..{args.nnodes - 1} (--nnodes {args.nnodes}), got {args.node_rank}")
     if args.nnodes > 1 and not args.dist_init_addr:

@@ -31,6 +31,7 @@ from kvstrata.runtime.messages import (
     BatchOutput,
     ControlOut,
     ControlReq,
+    ExpertDistributionReq,
     FlushCacheReq,
     GetStateReq,
     ReqOutput,
@@ -141,6 +142,25 @@ class Engine:
         """Server args and scheduler state (pool occupancy, cache metrics)."""
         state = self._control_call(GetStateReq()).state
         return {**self.server_args.to_dict(), "internal_states": [state]}
+
+    def start_expert_distribution_record(self) -> None:
+        """Clear the expert counts and count from now on (InvalidRequest unless the model is MoE and the engine
+        has expert_distribution_recorder_mode="stat")."""
+        self._expert_distribution("start")
+
+    def stop_expert_distribution_record(self) -> None:
+        """Stop counting experts; the counts stay for a dump."""
+        self._expert_distribution("stop")
+
+    def dump_expert_distribution_record(self) -> dict:
+        """The expert counts since the last start: what /dump_expert_distribution_record returns."""
+        return self._expert_distribution("dump").state
+
+    def _expert_distribution(self, action: str) -> ControlOut:
+        out = self._control_call(ExpertDistributionReq(action=action))
+        if not out.success:
+            raise InvalidRequest(out.message)
+        return out
 
     def _control_call(self, msg: ControlReq) -> ControlOut:
         self._check_alive()

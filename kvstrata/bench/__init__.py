@@ -19,6 +19,7 @@ BENCHMARKS["cache-scale"] = "kvstrata.bench.cache_scale"     # cache CPU per ste
 BENCHMARKS["quality"] = "kvstrata.bench.quality"   # perplexity and greedy agreement per KV cache dtype
 BENCHMARKS["tp-collectives"] = "kvstrata.bench.tp_collectives"   # all-reduce / all-gather: gloo vs shm
 BENCHMARKS["gguf-kernels"] = "kvstrata.bench.gguf_kernels"   # the GGUF decode GEMV, every variant per type
+BENCHMARKS["expert-distribution"] = "kvstrata.bench.expert_distribution"   # MoE rows per expert, per EP rank
 
 
 def main(argv: list[str]) -> int:

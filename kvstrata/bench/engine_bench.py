@@ -153,8 +153,10 @@ def bench_kvstrata(args, deterministic: bool = False, **overrides) -> dict:
 
 def bench_tp(args, deterministic: bool, **overrides) -> dict:
     """--tp-size N with --threads / N threads per rank, against TP=1 with --threads (measured just before)."""
+    experts = ({"ep_num_redundant_experts": args.ep_num_redundant_experts,
+                "init_expert_location": args.init_expert_location} if args.ep_size > 1 else {})
     return bench_kvstrata(args, deterministic, tp_size=args.tp_size, ep_size=args.ep_size,
-                          num_threads=max(1, args.threads // args.tp_size), **overrides)
+                          num_threads=max(1, args.threads // args.tp_size), **experts, **overrides)
 
 
 def tp_ratios(tp: dict, one: dict) -> dict:
@@ -224,6 +226,12 @@ def main(argv: list[str] | None = None) -> int:
                         "evenly), next to one process with --threads; prints rank 0's time in collectives")
     p.add_argument("--ep-size", type=int, default=1,
                    help="with --tp-size N on an MoE model (e.g. bench-moe): N splits its experts across the ranks")
+    p.add_argument("--ep-num-redundant-experts", type=int, default=0,
+                   help="with --ep-size N: spare expert copies per layer, whose rows the ranks share (the server's "
+                        "flag)")
+    p.add_argument("--init-expert-location", default="trivial",
+                   help="with --ep-size N: where the experts live (the server's flag), e.g. the JSON that "
+                        "`kvstrata bench expert-distribution` records")
     p.add_argument("--enable-deterministic-inference", action="store_true",
                    help="also measure the batch-invariant mode, side by side")
     p.add_argument("--enable-hierarchical-cache", action="store_true",
@@ -248,6 +256,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.compare_kv_runs and (args.profile or args.attention or args.enable_deterministic_inference):
         p.error("--compare-kv-runs is a measurement of its own: not with --profile, --attention or "
                 "--enable-deterministic-inference")
+    if args.ep_size == 1 and (args.ep_num_redundant_experts or args.init_expert_location != "trivial"):
+        p.error("--ep-num-redundant-experts and --init-expert-location need --ep-size N > 1")
     if args.load_back and (args.profile or args.attention or args.compare_kv_runs):
         p.error("--load-back is a measurement of its own: not with --profile, --attention or --compare-kv-runs")
     from kvstrata.bench.load_back_bench import SPARE_TOKENS, bench_load_back, format_load_back

@@ -87,7 +87,7 @@ def hf_names(gguf_name: str, num_experts: int) -> tuple[str, ...]:
 
 class _Part(NamedTuple):
     """A GGUF tensor placed in the model: rows [start, end) of parameter `param` (of every expert's slab when
-    `experts` > 0: this rank's slabs, from `first_expert`, of a `[E, rows, K]` tensor), `row_values` values per
+    `experts` > 0: this rank's slabs, the file's `expert_ids`, of a `[E, rows, K]` tensor), `row_values` values per
     row held; the file's tensor: `n_bytes` at byte `offset`, `file_rows` rows of `file_row_bytes` per slab.
     `heads`: undo llama.cpp's q/k row order; `cut`: the rank's rows and columns of it (None: all of them)."""
 
@@ -103,7 +103,7 @@ class _Part(NamedTuple):
     heads: int | None
     file_rows: int
     file_row_bytes: int
-    first_expert: int = 0
+    expert_ids: tuple[int, ...] = ()     # the file's slab for each of the rank's expert slots (empty: all)
     cut: Cut | None = None
 
     @property
@@ -255,9 +255,10 @@ def _rank_part(part: _Part, names: tuple[str, ...], targets: dict[str, tuple], l
     elif cut is not None and cut.splits_input:
         # a row-parallel bias is added once after the sum; GGUF files (_LAYER_NAMES) carry none
         raise ModelLoadError(f"{path}: tensor {part.name!r}: a bias of a row-parallel layer is not served under --tp-size")
-    first_expert = layout.first_expert if part.experts else 0
+    # the rank's slot of each expert it holds (targets' 4th field) -> the expert's slab in the file
+    expert_ids = tuple(names.index(n) for n in sorted(held, key=lambda n: targets[n][3])) if part.experts else ()
     return part._replace(param=param, start=start, end=end, experts=len(held) if part.experts else 0,
-                         row_values=row_values, first_expert=first_expert, cut=cut)
+                         row_values=row_values, expert_ids=expert_ids, cut=cut)
 
 
 def _release(model: nn.Module, name: str) -> None:
@@ -278,7 +279,7 @@ def _read(fh: BinaryIO, part: _Part, path: str, out: np.ndarray | None = None) -
     slab_bytes = part.file_rows * part.file_row_bytes
     held = part.end - part.start - padding
     for s, slab in enumerate(out.reshape(-1, *out.shape[-2:]) if part.experts else [out.reshape(-1, out.shape[-1])]):
-        base = part.offset + (part.first_expert + s) * slab_bytes
+        base = part.offset + (part.expert_ids[s] if part.expert_ids else s) * slab_bytes
         if padding:
             slab[held:] = 0
         if part.row_bytes != part.file_row_bytes:        # an input split: each row's whole blocks

@@ -67,7 +67,7 @@ class LlamaDecoderLayer(nn.Module):
         self.self_attn = LlamaAttention(config, layer_id, layout, tp)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         if config.is_sparse_layer(layer_id):
-            self.mlp = SparseMoeBlock(config.hidden_size, config.moe, layout, tp)
+            self.mlp = SparseMoeBlock(config.hidden_size, config.moe, layout, tp, layer_id)
         else:
             self.mlp = GatedMLP(config.hidden_size, layout.intermediate,
                                 down_proj=row_parallel_linear(config.intermediate_size, config.hidden_size, False, tp))

@@ -29,7 +29,8 @@ Under tensor parallelism (model/parallel.py) the experts are split one of two wa
               computes its activation slice of every grouped row, one all-gather makes them whole, each rank
               computes its output features of every row, a second all-gather makes them whole, and the
               combine runs on the same rows as one rank's: the same bits.
-    whole experts (--ep-size N): each rank computes the rows routed to its experts and combines them; one
+    whole experts (--ep-size N): each rank computes the rows routed to its experts (where each expert
+              lives, and how a replicated expert's rows are shared: expert_location.py) and combines them; one
               all-reduce per layer adds the ranks' combined outputs. Deterministic mode: an all-reduce of the
               (token, k) rows fills each from the one rank that computed it, then one rank's combine.
 """
@@ -43,6 +44,7 @@ import torch
 from torch import nn
 
 from kvstrata.model.config import MoeConfig
+from kvstrata.model.expert_location import ExpertDispatch, ExpertDistributionRecorder
 from kvstrata.model.layers import GatedMLP, Linear, SiluAndMul, use_decode_linear
 from kvstrata.model.parallel import ShardLayout, TensorParallel, row_parallel_linear
 
@@ -84,13 +86,14 @@ def combine_ranks(expert_out: torch.Tensor, weights: torch.Tensor) -> torch.Tens
 class FusedExperts(nn.Module):
     """E routed SiLU-gated experts over stacked weights; `forward(x, weights, ids)` runs only the active ones.
 
-    Expert parallelism (`tp` given with `tp.expert_parallel`, --ep-size): this rank holds experts
-    [first_expert, first_expert + num_experts) of `total_experts`, computes the (token, k) rows routed to them
-    exactly as one rank holding every expert would and leaves the others zero. Deterministic mode: an
-    all-reduce fills each row from the one rank that computed it (adding zeros: exact), and every rank then
-    combines the full rows as one rank would. Default mode: each rank combines its own rows (the weighted sum
-    of its experts' outputs per token) and one all-reduce of `[T, H]` adds the ranks' parts: top-k times
-    less to move than the rows, in another order of additions than one rank's.
+    Expert parallelism (`dispatch` given, --ep-size): this rank's slots hold the experts `dispatch.held` of
+    `total_experts` (model/expert_location.py: a contiguous range by default; a replicated expert's rows are
+    split among its copies per batch). The rank computes the (token, k) rows `dispatch` gives it, exactly as
+    one rank holding every expert would; the others count as zero. Deterministic mode: an all-reduce fills
+    each row from the one rank that computed it (adding zeros: exact), and every rank then combines the full
+    rows as one rank would. Default mode: each rank combines its own rows (the weighted sum of its experts'
+    outputs per token) and one all-reduce of `[T, H]` adds the ranks' parts: top-k times less to move than
+    the rows, in another order of additions than one rank's.
 
     A split inside each expert: `intermediate_size` is this rank's slice. Default mode (no `tp`): down holds
     the slice's input columns and the output is this rank's partial sum (the block all-reduces it).
@@ -99,13 +102,14 @@ class FusedExperts(nn.Module):
     """
 
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int,
-                 first_expert: int = 0, total_experts: Optional[int] = None, tp: Optional[TensorParallel] = None):
+                 tp: Optional[TensorParallel] = None, dispatch: Optional[ExpertDispatch] = None):
         super().__init__()
-        self.num_experts = num_experts
-        self.first_expert = first_expert
-        self.total_experts = total_experts or num_experts
+        self.num_experts = num_experts     # expert slots on this rank
+        self.dispatch = dispatch
+        self.held = dispatch.held if dispatch is not None else tuple(range(num_experts))   # expert id per slot
+        self.total_experts = dispatch.num_experts if dispatch is not None else num_experts
         self.tp = tp
-        self.gathers = tp is not None and not tp.expert_parallel   # deterministic split inside each expert
+        self.gathers = tp is not None and dispatch is None   # deterministic split inside each expert
         self.intermediate_size = intermediate_size
         self.hidden_size = hidden_size
         # down `[E, down_features, down_in]`: this rank's output features over the whole intermediate when it
@@ -155,15 +159,8 @@ class FusedExperts(nn.Module):
         """`x` `[T, H]` through each row's experts `ids` `[T, k]`, weighted by `weights` `[T, k]` -> `[T, H]`."""
         tokens, top_k = ids.shape
         kernel = self.combine if x.device.type == "cpu" and x.dtype in (torch.bfloat16, torch.float32) else None
-        if self.tp is not None and not self.gathers:     # expert parallelism
-            ranked = self._ranked_rows(x, ids)
-            if self.tp.deterministic:     # every row whole on every rank, combined as one rank combines them
-                ranked = self.tp.all_reduce(ranked)
-            if kernel is not None:
-                combined = kernel(ranked, torch.arange(tokens * top_k).view(tokens, top_k), weights)
-            else:
-                combined = combine_ranks(ranked.view(tokens, top_k, -1), weights)
-            return combined if self.tp.deterministic else self.tp.all_reduce(combined)
+        if self.dispatch is not None:     # expert parallelism
+            return self._expert_parallel(x, weights, ids, kernel)
         if tokens == 1 and not self.gathers:   # a lone decode row: its k experts in rank order, no grouping
             rows = torch.stack([self.expert_mlp(e, x)[0] for e in ids[0].tolist()])
             if kernel is not None:
@@ -215,32 +212,47 @@ class FusedExperts(nn.Module):
             start = end
         return self.tp.all_gather(out)   # [n, H]
 
-    def _ranked_rows(self, x: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        """Expert parallelism: every (token, k) pair's expert output `[T * k, H]` in (token, k) order, zero
-        where another rank holds the expert. The same groups and products as one rank with every expert (the
-        lone-row path too: each of its experts gets one row)."""
-        top_k = ids.shape[1]
+    def _expert_parallel(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
+                         kernel: Optional[Callable]) -> torch.Tensor:
+        """Expert parallelism: this rank's rows (`dispatch.spans`: its share of the (token, k) pairs grouped by
+        expert, as one rank with every expert groups them, the lone-row path too), then the ranks' parts
+        added (class docstring). Only this rank's rows are gathered and computed; a pair another rank
+        computes reads a zero row."""
+        tokens, top_k = ids.shape
         flat = ids.reshape(-1)
         order = torch.argsort(flat, stable=True)
-        counts = torch.bincount(flat, minlength=self.total_experts).tolist()
-        rows = x.index_select(0, order // top_k)
-        out = torch.zeros_like(rows)
-        start = 0
-        for expert, count in enumerate(counts):
-            local = expert - self.first_expert
-            if count and 0 <= local < self.num_experts:
-                out[start:start + count] = self.expert_mlp(local, rows[start:start + count])
-            start += count
-        return torch.empty_like(out).index_copy_(0, order, out)
+        spans = self.dispatch.spans(torch.bincount(flat, minlength=self.total_experts).tolist())
+        mine = torch.cat([order[start:end] for _, start, end in spans]) if spans else order[:0]
+        rows = x.index_select(0, mine // top_k)
+        out = x.new_empty(mine.numel() + 1, x.shape[1])     # this rank's rows, then the zero row
+        out[-1] = 0
+        at = 0
+        for slot, start, end in spans:
+            out[at:at + end - start] = self.expert_mlp(slot, rows[at:at + end - start])
+            at += end - start
+        slots = torch.full((tokens * top_k,), mine.numel(), dtype=torch.long, device=x.device)
+        slots[mine] = torch.arange(mine.numel(), device=x.device)
+        if self.tp.deterministic:    # every row whole on every rank, combined as one rank combines them
+            out = self.tp.all_reduce(out[slots])
+            slots = torch.arange(tokens * top_k, device=x.device)
+        slots = slots.view(tokens, top_k)
+        if kernel is not None:
+            combined = kernel(out, slots, weights)
+        else:
+            combined = combine_ranks(out[slots], weights)
+        return combined if self.tp.deterministic else self.tp.all_reduce(combined)
 
 
 class SparseMoeBlock(nn.Module):
     """Router + fused experts (+ Qwen2-MoE's shared expert behind a sigmoid gate); replaces a layer's MLP."""
 
     def __init__(self, hidden_size: int, moe: MoeConfig, layout: Optional[ShardLayout] = None,
-                 tp: Optional[TensorParallel] = None):
-        """`layout`, `tp`: this rank's experts, or slices of them, under tensor parallelism (module docstring)."""
+                 tp: Optional[TensorParallel] = None, layer: int = 0):
+        """`layout`, `tp`: this rank's experts, or slices of them, under tensor parallelism (module docstring);
+        `layer`: the decoder layer's index (its expert placement, its row of the recorder)."""
         super().__init__()
+        self.layer = layer
+        self.recorder: Optional[ExpertDistributionRecorder] = None    # set by use_expert_recorder
         self.top_k = moe.top_k
         self.norm_topk_prob = moe.norm_topk_prob
         self.gate = Linear(hidden_size, moe.num_experts, bias=False)   # the router
@@ -248,8 +260,8 @@ class SparseMoeBlock(nn.Module):
         # Split inside each expert in the default mode: the rank's output is a partial sum, all-reduced here.
         self.partial_sums = tp if sliced and not layout.row_parallel_by_output else None
         if layout is not None and layout.expert_parallel:
-            self.experts = FusedExperts(layout.experts, hidden_size, moe.expert_intermediate_size,
-                                        layout.first_expert, moe.num_experts, tp)
+            self.experts = FusedExperts(layout.experts, hidden_size, moe.expert_intermediate_size, tp,
+                                        ExpertDispatch(layout.placement, layer, layout.rank))
         elif sliced:
             self.experts = FusedExperts(moe.num_experts, hidden_size, layout.expert_intermediate,
                                         tp=None if self.partial_sums else tp)
@@ -268,6 +280,8 @@ class SparseMoeBlock(nn.Module):
         weights, ids = route(self.gate(x), self.top_k, self.norm_topk_prob)
         if self.routing_from is not None:
             weights, ids = rank0_routing(self.routing_from, weights, ids)
+        if self.recorder is not None and self.recorder.recording:
+            self.recorder.add(self.layer, ids)
         out = self.experts(x, weights, ids)
         if self.shared_expert is not None:   # a partial sum too where the experts' is: the gate is per token
             out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
@@ -280,8 +294,8 @@ class SparseMoeBlock(nn.Module):
         names = ("w1", "w3", "w2") if mixtral else ("gate_proj", "up_proj", "down_proj")
         gate_up, down = f"{ours}.experts.gate_up_proj", f"{ours}.experts.down_proj"
         targets: dict[str, tuple] = {f"{theirs}.gate.weight": (f"{ours}.gate.weight", 0, self.gate.out_features)}
-        for e in range(self.experts.num_experts):    # this rank's experts (all without expert parallelism)
-            expert = f"{theirs}.experts.{self.experts.first_expert + e}"
+        for e, held in enumerate(self.experts.held):    # this rank's experts (all without expert parallelism)
+            expert = f"{theirs}.experts.{held}"
             targets[f"{expert}.{names[0]}.weight"] = (gate_up, 0, inter, e)
             targets[f"{expert}.{names[1]}.weight"] = (gate_up, inter, 2 * inter, e)
             targets[f"{expert}.{names[2]}.weight"] = (down, 0, self.experts.down_features, e)
@@ -329,6 +343,13 @@ def use_expert_linear(model: nn.Module, linear: DecodeLinear) -> None:
     for module in model.modules():
         if isinstance(module, FusedExperts):
             use_decode_linear(module, linear)
+
+
+def use_expert_recorder(model: nn.Module, recorder: Optional[ExpertDistributionRecorder]) -> None:
+    """Count every MoE block's routed rows of `model` into `recorder` while it records (None: never)."""
+    for module in model.modules():
+        if isinstance(module, SparseMoeBlock):
+            module.recorder = recorder
 
 
 def use_moe_combine(model: nn.Module, op: Optional[Callable]) -> None:

@@ -14,7 +14,8 @@ Which rows or columns of each checkpoint tensor a rank holds (`ShardLayout`, `Sh
 |                                 | gate/up rows and down    | (determ.: down by output rows, between an   |
 |                                 | columns, like an MLP     | all-gather of the activations and one of    |
 |                                 |                          | the outputs; then one rank's combine)       |
-| MoE routed experts (--ep-size)  | whole experts, by id     | all-reduce of the ranks' combined outputs   |
+| MoE routed experts (--ep-size)  | whole experts (placement | all-reduce of the ranks' combined outputs   |
+|                                 | expert_location.py)      |                                             |
 |                                 |                          | (determ.: of each (token, k) output row)    |
 | MoE shared expert (Qwen2-MoE)   | like the routed experts  | added before the block's all-reduce         |
 |                                 | (--ep-size: replicated)  | (determ.: gathered like a dense MLP)        |
@@ -53,6 +54,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvstrata.model.config import ModelConfig
+from kvstrata.model.expert_location import TRIVIAL, ExpertLocationError, ExpertPlacement
 from kvstrata.model.layers import Linear
 from kvstrata.model.shm_collectives import ShmCollectives
 
@@ -79,10 +81,13 @@ class TensorParallel:
 
     def __init__(self, rank: int, size: int, deterministic: bool = False,
                  group: Optional[dist.ProcessGroup] = None, expert_parallel: bool = False,
-                 plan_group: Optional[dist.ProcessGroup] = None):
+                 plan_group: Optional[dist.ProcessGroup] = None, expert_location: str = TRIVIAL,
+                 redundant_experts: int = 0):
         self.rank, self.size = rank, size
         self.deterministic = deterministic
         self.expert_parallel = expert_parallel     # --ep-size = --tp-size: MoE experts split across the ranks
+        self.expert_location = expert_location     # --init-expert-location (model/expert_location.py)
+        self.redundant_experts = redundant_experts  # --ep-num-redundant-experts
         self.group = group                         # the model's collectives: --dist-timeout
         self.plan_group = plan_group or group      # plan broadcasts: JOIN_TIMEOUT_S
         self.comm_s = 0.0
@@ -104,7 +109,7 @@ class TensorParallel:
     @classmethod
     def init(cls, rank: int, size: int, init_addr: str, backend: str, timeout_s: float,
              deterministic: bool, expert_parallel: bool = False, shm: bool = False,
-             compiled: bool = True) -> TensorParallel:
+             compiled: bool = True, expert_location: str = TRIVIAL, redundant_experts: int = 0) -> TensorParallel:
         """Join the group at `init_addr` (host:port of rank 0's TCP store) as `rank`, waiting up to
         JOIN_TIMEOUT_S for the others (a process that imports torch on a busy machine takes a while);
         collectives then time out after `timeout_s`. `shm`: all ranks are on this machine, so map a
@@ -114,7 +119,8 @@ class TensorParallel:
             dist.init_process_group(backend, init_method=f"tcp://{init_addr}", rank=rank, world_size=size,
                                     timeout=timedelta(seconds=max(timeout_s, JOIN_TIMEOUT_S)))
             group = dist.new_group(list(range(size)), timeout=timedelta(seconds=timeout_s), backend=backend)
-            tp = cls(rank, size, deterministic, group, expert_parallel, plan_group=dist.group.WORLD)
+            tp = cls(rank, size, deterministic, group, expert_parallel, plan_group=dist.group.WORLD,
+                     expert_location=expert_location, redundant_experts=redundant_experts)
             if shm:
                 tp.shm = ShmCollectives.join(rank, size, group, timeout_s, compiled)
         except Exception as e:   # a rank that never came up: the store's wait timed out, or the address is wrong
@@ -173,7 +179,7 @@ class TensorParallel:
 
     def all_min(self, values: list[int]) -> list[int]:
         """The element-wise minimum of `values` over the ranks (flags: 1 on every rank, else 0)."""
-        t = torch.tensor(values, dtype=torch.long)
+        t = torch.tensor(values, dtype=torch.long, device="cpu")   # gloo's, even inside a `with torch.device("meta")`
         self._run("all-reduce (min)", lambda: dist.all_reduce(t, dist.ReduceOp.MIN, group=self.group))
         return t.tolist()
 
@@ -222,9 +228,9 @@ class ShardLayout:
     hidden: int           # the model's hidden size
     vocab: int            # the model's vocabulary
     vocab_rows: int       # vocabulary rows per rank (the last rank's tail is zero padding)
-    experts: int = 0      # MoE: routed experts on this rank, starting at first_expert (all of them but with EP)
-    first_expert: int = 0
-    expert_parallel: bool = False   # --ep-size: whole experts split across the ranks
+    experts: int = 0      # MoE: routed expert slots on this rank (all the experts but with EP)
+    expert_parallel: bool = False   # --ep-size: whole experts split across the ranks, as `placement` says
+    placement: Optional[ExpertPlacement] = None
     expert_intermediate: int = 0    # MoE: gate/up rows (down columns) of each routed expert on this rank
     shared_intermediate: int = 0    # Qwen2-MoE: the same of the shared expert
 
@@ -239,8 +245,12 @@ class ShardLayout:
         inside = bool(experts) and size > 1 and not expert_parallel     # a split inside each expert
         expert_inter = c.moe.expert_intermediate_size if experts else 0
         shared_inter = c.moe.shared_expert_intermediate_size if experts else 0
-        if expert_parallel and experts % size:
-            problems.append(f"{experts} experts")
+        placement = None
+        if expert_parallel:
+            try:
+                placement = ExpertPlacement.of(tp.expert_location, c.num_layers, experts, size, tp.redundant_experts)
+            except ExpertLocationError as e:
+                problems.append(str(e))
         if inside and expert_inter % size:
             problems.append(f"MoE intermediate size {expert_inter} (each expert's; --ep-size {size} "
                             f"splits whole experts instead)")
@@ -256,6 +266,10 @@ class ShardLayout:
             problems.append(f"hidden size {c.hidden_size}")
         if problems:
             raise ShardError(f"--tp-size {size} cannot split {c.architecture}: " + "; ".join(problems))
+        # Each rank resolved the placement from its own flags (and file, on several nodes). A communicator
+        # without a group (a layout computed alone) has no other rank to disagree with.
+        if placement is not None and tp.group is not None:
+            tp.check_agree("the expert placement (--init-expert-location)", placement.flat())
         kv_heads = max(c.num_kv_heads // size, 1)
         kv_head0 = rank * c.num_kv_heads // size   # with fewer KV heads than ranks: the one this rank's q heads read
         return cls(rank=rank, size=size, deterministic=tp is not None and tp.deterministic,
@@ -263,21 +277,26 @@ class ShardLayout:
                    kv_heads=kv_heads, kv_head0=kv_head0, head_dim=c.head_dim,
                    intermediate=c.intermediate_size // size, hidden=c.hidden_size, vocab=c.vocab_size,
                    vocab_rows=-(-c.vocab_size // size),
-                   experts=experts // size if expert_parallel else experts,
-                   first_expert=rank * (experts // size) if expert_parallel else 0,
-                   expert_parallel=expert_parallel,
+                   experts=placement.local_slots if placement is not None else experts,
+                   expert_parallel=expert_parallel, placement=placement,
                    expert_intermediate=expert_inter // size if inside else expert_inter,
                    shared_intermediate=shared_inter // size if inside else shared_inter)
 
     def holds(self, name: str) -> bool:
         """Whether this rank loads checkpoint tensor `name` at all (not another rank's routed expert)."""
         parts = name.split(".")
-        if self.size == 1 or "experts" not in parts:
+        if self.placement is None or "experts" not in parts or "layers" not in parts:
             return True
         index = parts.index("experts") + 1
         if index >= len(parts) or not parts[index].isdigit():
             return True
-        return self.first_expert <= int(parts[index]) < self.first_expert + self.experts
+        return int(parts[index]) in self.held_experts(int(parts[parts.index("layers") + 1]))
+
+    def held_experts(self, layer: int) -> tuple[int, ...]:
+        """The experts in this rank's slots of `layer`, in slot order (every expert without expert parallelism)."""
+        if self.placement is None:
+            return tuple(range(self.experts))
+        return self.placement.held(self.rank, layer)
 
     @property
     def row_parallel_by_output(self) -> bool:

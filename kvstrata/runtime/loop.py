@@ -14,6 +14,7 @@ from kvstrata.runtime.messages import (
     BatchOutput,
     ControlOut,
     ControlReq,
+    ExpertDistributionReq,
     FlushCacheReq,
     GetLoadReq,
     GetStateReq,
@@ -88,4 +89,6 @@ class SchedulerLoop:
             return ControlOut("state", True, "", s.get_state(msg.full))
         if isinstance(msg, GetLoadReq):
             return ControlOut("load", True, "", s.get_load())
+        if isinstance(msg, ExpertDistributionReq):
+            return s.expert_distribution(msg.action)
         return ControlOut(type(msg).__name__, False, f"unknown control request {type(msg).__name__}")

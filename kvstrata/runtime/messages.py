@@ -73,11 +73,23 @@ class GetLoadReq(ControlReq):
     """frontend → scheduler: ask for the O(1) load report (for the router's GET /load)."""
 
 
+EXPERT_RECORD_ACTIONS = ("start", "stop", "dump")
+
+
+@dataclass
+class ExpertDistributionReq(ControlReq):
+    """frontend → scheduler: start (clearing the counts), stop or dump the expert distribution recorder
+    (--expert-distribution-recorder-mode; the answer's state is the recorder's dump)."""
+
+    action: str = "dump"               # one of EXPERT_RECORD_ACTIONS
+
+
 @dataclass
 class ControlOut:
-    """scheduler → frontend: the answer to one ControlReq (FlushCacheReq / GetStateReq / GetLoadReq)."""
+    """scheduler → frontend: the answer to one ControlReq (FlushCacheReq / GetStateReq / GetLoadReq /
+    ExpertDistributionReq)."""
 
-    kind: str                          # "flush_cache" | "state" | "load"
+    kind: str                          # "flush_cache" | "state" | "load" | "expert_distribution"
     success: bool = True
     message: str = ""
     state: dict[str, Any] = field(default_factory=dict)
@@ -171,5 +183,6 @@ class MessageCodec:
 
 
 # What each side accepts: the scheduler the frontend's requests, the frontend the scheduler's outputs.
-TO_SCHEDULER = (TokenizedGenerateReq, AbortReq, FlushCacheReq, GetStateReq, PrefetchReq, GetLoadReq)
+TO_SCHEDULER = (TokenizedGenerateReq, AbortReq, FlushCacheReq, GetStateReq, PrefetchReq, GetLoadReq,
+                ExpertDistributionReq)
 TO_FRONTEND = (BatchOutput, ControlOut)

@@ -19,6 +19,7 @@ from kvstrata.memory.kv_format import KVFormat
 from kvstrata.memory.req_slots import ReqSlotTable
 from kvstrata.model.builtin import resolve_model_path
 from kvstrata.model.config import ModelConfig
+from kvstrata.model.expert_location import ExpertDistributionRecorder
 from kvstrata.model.forward_meta import ForwardMetadata
 from kvstrata.model.gguf import gguf_file, is_gguf
 from kvstrata.model.gguf_loader import load_gguf_model
@@ -32,7 +33,7 @@ from kvstrata.model.layers import (
     use_onednn_weights,
 )
 from kvstrata.model.loader import checkpoint_files, load_dummy_model, load_model
-from kvstrata.model.moe import use_expert_linear, use_moe_combine
+from kvstrata.model.moe import use_expert_linear, use_expert_recorder, use_moe_combine
 from kvstrata.model.paged_kernels import (
     BF16_HEAD_DIMS,
     amx_linear_op,
@@ -125,6 +126,11 @@ class ModelRunner:
         self._use_layer_kernels()
         self.model.optimize_layout()   # after the kernels: an lm_head that the decode GEMV reads keeps its layout
         self.grammar_backend = None   # set by the scheduler when structured output is enabled
+        # --expert-distribution-recorder-mode: rank 0 counts (its routing is every rank's)
+        self.expert_recorder: Optional[ExpertDistributionRecorder] = None
+        if args.expert_distribution_recorder_mode and self.config.moe is not None and (self.tp is None or self.tp.rank == 0):
+            self.expert_recorder = ExpertDistributionRecorder(self.config.num_layers, self.config.moe.num_experts)
+            use_expert_recorder(self.model, self.expert_recorder)
         logger.info("KV pool: %d tokens (%d pages of %d), %.1f MB", self.max_total_tokens, num_pages - 1,
                     args.page_size, self.pool.bytes_per_token * self.pool.num_slots / 2**20)
 

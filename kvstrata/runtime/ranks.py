@@ -127,7 +127,9 @@ def join_group(args: ServerArgs, rank: int, init_addr: str) -> TensorParallel:
     backend = CUDA_BACKEND if args.device == "cuda" else "gloo"
     return TensorParallel.init(rank, args.tp_size, init_addr, backend, args.dist_timeout or DEFAULT_TIMEOUT_S,
                                args.enable_deterministic_inference, expert_parallel=args.ep_size > 1,
-                               shm=uses_shm_collectives(args), compiled=not args.disable_cpu_kernels)
+                               shm=uses_shm_collectives(args), compiled=not args.disable_cpu_kernels,
+                               expert_location=args.init_expert_location,
+                               redundant_experts=args.ep_num_redundant_experts)
 
 
 def uses_shm_collectives(args: ServerArgs) -> bool:

@@ -24,7 +24,13 @@ from kvstrata.model.parallel import RankFailure
 from kvstrata.model.tokenizer import load_checked_tokenizer
 from kvstrata.runtime.batch import BatchEntry, ScheduledBatch, StepResult
 from kvstrata.runtime.handoff import Handoff, HandoffFactory
-from kvstrata.runtime.messages import ControlOut, PrefetchReq, ReqOutput, TokenizedGenerateReq
+from kvstrata.runtime.messages import (
+    EXPERT_RECORD_ACTIONS,
+    ControlOut,
+    PrefetchReq,
+    ReqOutput,
+    TokenizedGenerateReq,
+)
 from kvstrata.runtime.model_runner import ModelRunner
 from kvstrata.runtime.req import Req, ReqState, finish_abort
 from kvstrata.runtime.sampler import top_token_ids
@@ -171,6 +177,26 @@ class Scheduler:
                               f"run and {len(self.waiting)} wait")
         self.cache.flush()
         return ControlOut("flush_cache", True, "cache flushed")
+
+    def expert_distribution(self, action: str) -> ControlOut:
+        """Start (clearing the counts), stop or dump the runner's expert recorder; the state is its dump.
+        Refused (success False, the message says why) for an unknown action, and where nothing records: without
+        --expert-distribution-recorder-mode, or on a model without MoE layers."""
+        recorder = self.runner.expert_recorder
+        if action not in EXPERT_RECORD_ACTIONS:
+            return ControlOut("expert_distribution", False, f"unknown expert distribution action {action!r}; "
+                              f"expected one of {list(EXPERT_RECORD_ACTIONS)}")
+        if recorder is None:
+            why = ("start the server with --expert-distribution-recorder-mode stat"
+                   if self.args.expert_distribution_recorder_mode is None
+                   else f"the model {self.args.model_path} has no MoE layers")
+            return ControlOut("expert_distribution", False, f"no expert distribution is recorded: {why}")
+        if action == "start":
+            recorder.start()
+        elif action == "stop":
+            recorder.stop()
+        verb = {"start": "started", "stop": "stopped", "dump": "dumped"}[action]
+        return ControlOut("expert_distribution", True, f"expert distribution record {verb}", recorder.dump())
 
     def has_work(self) -> bool:
         """Whether step() would do anything."""

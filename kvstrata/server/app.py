@@ -21,6 +21,7 @@ from kvstrata.runtime.sampling_params import SamplingParams
 from kvstrata.server import native_api, openai_api
 from kvstrata.server.connections import ConnectionGuard
 from kvstrata.server.drain import DrainMiddleware
+from kvstrata.server.expert_record_api import register_expert_record_api
 from kvstrata.server.limits import BodySizeLimitMiddleware
 from kvstrata.server.load_api import register_load_api
 from kvstrata.server.metrics import CONTENT_TYPE
@@ -70,6 +71,7 @@ def create_app(client: SchedulerClient, scheduler: SchedulerWatch, on_scheduler_
     install_openapi(app)
     register_load_api(app, client)
     register_prefetch_api(app, client)
+    register_expert_record_api(app, client)
 
     # ------------------------------------------------------------------ health and info
     @app.get("/health")

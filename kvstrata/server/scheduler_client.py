@@ -30,6 +30,7 @@ from kvstrata.runtime.messages import (
     BatchOutput,
     ControlOut,
     ControlReq,
+    ExpertDistributionReq,
     FlushCacheReq,
     GetLoadReq,
     GetStateReq,
@@ -233,6 +234,11 @@ class SchedulerClient:
     async def get_load(self) -> dict:
         """The scheduler's O(1) load report (queues, pool, hits per tier)."""
         return (await self._control_call(GetLoadReq(), "load")).state
+
+    async def expert_distribution(self, action: str) -> ControlOut:
+        """Start, stop or dump the scheduler's expert recorder (Scheduler.expert_distribution: refused unless
+        it records)."""
+        return await self._control_call(ExpertDistributionReq(action=action), "expert_distribution")
 
     async def _control_call(self, msg: ControlReq, kind: str, timeout: float = 20.0) -> ControlOut:
         self._check_alive()

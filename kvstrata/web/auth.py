@@ -25,7 +25,8 @@ from kvstrata.serving.errors import ApiError
 
 # The static dashboard page is open; its data (/dashboard/data) needs the key like every endpoint.
 OPEN_PATHS = frozenset({"/health", "/metrics", "/dashboard"})
-ADMIN_PATHS = frozenset({"/abort_request", "/prefetch"})
+ADMIN_PATHS = frozenset({"/abort_request", "/prefetch", "/start_expert_distribution_record",
+                         "/stop_expert_distribution_record", "/dump_expert_distribution_record"})
 
 
 def bearer_token(headers: list[tuple[bytes, bytes]]) -> Optional[str]:

@@ -83,7 +83,7 @@ def test_a_split_inside_the_experts_cuts_each_expert_like_a_dense_mlp(determinis
     """--tp-size without --ep-size on an MoE model: every rank holds every expert, its rows of gate/up and
     its columns of down (deterministic mode: its output rows); the router stays whole."""
     layouts = [ShardLayout.of(_config("bench-moe"), TensorParallel(r, 2, deterministic)) for r in (0, 1)]
-    assert all(x.slices_experts and (x.first_expert, x.experts, x.expert_intermediate) == (0, 32, 192)
+    assert all(x.slices_experts and (x.held_experts(3), x.experts, x.expert_intermediate) == (tuple(range(32)), 32, 192)
                for x in layouts)
     name = "model.layers.3.mlp.experts.{}.{}.weight"
     assert all(x.holds(name.format(e, "up_proj")) for x in layouts for e in (0, 31))
@@ -101,28 +101,45 @@ def test_a_split_inside_the_experts_cuts_each_expert_like_a_dense_mlp(determinis
 
 def test_expert_parallel_ranks_hold_whole_experts_and_skip_the_others():
     layouts = [ShardLayout.of(_config("bench-moe"), TensorParallel(r, 2, expert_parallel=True)) for r in (0, 1)]
-    assert [(x.first_expert, x.experts) for x in layouts] == [(0, 16), (16, 16)]
+    assert [(x.held_experts(3), x.experts) for x in layouts] == [(tuple(range(16)), 16), (tuple(range(16, 32)), 16)]
     name = "model.layers.3.mlp.experts.{}.down_proj.weight"
     assert [[x.holds(name.format(e)) for e in (0, 15, 16, 31)] for x in layouts] == [
         [True, True, False, False], [False, False, True, True]]
     assert all(x.holds("model.layers.3.mlp.gate.weight") for x in layouts)       # the router: on every rank
     expert = torch.randn(512, 384)
     assert layouts[1].shard(name.format(20), expert) is expert                    # whole, not sliced
+    # a placement that cannot serve this model stops the start, naming it
+    for location, redundant, message in (("/nonexistent/loads.json", 0, "No such file"),
+                                         ('{"logical_count": [[1, 2]]}', 0, "has 1 layers, the model 8"),
+                                         ("trivial", 3, "35 physical slots do not divide over --ep-size 2")):
+        with pytest.raises(ShardError, match=f"cannot split Qwen3MoeForCausalLM: .*{message}"):
+            ShardLayout.of(_config("bench-moe"), TensorParallel(0, 2, expert_parallel=True, expert_location=location,
+                                                                redundant_experts=redundant))
 
 
-@pytest.mark.parametrize("deterministic, expert_parallel", [(False, False), (True, False), (False, True)])
-def test_dummy_moe_shards_are_the_layouts_cuts_of_the_one_rank_weights(deterministic, expert_parallel):
+# (deterministic, expert_parallel, --init-expert-location, --ep-num-redundant-experts)
+PLACED = '{"physical_to_logical_map": [[3, 0, 1, 2, 3, 0], [2, 1, 3, 0, 2, 1]]}'
+
+
+@pytest.mark.parametrize("deterministic, expert_parallel, location, redundant", [
+    (False, False, "trivial", 0), (True, False, "trivial", 0), (False, True, "trivial", 0),
+    (False, True, "trivial", 2), (False, True, PLACED, 2)])
+def test_dummy_moe_shards_are_the_layouts_cuts_of_the_one_rank_weights(deterministic, expert_parallel, location,
+                                                                        redundant):
     """--load-format dummy under tensor parallelism: each rank's experts (or slices of them) are cut from the
-    one-rank model's, so every TP size and split serves the same weights."""
+    one-rank model's, so every TP size and split serves the same weights; under --ep-size each slot holds
+    the expert its placement says (spare copies included)."""
     config = ModelConfig.from_dict(MOE_CONFIG)
     whole = load_dummy_model(config, torch.float32, CPU).model.layers[1].mlp.experts
     for rank in range(2):
-        shard = load_dummy_model(config, torch.float32, CPU,
-                                 tp=TensorParallel(rank, 2, deterministic, expert_parallel=expert_parallel))
+        tp = TensorParallel(rank, 2, deterministic, expert_parallel=expert_parallel, expert_location=location,
+                            redundant_experts=redundant)
+        shard = load_dummy_model(config, torch.float32, CPU, tp=tp)
         layout, experts = shard.layout, shard.model.layers[1].mlp.experts
-        assert len(experts.down) == layout.experts == (2 if expert_parallel else 4)
-        for e in range(layout.experts):
-            one = layout.first_expert + e
+        assert len(experts.down) == layout.experts == (2 + redundant // 2 if expert_parallel else 4)
+        if location == PLACED:
+            assert layout.held_experts(1) == ((2, 1, 3), (0, 2, 1))[rank]
+        for e, one in enumerate(layout.held_experts(1)):
             for kind, linears, whole_linears in (("down_proj", experts.down, whole.down),
                                                  ("up_proj", experts.gate_up, whole.gate_up)):
                 name = f"model.layers.1.mlp.experts.{one}.{kind}.weight"

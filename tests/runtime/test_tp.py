@@ -8,6 +8,7 @@ prefills, device hits and host-tier load-backs) and one server for the fault.
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import time
@@ -49,22 +50,31 @@ def test_tp2_greedy_output_is_identical_to_tp1_in_deterministic_mode_with_l1_and
 @pytest.mark.parametrize("dtype", NUMERIC_DTYPES)
 def test_moe_tp2_greedy_output_is_identical_to_one_rank_in_deterministic_mode(tmp_path, dtype):
     """--tp-size 2 alone splits inside each expert (shared memory), in both dtypes; --ep-size 2 splits whole
-    experts (gloo), in float32."""
+    experts: in float32 by id (gloo), in bfloat16 with spare copies of the experts a recorded load names,
+    whose rows the ranks share batch by batch (shared memory)."""
     moe = write_servable_moe_checkpoint(str(tmp_path / "tiny-moe"))
     opts = {"model_path": moe, "num_threads": 1, "max_total_tokens": 1024, "dtype": dtype}
+    # A 400-token prompt: ~100 rows per expert in its prefill, enough to split a replicated expert's rows.
+    long = [3 + (i * 37) % 1000 for i in range(400)]
     with make_engine(**opts) as one:
         expected = [o["output_ids"] for o in one.generate(list(PROMPTS), GREEDY)]     # batched: many experts active
+        expected_long = one.generate(input_ids=long, sampling_params=GREEDY)["output_ids"]
     assert len({tuple(o) for o in expected}) > 1
     splits = {"inside experts": {}}
     if dtype == "float32":     # --disable-custom-all-reduce: collectives through gloo (the others: shared memory)
         splits["whole experts"] = {"ep_size": 2, "disable_custom_all_reduce": True}
+    else:    # 8 experts + 4 copies: 6 slots per rank; the counts make experts 7, 3, 5, 1 the busiest
+        counts = json.dumps({"logical_count": [[1, 5, 1, 6, 1, 5, 1, 9]] * 2})
+        splits["whole experts, spare copies"] = {"ep_size": 2, "ep_num_redundant_experts": 4,
+                                                 "init_expert_location": counts}
     for split, flags in splits.items():
         with make_engine(**opts, tp_size=2, **flags) as two:
             got = [o["output_ids"] for o in two.generate(list(PROMPTS), GREEDY)]
             lone = two.generate(PROMPTS[0], GREEDY)["output_ids"]                      # the one-row decode path
+            got_long = two.generate(input_ids=long, sampling_params=GREEDY)["output_ids"]
             state = two.get_server_info()["internal_states"][0]
-        assert got == expected and lone == expected[0], split
-        assert state["tp_collectives"] == ("gloo" if flags else "shm"), split
+        assert got == expected and lone == expected[0] and got_long == expected_long, split
+        assert state["tp_collectives"] == ("gloo" if flags.get("disable_custom_all_reduce") else "shm"), split
 
 
 def _health(url: str) -> int:

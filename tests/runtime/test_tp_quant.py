@@ -3,8 +3,9 @@ shards of int8, AWQ, GPTQ, FP8 and K-quant GGUF checkpoints in the format, cut o
 TP=1's logits: bitwise in deterministic mode (o_proj / down_proj split by output rows), to float32 rounding
 with the default split of their input columns (partial sums, then an all-reduce). An input split inside a
 block is refused before any weight is read, naming the tensor, its block and the TP size. int8 shards are
-exact cuts of the one-rank int8 weights (scales of whole rows). A Qwen3-MoE GGUF file under --ep-size 2: each
-rank reads only its experts' slabs and its part of every other tensor, and gives TP=1's logits. MoE models
+exact cuts of the one-rank int8 weights (scales of whole rows). A Qwen3-MoE GGUF file under --ep-size 2 (by id,
+and placed by --init-expert-location): each rank reads only its experts' slabs and its part of every other
+tensor, and gives TP=1's logits. MoE models
 split inside each expert (--tp-size alone: Qwen3-MoE and Qwen2-MoE's shared expert from safetensors, a
 Qwen3-MoE GGUF file's quantized slabs): TP=1's logits the same two ways."""
 
@@ -42,6 +43,9 @@ GGUF_SHAPE = {**SHAPE, "tie_word_embeddings": True}        # the lm_head shares 
 PROMPTS = [[5, 17, 300, 999, 1000, 42, 7], [1, 2, 3, 4, 800]]
 RANK_TIMEOUT_S = 240
 SCRAMBLED_ROUTER = "+scrambled-router"     # a job kind's suffix: rank 1's MoE routers get other weights
+# --init-expert-location: each rank's slabs out of the file's order, another set per layer
+PLACED = "gguf-moe-placed"
+PLACEMENT = '{"physical_to_logical_map": [[3, 0, 1, 2], [2, 1, 0, 3]]}'
 
 
 def _checkpoints(root: Path) -> dict[str, tuple[str, str, str | None]]:
@@ -61,8 +65,9 @@ def _load(job: tuple[str, str, str | None], tp: TensorParallel | None) -> torch.
 
     kind, path, quantization = job
     kind = kind.removesuffix(SCRAMBLED_ROUTER)
-    if kind == "gguf-moe" and tp is not None:     # experts split across the ranks (--ep-size = --tp-size)
-        tp = TensorParallel(tp.rank, tp.size, tp.deterministic, tp.group, expert_parallel=True)
+    if kind in ("gguf-moe", PLACED) and tp is not None:     # experts split across the ranks (--ep-size = --tp-size)
+        tp = TensorParallel(tp.rank, tp.size, tp.deterministic, tp.group, expert_parallel=True,
+                            expert_location=PLACEMENT if kind == PLACED else "trivial")
     if kind.startswith("gguf"):     # gguf-moe-tp: a split inside each expert (--tp-size alone)
         shape = MOE_CONFIG if kind.startswith("gguf-moe") else GGUF_SHAPE
         model = load_gguf_model(path, ModelConfig.from_dict(shape), torch.float32, CPU, tp=tp)
@@ -176,7 +181,7 @@ def test_tp2_quantized_shards_give_tp1_logits(jobs, tmp_path):
 
 def test_tp2_ep2_moe_gguf_ranks_hold_their_experts_and_give_tp1_logits(tmp_path):
     path, _ = write_moe_gguf(str(tmp_path), {"gate": "Q4_K", "up": "Q5_K", "down": "Q6_K"})
-    jobs = {"gguf-moe": ("gguf-moe", path, None)}
+    jobs = {"gguf-moe": ("gguf-moe", path, None), PLACED: (PLACED, path, None)}
     ranks = _run_ranks(jobs, tmp_path)
     c = MOE_CONFIG       # each rank lacks the other rank's half of the experts (a gate|up and a down Linear each)
     _check_tp1_logits(jobs, ranks, dropped_linears=c["num_hidden_layers"] * c["num_experts"])

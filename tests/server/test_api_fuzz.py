@@ -12,6 +12,7 @@ import pytest
 import schemathesis
 from hypothesis import HealthCheck, Phase, given, settings
 
+from kvstrata.runtime.messages import EXPERT_RECORD_ACTIONS
 from tests.server.conftest import launch_server, stop_server
 from tests.server.helpers import HealthProbe
 
@@ -47,6 +48,8 @@ OPERATIONS = [
     ("POST", "/concate_and_append_request"), ("GET", "/v1/models"), ("GET", "/v1/models/{model_id}"),
     ("POST", "/v1/completions"), ("POST", "/v1/chat/completions"), ("GET", "/load"), ("GET", "/dashboard"),
     ("GET", "/dashboard/data"), ("POST", "/prefetch"),
+    *[(method, f"/{action}_expert_distribution_record") for action in EXPERT_RECORD_ACTIONS
+      for method in ("GET", "POST")],
 ]
 MODES = [schemathesis.GenerationMode.POSITIVE, schemathesis.GenerationMode.NEGATIVE]
 
