@@ -267,7 +267,8 @@ class ServerArgs:
         aliases=("--tp", "--tensor-parallel-size")))
     ep_size: int = field(default=1, metadata=_opt(
         "Expert parallel size for MoE models: 1 (with --tp-size N each rank holds 1/N of every expert's "
-        "intermediate features), or --tp-size (each rank holds num_experts / N whole experts; with "
+        "intermediate features), or --tp-size (each rank holds num_experts / N whole experts, plus any "
+        "--ep-num-redundant-experts copies; with "
         "--enable-deterministic-inference each token's expert outputs are combined in the same order as on one "
         "rank).",
         aliases=("--expert-parallel-size",)))

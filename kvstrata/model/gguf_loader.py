@@ -21,7 +21,8 @@ contiguous span of each slab in the file: a head, feature or vocabulary range; l
 undone within it), and with an input split (o_proj / down_proj) only the bytes of its whole blocks of each
 row, at their offsets. An input split inside a block is refused from the header, before any tensor is read
 (`check_block_split`). Vocabulary rows past the vocabulary (the last rank's padding) are zero. Under expert
-parallelism (--ep-size) a rank reads only its experts' slabs, which are contiguous in the file; split inside
+parallelism (--ep-size) a rank reads only the slabs of the experts its placement gives it (a contiguous range
+by default; expert_location.py), each whole from its offset; split inside
 each expert (--tp-size alone) it reads its rows (gate, up) and whole blocks of columns (down; deterministic
 mode: rows) of every slab.
 """
