@@ -122,7 +122,8 @@ def test_cuda_ranks_send_cpu_tensors_over_gloo_and_cuda_tensors_over_nccl(monkey
     asked = {}
     monkeypatch.setattr(ranks.TensorParallel, "init", staticmethod(lambda *a, **kw: asked.update(backend=a[3], kw=kw)))
     args = SimpleNamespace(device=device, tp_size=2, dist_timeout=None, enable_deterministic_inference=False,
-                           ep_size=1, nnodes=1, disable_custom_all_reduce=False, disable_cpu_kernels=False)
+                           ep_size=1, nnodes=1, disable_custom_all_reduce=False, disable_cpu_kernels=False,
+                           init_expert_location="trivial", ep_num_redundant_experts=0)
     ranks.join_group(args, 0, "127.0.0.1:1")
     assert asked["backend"] == backend
     assert asked["kw"]["shm"] == (device == "cpu")    # shared memory only between CPU ranks
