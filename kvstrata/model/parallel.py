@@ -229,8 +229,7 @@ class ShardLayout:
     vocab: int            # the model's vocabulary
     vocab_rows: int       # vocabulary rows per rank (the last rank's tail is zero padding)
     experts: int = 0      # MoE: routed expert slots on this rank (all the experts but with EP)
-    expert_parallel: bool = False   # --ep-size: whole experts split across the ranks, as `placement` says
-    placement: Optional[ExpertPlacement] = None
+    placement: Optional[ExpertPlacement] = None   # --ep-size: where the whole experts live (None: no EP)
     expert_intermediate: int = 0    # MoE: gate/up rows (down columns) of each routed expert on this rank
     shared_intermediate: int = 0    # Qwen2-MoE: the same of the shared expert
 
@@ -278,7 +277,7 @@ class ShardLayout:
                    intermediate=c.intermediate_size // size, hidden=c.hidden_size, vocab=c.vocab_size,
                    vocab_rows=-(-c.vocab_size // size),
                    experts=placement.local_slots if placement is not None else experts,
-                   expert_parallel=expert_parallel, placement=placement,
+                   placement=placement,
                    expert_intermediate=expert_inter // size if inside else expert_inter,
                    shared_intermediate=shared_inter // size if inside else shared_inter)
 
@@ -297,6 +296,11 @@ class ShardLayout:
         if self.placement is None:
             return tuple(range(self.experts))
         return self.placement.held(self.rank, layer)
+
+    @property
+    def expert_parallel(self) -> bool:
+        """Whether whole experts are split across the ranks (--ep-size), as `placement` says."""
+        return self.placement is not None
 
     @property
     def row_parallel_by_output(self) -> bool:

@@ -131,7 +131,7 @@ class _PairGroup:
         group = self
 
         class _Rank:
-            size, expert_parallel = 2, True
+            size = 2
 
             def __init__(self):
                 self.rank, self.deterministic = rank, deterministic
